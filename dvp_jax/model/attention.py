@@ -1,0 +1,128 @@
+"""Grouped-query attention with per-head q/k RMSNorm, RoPE, and a functional KV cache.
+
+The KV cache is a pair of arrays `k, v: [L, b, S, k, h]` (layers, batch slots, cache length, kv
+heads, head dim) in the policy's cache dtype. Rows are right-padded: a row's tokens occupy cache
+positions `0 .. pos`, so a decode step at position `p` attends to cache positions `<= p`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dvp_jax.model.config import DTypePolicy, ModelConfig
+from dvp_jax.model.layers import RMSNorm, param, rope
+from dvp_jax.sharding import Sharder
+
+CACHE_AXES = ("cache_layers", "cache_batch", "cache_seq", "act_kv_heads", "act_head_dim")
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer: `k, v: [L, b, S, k, h]`."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype) -> KVCache:
+        shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def _masked_softmax_attention(q, k, v, mask, compute_dtype):
+    """softmax(q k^T / sqrt(h) + mask) v with GQA.
+
+    Args:
+      q: [b, t, k, g, h] queries grouped by kv head.
+      k, v: [b, s, k, h].
+      mask: [b, t, s] bool, True where the key is visible.
+    Returns:
+      [b, t, k, g, h] in compute dtype.
+    """
+    h = q.shape[-1]
+    # [b, t, k, g, h] x [b, s, k, h] -> [b, k, g, t, s]; scores and softmax in float32.
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (h**-0.5)
+    visible = mask[:, None, None, :, :]
+    # A large finite negative (not -inf): a query with no visible key (a padding row) gets a
+    # uniform, finite softmax instead of NaN.
+    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(compute_dtype)
+    # [b, k, g, t, s] x [b, s, k, h] -> [b, t, k, g, h]
+    return jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(compute_dtype))
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, policy: DTypePolicy, sharder: Sharder, *,
+                 rngs: nnx.Rngs):
+        d, n, k, h, std = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.init_std
+        dt = policy.param_dtype
+        self.q_proj = param(rngs, (d, n, h), ("embed", "q_heads", "head_dim"), std, dt)
+        self.k_proj = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), std, dt)
+        self.v_proj = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), std, dt)
+        self.o_proj = param(rngs, (n, h, d), ("q_heads", "head_dim", "embed"), std, dt)
+        self.q_norm = RMSNorm(h, cfg.rms_norm_eps, policy, "head_dim")
+        self.k_norm = RMSNorm(h, cfg.rms_norm_eps, policy, "head_dim")
+        self.cfg = cfg
+        self.policy = policy
+        self.sharder = sharder
+
+    def _qkv(self, x, positions):
+        cd = self.policy.compute_dtype
+        # [b, t, d] x [d, n, h] -> [b, t, n, h]
+        q = jnp.einsum("btd,dnh->btnh", x, self.q_proj[...].astype(cd))
+        # [b, t, d] x [d, k, h] -> [b, t, k, h]
+        k = jnp.einsum("btd,dkh->btkh", x, self.k_proj[...].astype(cd))
+        v = jnp.einsum("btd,dkh->btkh", x, self.v_proj[...].astype(cd))
+        q = rope(self.q_norm(q), positions, self.cfg.rope_theta)
+        k = rope(self.k_norm(k), positions, self.cfg.rope_theta)
+        q = self.sharder.constrain(q, ("act_batch", "act_seq", "act_heads", "act_head_dim"))
+        k = self.sharder.constrain(k, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
+        v = self.sharder.constrain(v, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
+        return q, k, v
+
+    def _out(self, attn):
+        b, t = attn.shape[:2]
+        attn = attn.reshape(b, t, self.cfg.n_heads, self.cfg.head_dim)
+        # [b, t, n, h] x [n, h, d] -> [b, t, d]
+        return jnp.einsum("btnh,nhd->btd", attn, self.o_proj[...].astype(self.policy.compute_dtype))
+
+    def _group(self, q):
+        b, t = q.shape[:2]
+        return q.reshape(b, t, self.cfg.n_kv_heads, self.cfg.group_size, self.cfg.head_dim)
+
+    def __call__(self, x, positions, mask):
+        """Full-sequence attention.
+
+        Args:
+          x: [b, t, d]; positions: [b, t]; mask: [b, t, t] bool (query, key).
+        Returns:
+          (out [b, t, d], (k, v) each [b, t, k, h]) so that prefill can fill a cache.
+        """
+        q, k, v = self._qkv(x, positions)
+        attn = _masked_softmax_attention(self._group(q), k, v, mask, self.policy.compute_dtype)
+        return self._out(attn), (k, v)
+
+    def decode(self, x, positions, k_cache, v_cache):
+        """One new token per row, attending to the cache.
+
+        Args:
+          x: [b, 1, d] the new token's activations; positions: [b] its position (= cache slot).
+          k_cache, v_cache: [b, S, k, h] this layer's cache.
+        Returns:
+          (out [b, 1, d], k_cache, v_cache) with the new key/value written at `positions`.
+        """
+        q, k, v = self._qkv(x, positions[:, None])
+        write = jax.vmap(lambda c, new, p: jax.lax.dynamic_update_slice(c, new, (p, 0, 0)))
+        k_cache = write(k_cache, k.astype(k_cache.dtype), positions)
+        v_cache = write(v_cache, v.astype(v_cache.dtype), positions)
+        cache_len = k_cache.shape[1]
+        mask = (jnp.arange(cache_len)[None, :] <= positions[:, None])[:, None, :]  # [b, 1, S]
+        cd = self.policy.compute_dtype
+        attn = _masked_softmax_attention(
+            self._group(q), k_cache.astype(cd), v_cache.astype(cd), mask, cd
+        )
+        return self._out(attn), k_cache, v_cache

@@ -1,0 +1,205 @@
+"""Model configuration: a frozen `ModelConfig` with Qwen3 presets, and the dtype policy.
+
+`ModelConfig` mirrors the fields of Hugging Face's `Qwen3Config` that change the computation;
+`from_hf` / `to_hf` convert a `config.json` dict in both directions and refuse architectures this
+model does not implement (MoE, sliding-window attention, attention biases, RoPE scaling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class DTypePolicy:
+    """Which dtype each part of the model uses.
+
+    Attributes:
+      param_dtype: dtype the parameters are stored in.
+      compute_dtype: dtype of activations and matmul inputs.
+      cache_dtype: dtype of the KV cache (may be lower than compute, e.g. float8_e4m3fn).
+    Logits are always produced in float32 (matmul accumulates in fp32), and softmax / RMSNorm
+    statistics always run in float32, whatever the policy.
+    """
+
+    param_dtype: Any = jnp.float32
+    compute_dtype: Any = jnp.float32
+    cache_dtype: Any = jnp.float32
+
+    @classmethod
+    def named(cls, name: str) -> DTypePolicy:
+        """`float32` (the trainer), `bfloat16` (the rollout) or `bfloat16_fp8kv`."""
+        if name in ("float32", "fp32"):
+            return cls(jnp.float32, jnp.float32, jnp.float32)
+        if name in ("bfloat16", "bf16"):
+            return cls(jnp.bfloat16, jnp.bfloat16, jnp.bfloat16)
+        if name in ("bfloat16_fp8kv", "fp8kv"):
+            return cls(jnp.bfloat16, jnp.bfloat16, jnp.float8_e4m3fn)
+        raise ValueError(
+            f"unknown dtype policy {name!r}; allowed: 'float32', 'bfloat16', 'bfloat16_fp8kv'"
+        )
+
+
+TRAIN_POLICY = DTypePolicy.named("float32")
+ROLLOUT_POLICY = DTypePolicy.named("bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Qwen3-style decoder (dense, no biases, q/k RMSNorm, SwiGLU)."""
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ff: int
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    max_position_embeddings: int = 40_960
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                     "d_ff"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"ModelConfig.n_heads ({self.n_heads}) must be a multiple of n_kv_heads "
+                f"({self.n_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (GQA)."""
+        return self.n_heads // self.n_kv_heads
+
+    # ----------------------------------------------------------------------------------------
+    # Presets. Sizes follow the published Qwen3 config.json files.
+    # ----------------------------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str, **overrides) -> ModelConfig:
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; allowed: {sorted(PRESETS)}")
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+    # ----------------------------------------------------------------------------------------
+    # Hugging Face config.json conversion.
+    # ----------------------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Builds a config from a Hugging Face Qwen3 `config.json` dict.
+
+        Raises:
+          ValueError: naming the field, for architectures this model does not implement.
+        """
+        model_type = hf.get("model_type")
+        if model_type != "qwen3":
+            raise ValueError(
+                f"config.json field 'model_type' is {model_type!r}; only 'qwen3' (dense) is "
+                "supported (MoE variants such as 'qwen3_moe' are not)"
+            )
+        unsupported = {
+            "num_experts": lambda v: v not in (None, 0),
+            "attention_bias": bool,
+            "use_sliding_window": bool,
+            "rope_scaling": lambda v: v not in (None, {}) and (
+                not isinstance(v, dict) or v.get("rope_type", v.get("type")) != "default"
+            ),
+        }
+        for field, is_bad in unsupported.items():
+            if field in hf and is_bad(hf[field]):
+                raise ValueError(f"config.json field {field!r}={hf[field]!r} is not supported")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json field 'hidden_act'={hf['hidden_act']!r}: only 'silu'")
+        rope_theta = hf.get("rope_theta")
+        rope_params = hf.get("rope_parameters") or {}
+        if rope_theta is None:
+            rope_theta = rope_params.get("rope_theta", 1_000_000.0)
+        if rope_params.get("rope_type", "default") != "default":
+            raise ValueError(
+                f"config.json field 'rope_parameters.rope_type'={rope_params['rope_type']!r} "
+                "is not supported (only 'default')"
+            )
+        required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                    "intermediate_size"]
+        for field in required:
+            if field not in hf:
+                raise ValueError(f"config.json is missing required field {field!r}")
+        n_heads = hf["num_attention_heads"]
+        return cls(
+            vocab_size=hf["vocab_size"],
+            d_model=hf["hidden_size"],
+            n_layers=hf["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+            d_ff=hf["intermediate_size"],
+            rope_theta=float(rope_theta),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 40_960)),
+            init_std=float(hf.get("initializer_range", 0.02)),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """The Hugging Face `config.json` dict for this config (Qwen3ForCausalLM)."""
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.d_model,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.d_ff,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "initializer_range": self.init_std,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+            "torch_dtype": "float32",
+        }
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Test size: every dimension divisible by the (2, 2, 2) test mesh.
+    "tiny": ModelConfig(
+        vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
+        rope_theta=10_000.0, tie_embeddings=True, max_position_embeddings=256,
+    ),
+    "qwen3_0_6b": ModelConfig(
+        vocab_size=151_936, d_model=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128,
+        d_ff=3072, tie_embeddings=True,
+    ),
+    "qwen3_1_7b": ModelConfig(
+        vocab_size=151_936, d_model=2048, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128,
+        d_ff=6144, tie_embeddings=True,
+    ),
+    "qwen3_4b": ModelConfig(
+        vocab_size=151_936, d_model=2560, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128,
+        d_ff=9728, tie_embeddings=True,
+    ),
+    "qwen3_8b": ModelConfig(
+        vocab_size=151_936, d_model=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128,
+        d_ff=12_288, tie_embeddings=False,
+    ),
+    "qwen3_14b": ModelConfig(
+        vocab_size=151_936, d_model=5120, n_layers=40, n_heads=40, n_kv_heads=8, head_dim=128,
+        d_ff=17_408, tie_embeddings=False,
+    ),
+}

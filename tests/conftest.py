@@ -1,0 +1,19 @@
+"""Test setup: 8 fake CPU devices so sharding tests can build a (2, 2, 2) mesh.
+
+This is one of the two places (with `dvp_jax/main.py`) allowed to touch XLA flags and
+`jax.config`. The flag must be set before JAX initialises its backends.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tests must never reach a hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")

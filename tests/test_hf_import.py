@@ -1,0 +1,143 @@
+"""Hugging Face parity: logits vs transformers, import/export round trip, presets' sizes."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from dvp_jax.model import PRESETS, ModelConfig, Transformer
+from dvp_jax.model.hf_import import load_hf, save_hf
+from dvp_jax.sharding import count_params
+from tests.helpers import hf_qwen3
+
+# Our fp32 logits vs transformers' fp32 logits. Both are float32 with different summation
+# order; measured differences are ~1e-7, the stated tolerance is 1e-4.
+HF_ATOL = 1e-4
+
+
+def _padded_inputs():
+    tokens = np.array([[1, 5, 9, 3, 4, 7, 2, 8], [2, 8, 6, 11, 0, 0, 0, 0]], np.int64)
+    mask = np.array([[1] * 8, [1] * 4 + [0] * 4], np.int64)
+    return tokens, mask
+
+
+def _ours(model, tokens, mask):
+    positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
+    return np.asarray(model(jnp.asarray(tokens, jnp.int32), jnp.asarray(positions),
+                            jnp.asarray(mask.astype(bool))))
+
+
+def _theirs(hf_model, tokens, mask):
+    with torch.no_grad():
+        return hf_model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask)).logits.numpy()
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_logits_match_transformers(tmp_path, tie):
+    hf_model, path = hf_qwen3(tmp_path, tie)
+    model = load_hf(path)
+    assert model.cfg.tie_embeddings == tie
+    tokens, mask = _padded_inputs()
+    ours, theirs = _ours(model, tokens, mask), _theirs(hf_model, tokens, mask)
+    real = mask.astype(bool)
+    assert np.abs(ours - theirs)[real].max() <= HF_ATOL
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_export_reimport_round_trip_and_transformers_loads_it(tmp_path, tie):
+    from transformers import Qwen3ForCausalLM
+
+    _, path = hf_qwen3(tmp_path, tie, seed=1)
+    model = load_hf(path)
+    out = str(tmp_path / "export")
+    save_hf(model, out)
+    again = load_hf(out)
+    for (p1, v1), (p2, v2) in zip(jax.tree.leaves_with_path(jax.tree.map(np.asarray, _params(model))),
+                                  jax.tree.leaves_with_path(jax.tree.map(np.asarray, _params(again))),
+                                  strict=True):
+        assert p1 == p2
+        np.testing.assert_array_equal(v1, v2)
+    hf_again = Qwen3ForCausalLM.from_pretrained(out).eval()
+    tokens, mask = _padded_inputs()
+    real = mask.astype(bool)
+    assert np.abs(_ours(model, tokens, mask) - _theirs(hf_again, tokens, mask))[real].max() <= HF_ATOL
+
+
+def test_sharded_export_with_index(tmp_path):
+    _, path = hf_qwen3(tmp_path, tie=False, seed=2)
+    model = load_hf(path)
+    out = str(tmp_path / "sharded")
+    save_hf(model, out, max_shard_bytes=20_000)
+    files = os.listdir(out)
+    assert "model.safetensors.index.json" in files
+    assert sum(f.endswith(".safetensors") for f in files) > 1
+    again = load_hf(out)
+    tokens, mask = _padded_inputs()
+    np.testing.assert_array_equal(_ours(model, tokens, mask), _ours(again, tokens, mask))
+
+
+def _params(model):
+    from flax import nnx
+
+    return nnx.state(model)
+
+
+def _rewrite(path, drop=None, reshape=None):
+    from safetensors.numpy import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    if drop:
+        del tensors[drop]
+    if reshape:
+        tensors[reshape] = tensors[reshape][:-1]
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def test_missing_and_misshaped_tensors_are_named(tmp_path):
+    _, path = hf_qwen3(tmp_path, tie=False, seed=3)
+    key = "model.layers.1.mlp.up_proj.weight"
+    _rewrite(path, drop=key)
+    with pytest.raises(ValueError, match=f"{key}.*missing"):
+        load_hf(path)
+    _, path = hf_qwen3(tmp_path / "b", tie=False, seed=3)
+    key = "model.layers.0.self_attn.k_proj.weight"
+    _rewrite(path, reshape=key)
+    with pytest.raises(ValueError, match=f"{key}.*shape"):
+        load_hf(path)
+
+
+def test_unsupported_architectures_name_the_field(tmp_path):
+    _, path = hf_qwen3(tmp_path, tie=True, seed=4)
+    cfg_file = os.path.join(path, "config.json")
+    with open(cfg_file) as fh:
+        cfg = json.load(fh)
+    with pytest.raises(ValueError, match="model_type"):
+        ModelConfig.from_hf({**cfg, "model_type": "qwen3_moe", "num_experts": 8})
+    with pytest.raises(ValueError, match="attention_bias"):
+        ModelConfig.from_hf({**cfg, "attention_bias": True})
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        ModelConfig.from_hf({**cfg, "use_sliding_window": True})
+    with pytest.raises(ValueError, match="hidden_size"):
+        ModelConfig.from_hf({k: v for k, v in cfg.items() if k != "hidden_size"})
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_param_count_matches_transformers(name):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = PRESETS[name]
+    from flax import nnx
+
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    ours = count_params(nnx.state(abstract))
+    with torch.device("meta"):
+        hf = Qwen3ForCausalLM(Qwen3Config(**cfg.to_hf()))
+    theirs = sum(p.numel() for p in hf.parameters())
+    assert ours == theirs, (name, ours, theirs)
+    # And the config round-trips through the Hugging Face dict.
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
