@@ -1,0 +1,278 @@
+"""Grain pipelines: RL prompt batches and supervised warm-up batches (host side, NumPy).
+
+Public API:
+
+- `make_prompt_iterator(source, tokenizer, *, batch_size, max_prompt_len, seed=0, shuffle=True,
+  num_epochs=None, add_bos=None, process_index=None, process_count=None, chat_format="chatml",
+  read_threads=0) -> PromptIterator`.
+  `source` is an `ArithmeticTask` (train split, stream 0, an endless index space), a path to a
+  jsonl/parquet math file (loaded with `tasks.load_math_dataset`, this host's rows only; the
+  `LoadReport` is `iterator.report`), or a sequence of `Example`s (sharded here).
+  Hosts: `process_index`/`process_count` default to `jax.process_index()`/`jax.process_count()`;
+  host h takes source items h, h + count, ... (disjoint shards covering the source), then
+  shuffles its shard with `seed` (each epoch reshuffled), so every host reads only its shard.
+  `batch_size` is per host (global batch = batch_size * process_count); batches never straddle
+  shapes: `drop_remainder=True`. With `num_epochs=None` (the default) iteration never ends;
+  with a finite value hosts may run out after different numbers of batches (shards differ by
+  malformed rows), so multi-host RL should keep the default.
+  Each item is a `PromptBatch`:
+    tokens   int32 [P, L]  BOS (if `add_bos`, default `tokenizer.add_bos`) + prompt ids,
+                           right-padded with `tokenizer.pad_id` to L = max_prompt_len
+    lengths  int32 [P]     true lengths (BOS included)
+    prompts  tuple[str]    prompt texts;  answers tuple[str]: ground truths for the reward
+    indices  int64 [P]     source index (train example number / file row)
+  A generated prompt longer than `max_prompt_len` raises ValueError (a configuration error); a
+  file row that long is a malformed row and was skipped at load.
+  `PromptIterator.get_state() -> dict` is JSON-serialisable; `set_state(state)` on an iterator
+  built with the same arguments continues exactly where the saved one was (a state from a
+  differently configured iterator is rejected with ValueError naming the differing fields).
+
+- `sft_batch(examples, tokenizer, *, max_len, add_bos=None) -> SFTBatch`: supervised warm-up
+  sequences [BOS] + prompt + answer + [EOS], right-padded to `max_len`:
+    tokens        int32   [B, L]
+    loss_mask     float32 [B, L]  1.0 where tokens[b, t] is an answer token or the EOS, i.e. a
+                                  token the model must predict; the loss at t uses logits from
+                                  position t - 1:  loss = CE(logits[:, :-1], tokens[:, 1:]) *
+                                  loss_mask[:, 1:].
+    lengths       int32   [B]     prompt + answer + EOS (+ BOS) lengths
+    prompt_lengths int32  [B]
+  Example (char tokenizer, "3+4=" -> "7"): tokens <bos> 3 + 4 = 7 <eos> <pad>...,
+  loss_mask 0 0 0 0 0 1 1 0....
+- `sft_batch_for_step(task, tokenizer, *, step, batch_size, max_len, process_index=None,
+  process_count=None) -> SFTBatch`: warm-up batch `step` of this host, a pure function of the
+  arguments (train split, stream 1, examples step * batch_size * count + host * batch_size + j),
+  so its only checkpoint state is the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+
+from dvp_jax.data import tasks
+
+# Index space of the generated task: the per-host shard and its shuffle are lazy (grain's
+# index shuffle), so the size costs nothing.
+_ARITH_SPAN = 2**40
+RL_STREAM, SFT_STREAM = 0, 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Batches
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptBatch:
+    """P prompts for one rollout step (shapes in the module docstring)."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    prompts: tuple[str, ...]
+    answers: tuple[str, ...]
+    indices: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTBatch:
+    """Supervised warm-up sequences (shapes in the module docstring)."""
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    lengths: np.ndarray
+    prompt_lengths: np.ndarray
+
+
+def _default_hosts(process_index: int | None, process_count: int | None) -> tuple[int, int]:
+    index = jax.process_index() if process_index is None else int(process_index)
+    count = jax.process_count() if process_count is None else int(process_count)
+    if not 0 <= index < count:
+        raise ValueError(f"need 0 <= process_index < process_count, got {index}, {count}")
+    return index, count
+
+
+def _add_bos(tokenizer, add_bos: bool | None) -> bool:
+    return bool(getattr(tokenizer, "add_bos", True) if add_bos is None else add_bos)
+
+
+def _encode_prompt(ex: tasks.Example, tokenizer, bos: bool, max_len: int) -> dict[str, Any]:
+    ids = ([tokenizer.bos_id] if bos else []) + list(tokenizer.encode_ids(ex.prompt))
+    if len(ids) > max_len:
+        raise ValueError(
+            f"prompt {ex.prompt[:60]!r} has {len(ids)} tokens > max_prompt_len={max_len}; "
+            "raise max_prompt_len or make the task's prompts shorter"
+        )
+    tokens = np.full((max_len,), tokenizer.pad_id, np.int32)
+    tokens[: len(ids)] = ids
+    return {"tokens": tokens, "length": len(ids), "example": ex}
+
+
+def _collate_prompts(items: Sequence[dict[str, Any]]) -> PromptBatch:
+    return PromptBatch(
+        tokens=np.stack([it["tokens"] for it in items]),
+        lengths=np.asarray([it["length"] for it in items], np.int32),
+        prompts=tuple(it["example"].prompt for it in items),
+        answers=tuple(it["example"].answer for it in items),
+        indices=np.asarray([it["example"].index for it in items], np.int64),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# RL prompt iterator
+# ----------------------------------------------------------------------------------------------
+
+
+class PromptIterator:
+    """Iterator of `PromptBatch`es with a JSON-serialisable, checkpointable state."""
+
+    def __init__(self, dataset: grain.IterDataset, fingerprint: dict[str, Any], report=None):
+        self._it = iter(dataset)
+        self._fingerprint = fingerprint
+        self.report: tasks.LoadReport | None = report
+
+    def __iter__(self) -> PromptIterator:
+        return self
+
+    def __next__(self) -> PromptBatch:
+        return next(self._it)
+
+    def get_state(self) -> dict[str, Any]:
+        return {"grain": self._it.get_state(), "config": dict(self._fingerprint)}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        saved = state.get("config", {})
+        diff = sorted(
+            k
+            for k in set(saved) | set(self._fingerprint)
+            if saved.get(k) != self._fingerprint.get(k)
+        )
+        if diff:
+            raise ValueError(
+                "iterator state was saved by a differently configured pipeline; differing "
+                + ", ".join(
+                    f"{k}: saved {saved.get(k)!r} vs now {self._fingerprint.get(k)!r}" for k in diff
+                )
+            )
+        self._it.set_state(state["grain"])
+
+
+def make_prompt_iterator(
+    source: tasks.ArithmeticTask | str | os.PathLike | Sequence[tasks.Example],
+    tokenizer,
+    *,
+    batch_size: int,
+    max_prompt_len: int,
+    seed: int = 0,
+    shuffle: bool = True,
+    num_epochs: int | None = None,
+    add_bos: bool | None = None,
+    process_index: int | None = None,
+    process_count: int | None = None,
+    chat_format: str = "chatml",
+    read_threads: int = 0,
+) -> PromptIterator:
+    """Batches of this host's prompts (see module docstring)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if max_prompt_len < 1:
+        raise ValueError(f"max_prompt_len must be >= 1, got {max_prompt_len}")
+    index, count = _default_hosts(process_index, process_count)
+    bos = _add_bos(tokenizer, add_bos)
+    report = None
+
+    if isinstance(source, tasks.ArithmeticTask):
+        task = source
+        ds = grain.MapDataset.range(_ARITH_SPAN)[index::count]
+        ds = ds.map(lambda i: task.train_example(i, RL_STREAM))
+        name = repr(task)
+    elif isinstance(source, (str, os.PathLike)):
+        examples, report = tasks.load_math_dataset(
+            source,
+            tokenizer,
+            max_prompt_tokens=max_prompt_len,
+            chat_format=chat_format,
+            add_bos=bos,
+            process_index=index,
+            process_count=count,
+        )
+        ds = grain.MapDataset.source(examples)
+        name = os.fspath(source)
+    else:
+        ds = grain.MapDataset.source(list(source))[index::count]
+        name = f"examples[{len(source)}]"
+    shard_size = len(ds)
+    if shard_size == 0:
+        raise ValueError(f"{name}: host {index} of {count} has no examples to read")
+    if shuffle:
+        ds = ds.shuffle(seed=seed)
+    ds = ds.repeat(num_epochs)
+    ds = ds.map(lambda ex: _encode_prompt(ex, tokenizer, bos, max_prompt_len))
+    ds = ds.batch(batch_size, drop_remainder=True, batch_fn=_collate_prompts)
+    iter_ds = ds.to_iter_dataset(
+        grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=2 * read_threads)
+    )
+    fingerprint = {
+        "source": name,
+        "batch_size": batch_size,
+        "max_prompt_len": max_prompt_len,
+        "seed": seed,
+        "shuffle": shuffle,
+        "num_epochs": num_epochs,
+        "add_bos": bos,
+        "process_index": index,
+        "process_count": count,
+        "shard_size": shard_size,
+    }
+    return PromptIterator(iter_ds, fingerprint, report)
+
+
+# ----------------------------------------------------------------------------------------------
+# Supervised warm-up
+# ----------------------------------------------------------------------------------------------
+
+
+def sft_batch(
+    examples: Sequence[tasks.Example], tokenizer, *, max_len: int, add_bos: bool | None = None
+) -> SFTBatch:
+    """[BOS] + prompt + answer + [EOS] sequences with a loss mask on answer + EOS (docstring)."""
+    bos = _add_bos(tokenizer, add_bos)
+    b = len(examples)
+    tokens = np.full((b, max_len), tokenizer.pad_id, np.int32)
+    mask = np.zeros((b, max_len), np.float32)
+    lengths = np.zeros((b,), np.int32)
+    prompt_lengths = np.zeros((b,), np.int32)
+    for row, ex in enumerate(examples):
+        prompt = ([tokenizer.bos_id] if bos else []) + list(tokenizer.encode_ids(ex.prompt))
+        target = list(tokenizer.encode_ids(ex.answer)) + [tokenizer.eos_id]
+        n = len(prompt) + len(target)
+        if n > max_len:
+            raise ValueError(
+                f"SFT sequence for {ex.prompt!r} -> {ex.answer!r} has {n} tokens > "
+                f"max_len={max_len}; raise max_len"
+            )
+        tokens[row, :n] = prompt + target
+        mask[row, len(prompt) : n] = 1.0
+        lengths[row], prompt_lengths[row] = n, len(prompt)
+    return SFTBatch(tokens=tokens, loss_mask=mask, lengths=lengths, prompt_lengths=prompt_lengths)
+
+
+def sft_batch_for_step(
+    task: tasks.ArithmeticTask,
+    tokenizer,
+    *,
+    step: int,
+    batch_size: int,
+    max_len: int,
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> SFTBatch:
+    """This host's warm-up batch number `step` (a pure function of the arguments)."""
+    index, count = _default_hosts(process_index, process_count)
+    start = (int(step) * count + index) * batch_size
+    return sft_batch(task.train_examples(batch_size, start, SFT_STREAM), tokenizer, max_len=max_len)

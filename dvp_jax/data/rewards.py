@@ -1,0 +1,113 @@
+"""Reward functions (host side, pure Python): response text + ground truth -> float in {0, 1}.
+
+Public API:
+
+- `parse_int(text) -> int | None`: the integer a response starts with. Rules: leading whitespace
+  is skipped; then an optional sign (`-` or `+`) and at least one ASCII digit must follow; the
+  number ends at the first non-digit, and whatever follows it is ignored ("46", " 46", "46 is it",
+  "46." all give 46). Anything else before the number gives None ("x46", "= 46"). Digits that run
+  on belong to the number ("4612" is 4612, not 46), so a model that does not stop is wrong.
+  Leading zeros are accepted ("046" is 46); thousands separators are not ("1,000" is 1).
+- `exact_match_reward(response_text, answer) -> float`: 1.0 iff `parse_int(response_text)` equals
+  the integer `answer` (a string like "46" or "-3"), else 0.0. Never raises on the response; a
+  non-integer `answer` is a caller bug and raises ValueError.
+- `math_verify_reward(response_text, ground_truth, timeout_s=5) -> float`: 1.0 iff `math_verify`
+  finds the response's final answer (last `\\boxed{}` or LaTeX/plain expression) equivalent to the
+  ground truth ("\\boxed{1/2}" vs "0.5" -> 1.0). The ground truth is parsed as `\\boxed{gt}` first,
+  then as is. Every exception is caught and scores 0.0 (logged at debug level), so a reward never
+  crashes the run. Timeouts: math_verify's own SIGALRM timeouts, `timeout_s` seconds per parse
+  and per comparison; they only work in the main thread, so off the main thread they are disabled
+  (logged once) and the response is cut to its last `max_chars` characters to bound the work.
+- `compute_rewards(kind, responses, ground_truths) -> np.ndarray[float32]`: `kind` is
+  "exact_match" or "math_verify".
+- `get_reward_fn(kind)`: the function for a kind.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from absl import logging
+
+_INT_RE = re.compile(r"\s*([+-]?[0-9]+)")
+_ANSWER_RE = re.compile(r"\s*[+-]?[0-9]+\s*")
+
+
+def parse_int(text: str) -> int | None:
+    """The integer `text` starts with (see module docstring for the exact rules)."""
+    if not isinstance(text, str):
+        return None
+    m = _INT_RE.match(text)
+    return int(m.group(1)) if m else None
+
+
+def exact_match_reward(response_text: str, answer: str) -> float:
+    """1.0 iff the response's leading integer equals `answer` (module docstring)."""
+    if not isinstance(answer, str) or not _ANSWER_RE.fullmatch(answer):
+        raise ValueError(f"exact_match_reward: answer must be an integer string, got {answer!r}")
+    target = int(answer)
+    return 1.0 if parse_int(response_text) == target else 0.0
+
+
+def math_verify_reward(
+    response_text: str, ground_truth: str, timeout_s: int = 5, max_chars: int = 4000
+) -> float:
+    """1.0 iff math_verify judges the response's answer equal to `ground_truth` (see above)."""
+    try:
+        from math_verify import parse, verify
+
+        in_main = threading.current_thread() is threading.main_thread()
+        timeout = timeout_s if in_main else None
+        if not in_main:
+            _warn_no_timeout_once()
+            response_text = response_text[-max_chars:]
+        gold = parse(f"\\boxed{{{ground_truth}}}", parsing_timeout=timeout)
+        if not gold:
+            gold = parse(ground_truth, parsing_timeout=timeout)
+        if not gold:
+            logging.log_first_n(logging.WARNING, "unparseable ground truth %r", 10, ground_truth)
+            return 0.0
+        pred = parse(response_text, parsing_timeout=timeout)
+        if not pred:
+            return 0.0
+        return 1.0 if verify(gold, pred, timeout_seconds=timeout) else 0.0
+    except Exception:  # noqa: BLE001 - a verifier failure is a wrong answer, never a crash.
+        logging.debug("math_verify_reward failed on %r", response_text[:200], exc_info=True)
+        return 0.0
+
+
+_NO_TIMEOUT_WARNED = threading.Event()
+
+
+def _warn_no_timeout_once() -> None:
+    if not _NO_TIMEOUT_WARNED.is_set():
+        _NO_TIMEOUT_WARNED.set()
+        logging.warning(
+            "math_verify_reward called off the main thread: math_verify's SIGALRM timeouts are "
+            "disabled; responses are cut to their last max_chars characters instead"
+        )
+
+
+_REWARD_FNS: dict[str, Callable[[str, str], float]] = {
+    "exact_match": exact_match_reward,
+    "math_verify": math_verify_reward,
+}
+
+
+def get_reward_fn(kind: str) -> Callable[[str, str], float]:
+    if kind not in _REWARD_FNS:
+        raise ValueError(f"reward kind must be one of {sorted(_REWARD_FNS)}, got {kind!r}")
+    return _REWARD_FNS[kind]
+
+
+def compute_rewards(
+    kind: str, responses: Sequence[str], ground_truths: Sequence[str]
+) -> np.ndarray:
+    """Rewards [len(responses)] float32 for paired responses and ground truths."""
+    if len(responses) != len(ground_truths):
+        raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths")
+    fn = get_reward_fn(kind)
+    return np.asarray([fn(r, g) for r, g in zip(responses, ground_truths, strict=True)], np.float32)

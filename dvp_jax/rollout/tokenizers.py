@@ -1,0 +1,297 @@
+"""Tokenizers implementing JetStream's tokenizer API (`jetstream.engine.tokenizer_api.Tokenizer`).
+
+Two tokenizers, both usable by our rollout engine, by JetStream's orchestrator and by the data
+pipeline:
+
+- `CharTokenizer()`: a fixed character vocabulary for the generated arithmetic task
+  (`dvp_jax.data.tasks.ArithmeticTask`). Ids: 0 `<pad>`, 1 `<bos>`, 2 `<eos>`, then the characters
+  of `CHAR_VOCAB` in order (digits, space, operators, lowercase letters, punctuation, newline).
+  The order is part of the checkpoint format: never reorder, only append.
+- `HFTokenizer(path, eos=None, pad=None, bos=None, add_bos=None, stop_tokens=())`: a Hugging Face
+  `tokenizer.json` read from a local file or directory with the `tokenizers` library (never the
+  hub). Special tokens come from the arguments, else from a `tokenizer_config.json` next to the
+  file, else (eos only) from a short list of well-known names (`_KNOWN_EOS`).
+- `load_tokenizer(spec, **kwargs)`: `"char"` -> `CharTokenizer()`, anything else is a path for
+  `HFTokenizer`; an existing tokenizer instance is returned unchanged.
+
+API shared by both (JetStream's, plus two helpers the pipeline uses):
+
+- `encode(s, is_bos=<add_bos>, prefill_lengths=None, max_prefill_length=None, jax_padding=True)
+  -> (tokens, true_length)`: the JetStream contract. Optionally prepends BOS, right-pads with
+  `pad_id` to the smallest bucket of `prefill_lengths` (JetStream's default buckets 16, 32, ...,
+  capped at `max_prefill_length`) that holds the sequence. Unlike JetStream's `pad_tokens`, a
+  sequence longer than the largest bucket raises `ValueError` instead of being silently cut to its
+  last tokens, and a `max_prefill_length` that is not one of the buckets is allowed.
+- `decode(token_ids, skip_special_tokens=True) -> str`. Never raises on an out-of-range id (a model
+  whose embedding is padded past the vocabulary can sample one, and JetStream's generate thread
+  SIGKILLs the process on any exception): such ids decode to U+FFFD.
+- `encode_ids(s) -> list[int]`: the plain ids, no BOS, no padding.
+- `pad_id`, `eos_id`, `bos_id`, `stop_tokens` (eos, pad and any extra stop tokens), `vocab_size`,
+  `add_bos` (whether `encode` prepends BOS by default).
+
+Note for callers running JetStream's orchestrator: `encode` raises `ValueError` on text it cannot
+tokenise (characters outside `CharTokenizer`'s vocabulary, over-long prompts); validate requests
+before they reach the prefill thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jetstream.engine import tokenizer_api
+
+# JetStream's default prefill buckets (jetstream.engine.token_utils.pad_tokens). Copied rather
+# than imported: token_utils imports seqio and with it TensorFlow.
+DEFAULT_PREFILL_LENGTHS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+SPECIAL_TOKENS = (PAD, BOS, EOS)
+# Digits, space and operators, lowercase letters, punctuation the task templates use, newline.
+# Append only: ids are positions in this string (offset by the specials).
+CHAR_VOCAB = "0123456789 +-*/=()abcdefghijklmnopqrstuvwxyz.,?!:;'\n"
+
+# Names tried, in order, for EOS when neither the arguments nor tokenizer_config.json give one.
+_KNOWN_EOS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+_REPLACEMENT = "\ufffd"
+
+
+def _pad_to_bucket(
+    ids: Sequence[int],
+    *,
+    bos_id: int,
+    pad_id: int,
+    is_bos: bool,
+    prefill_lengths: Sequence[int] | None,
+    max_prefill_length: int | None,
+    jax_padding: bool,
+) -> tuple[jnp.ndarray | np.ndarray, int]:
+    """JetStream's `pad_tokens`, except that an over-long sequence is an error, not truncated."""
+    tokens = np.asarray(([bos_id] if is_bos else []) + list(ids), dtype=np.int32)
+    buckets = sorted(prefill_lengths or DEFAULT_PREFILL_LENGTHS)
+    if max_prefill_length is not None:
+        buckets = [b for b in buckets if b < max_prefill_length] + [max_prefill_length]
+    true_length = int(tokens.shape[0])
+    fitting = [b for b in buckets if b >= true_length]
+    if not fitting:
+        raise ValueError(
+            f"prompt has {true_length} tokens (BOS included: {is_bos}), more than the largest "
+            f"prefill length {buckets[-1]}; shorten the prompt or raise max_prefill_length"
+        )
+    padded = np.pad(tokens, (0, fitting[0] - true_length), constant_values=pad_id)
+    return (jnp.asarray(padded) if jax_padding else padded), true_length
+
+
+class CharTokenizer(tokenizer_api.Tokenizer):
+    """Character tokenizer for the generated arithmetic task (see module docstring)."""
+
+    def __init__(self):
+        self._itos: tuple[str, ...] = SPECIAL_TOKENS + tuple(CHAR_VOCAB)
+        self._stoi = {c: i for i, c in enumerate(self._itos) if i >= len(SPECIAL_TOKENS)}
+        self.add_bos = True
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._itos)
+
+    @property
+    def pad_id(self) -> int:
+        return 0
+
+    @property
+    def bos_id(self) -> int:
+        return 1
+
+    @property
+    def eos_id(self) -> int:
+        return 2
+
+    @property
+    def stop_tokens(self) -> set[int]:
+        return {self.eos_id, self.pad_id}
+
+    def encode_ids(self, s: str) -> list[int]:
+        """Plain ids of `s` (no BOS, no padding); `ValueError` naming any unknown character."""
+        try:
+            return [self._stoi[c] for c in s]
+        except KeyError:
+            pos, bad = next((i, c) for i, c in enumerate(s) if c not in self._stoi)
+            raise ValueError(
+                f"CharTokenizer cannot encode character {bad!r} (U+{ord(bad):04X}) at position "
+                f"{pos} of {s[:40]!r}; allowed characters: {CHAR_VOCAB!r}"
+            ) from None
+
+    def encode(self, s: str, **kwargs: Any) -> tuple[jnp.ndarray | np.ndarray, int]:
+        """JetStream contract; see the module docstring."""
+        return _pad_to_bucket(
+            self.encode_ids(s),
+            bos_id=self.bos_id,
+            pad_id=self.pad_id,
+            is_bos=kwargs.pop("is_bos", self.add_bos),
+            prefill_lengths=kwargs.pop("prefill_lengths", None),
+            max_prefill_length=kwargs.pop("max_prefill_length", None),
+            jax_padding=kwargs.pop("jax_padding", True),
+        )
+
+    def decode(self, token_ids: Iterable[int], **kwargs: Any) -> str:
+        """Text of `token_ids`; specials are dropped unless `skip_special_tokens=False`."""
+        skip_special = kwargs.pop("skip_special_tokens", True)
+        out = []
+        for t in np.asarray(token_ids, dtype=np.int64).reshape(-1).tolist():
+            if not 0 <= t < len(self._itos):
+                out.append(_REPLACEMENT)
+            elif t < len(SPECIAL_TOKENS):
+                if not skip_special:
+                    out.append(self._itos[t])
+            else:
+                out.append(self._itos[t])
+        return "".join(out)
+
+
+class HFTokenizer(tokenizer_api.Tokenizer):
+    """A Hugging Face `tokenizer.json` loaded from a local path (see module docstring).
+
+    Args:
+      path: a `tokenizer.json` file, or a directory containing one (and optionally a
+        `tokenizer_config.json` naming `eos_token`, `pad_token`, `bos_token`).
+      eos, pad, bos: token strings or ids; override the file. `pad` defaults to EOS when neither
+        gives one. Without any BOS token, `bos_id` is EOS (the Qwen convention) and `add_bos` is
+        False.
+      add_bos: whether `encode` prepends BOS by default (default: True iff a BOS token is known).
+      stop_tokens: extra stop tokens (strings or ids), e.g. `<|im_end|>` for chat models.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        eos: str | int | None = None,
+        pad: str | int | None = None,
+        bos: str | int | None = None,
+        add_bos: bool | None = None,
+        stop_tokens: Sequence[str | int] = (),
+    ):
+        import tokenizers  # Local import: only this class needs the library.
+
+        path = os.fspath(path)
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise FileNotFoundError(
+                f"no tokenizer.json at {path!r}; pass a local tokenizer.json file or a directory "
+                "containing one (nothing is downloaded)"
+            )
+        self.path = file
+        self._tok = tokenizers.Tokenizer.from_file(file)
+        config = {}
+        config_file = os.path.join(os.path.dirname(file), "tokenizer_config.json")
+        if os.path.isfile(config_file):
+            with open(config_file, encoding="utf-8") as f:
+                config = json.load(f)
+
+        def from_config(key: str) -> str | None:
+            value = config.get(key)
+            if isinstance(value, dict):  # {"content": "...", ...} in older configs.
+                value = value.get("content")
+            return value if isinstance(value, str) else None
+
+        eos = eos if eos is not None else from_config("eos_token")
+        if eos is None:
+            eos = next((n for n in _KNOWN_EOS if self._tok.token_to_id(n) is not None), None)
+        if eos is None:
+            raise ValueError(
+                f"{file}: cannot determine the EOS token (no tokenizer_config.json eos_token and "
+                f"none of {_KNOWN_EOS} in the vocabulary); pass eos=<token or id>"
+            )
+        self._eos = self._to_id(eos, "eos")
+        pad = pad if pad is not None else from_config("pad_token")
+        self._pad = self._eos if pad is None else self._to_id(pad, "pad")
+        bos = bos if bos is not None else from_config("bos_token")
+        self._bos = None if bos is None else self._to_id(bos, "bos")
+        self.add_bos = (self._bos is not None) if add_bos is None else bool(add_bos)
+        if self.add_bos and self._bos is None:
+            raise ValueError(f"{file}: add_bos=True but no BOS token is known; pass bos=...")
+        self._stop = {self._eos, self._pad} | {self._to_id(t, "stop_tokens") for t in stop_tokens}
+        added = self._tok.get_added_tokens_decoder()
+        self._special = {i for i, t in added.items() if t.special} | self._stop
+
+    def _to_id(self, token: str | int, name: str) -> int:
+        if isinstance(token, (int, np.integer)) and not isinstance(token, bool):
+            if not 0 <= int(token) < self.vocab_size:
+                raise ValueError(f"{name} id {token} outside the vocabulary [0, {self.vocab_size})")
+            return int(token)
+        token_id = self._tok.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"{name} token {token!r} is not in the vocabulary of {self.path}")
+        return token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def pad_id(self) -> int:
+        return self._pad
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos
+
+    @property
+    def bos_id(self) -> int:
+        return self._eos if self._bos is None else self._bos
+
+    @property
+    def stop_tokens(self) -> set[int]:
+        return set(self._stop)
+
+    def encode_ids(self, s: str) -> list[int]:
+        """Plain ids of `s` (no BOS, no padding, no post-processor specials)."""
+        if not isinstance(s, str):
+            raise ValueError(f"expected a str to encode, got {type(s).__name__}")
+        return self._tok.encode(s, add_special_tokens=False).ids
+
+    def encode(self, s: str, **kwargs: Any) -> tuple[jnp.ndarray | np.ndarray, int]:
+        """JetStream contract; see the module docstring."""
+        return _pad_to_bucket(
+            self.encode_ids(s),
+            bos_id=self.bos_id,
+            pad_id=self.pad_id,
+            is_bos=kwargs.pop("is_bos", self.add_bos),
+            prefill_lengths=kwargs.pop("prefill_lengths", None),
+            max_prefill_length=kwargs.pop("max_prefill_length", None),
+            jax_padding=kwargs.pop("jax_padding", True),
+        )
+
+    def decode(self, token_ids: Iterable[int], **kwargs: Any) -> str:
+        """Text of `token_ids`; specials are dropped unless `skip_special_tokens=False`."""
+        skip_special = kwargs.pop("skip_special_tokens", True)
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1).tolist()
+        n = self.vocab_size
+        # Decode runs of valid ids together (byte-level BPE needs whole runs), U+FFFD elsewhere.
+        out, run = [], []
+        for t in ids:
+            if 0 <= t < n:
+                if not (skip_special and t in self._special):
+                    run.append(t)
+            else:
+                out.append(self._tok.decode(run, skip_special_tokens=skip_special) if run else "")
+                out.append(_REPLACEMENT)
+                run = []
+        if run:
+            out.append(self._tok.decode(run, skip_special_tokens=skip_special))
+        return "".join(out)
+
+
+def load_tokenizer(spec: str | os.PathLike | tokenizer_api.Tokenizer, **kwargs: Any):
+    """`"char"` -> `CharTokenizer()`; a path -> `HFTokenizer(path, **kwargs)`; a tokenizer as is."""
+    if isinstance(spec, tokenizer_api.Tokenizer):
+        return spec
+    if spec == "char":
+        if kwargs:
+            raise ValueError(f"CharTokenizer takes no options, got {sorted(kwargs)}")
+        return CharTokenizer()
+    return HFTokenizer(spec, **kwargs)
