@@ -1,0 +1,381 @@
+"""Mismatch diagnostics (DESIGN.md section 2, "Diagnostics") and the E10 bound check.
+
+Pure functions of arrays returning flat dicts of scalars (plus `BoundReport` for E10). Where the
+metric names are listed:
+
+* `mismatch_metrics`: rollout_ppl, training_ppl, ppl_gap, log_ppl_diff, kl_k1, kl_k3,
+  chi2_token, chi2_seq (verl's definitions; see the function).
+* `pruning_metrics`: pruned_mass_{train,rollout}_{mean,max}, safe_size_{train,rollout}_{mean,max},
+  frac_tokens_outside_train_safe.
+* `exclusion_metrics` (called by `losses.dvp_loss`): frac_responses_excluded,
+  frac_responses_masked, frac_tokens_masked.
+* `is_weight_stats` (called by `losses.dvp_loss`): is_weight_mean, is_weight_max, is_weight_ess.
+* `lt_by_p_bins`: lt_bin{k}_mean_signed, lt_bin{k}_mean_abs, lt_bin{k}_count (the (1-p)
+  evidence, k = 0 .. num_bins-1 over 1 - p in [k/K, (k+1)/K)).
+* `mismatch_diagnostics`: all of the above that do not depend on the loss config.
+* `mismatch_bound`: E10.
+
+Shapes: `[B, T]` per-token arrays (B responses, T response positions) with a `[B, T]` response
+mask; masked positions may hold anything (including -inf/NaN) and never reach arithmetic.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+# Clamp on log-ratios before exponentiating for chi^2 (as verl's SAFETY_BOUND): exp(2 * 20) is
+# finite in float32.
+LOG_RATIO_BOUND = 20.0
+
+
+def _f32(x):
+    return jnp.asarray(x).astype(jnp.float32)
+
+
+def masked_mean(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
+    """Mean of x `[...]` over a same-shape `mask` (0 when empty); used for E5-E9 fractions.
+
+    Values outside the mask (including inf/NaN) are replaced before the sum.
+    """
+    mask = mask.astype(bool)
+    total = jnp.sum(jnp.where(mask, _f32(x), 0.0), axis=axis)
+    count = jnp.sum(mask, axis=axis)
+    return total / jnp.maximum(count, 1)
+
+
+def _masked_max(x: jax.Array, mask: jax.Array) -> jax.Array:
+    mask = mask.astype(bool)
+    return jnp.where(jnp.any(mask), jnp.max(jnp.where(mask, _f32(x), -jnp.inf)), 0.0)
+
+
+def mismatch_metrics(
+    logp_train: jax.Array, logp_rollout: jax.Array, mask: jax.Array, prefix: str = ""
+) -> dict[str, jax.Array]:
+    """Trainer/rollout log-probability mismatch metrics on the E6 log-ratios (verl definitions).
+
+    With per-response mean log-probs mt_i = mean_t log pi(y_it), mr_i = mean_t log mu(y_it) and
+    token log-ratio r_t = log pi - log mu:
+      training_ppl = mean_i exp(-mt_i); rollout_ppl = mean_i exp(-mr_i);
+      ppl_gap = mean_i |exp(-mr_i) - exp(-mt_i)|; log_ppl_diff = mean_i (mr_i - mt_i);
+      kl_k1 = mean_t (-r_t) (estimates KL(mu || pi), samples are from mu);
+      kl_k3 = mean_t (exp(r_t) - r_t - 1);
+      chi2_token = mean_t exp(2 r_t) - 1; chi2_seq = mean_i exp(2 sum_t r_t) - 1
+    (r clamped to +-20 before exp). Means over tokens are over all masked-in tokens; means over
+    responses are over responses with at least one masked-in token.
+
+    Args:
+      logp_train: `[B, T]` trainer log-probs of the sampled tokens.
+      logp_rollout: `[B, T]` rollout (behaviour) log-probs of the same tokens.
+      mask: `[B, T]` tokens to use (must exclude any position whose log-prob is a floor).
+      prefix: prepended to every key.
+
+    Returns:
+      Dict of float32 scalars.
+    """
+    mask = mask.astype(bool)
+    lt = jnp.where(mask, _f32(logp_train), 0.0)
+    lr = jnp.where(mask, _f32(logp_rollout), 0.0)
+    count = jnp.sum(mask, axis=-1)  # [B]
+    seq = count > 0
+    mt = jnp.sum(lt, axis=-1) / jnp.maximum(count, 1)
+    mr = jnp.sum(lr, axis=-1) / jnp.maximum(count, 1)
+    ppl_t, ppl_r = jnp.exp(-mt), jnp.exp(-mr)
+    r = lt - lr  # 0 off the mask
+    # mt - mr as the mean of per-token differences: no cancellation between two large means.
+    mean_r = jnp.sum(r, axis=-1) / jnp.maximum(count, 1)
+    r_safe = jnp.clip(r, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    r_seq = jnp.clip(jnp.sum(r, axis=-1), -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    out = {
+        "training_ppl": masked_mean(ppl_t, seq),
+        "rollout_ppl": masked_mean(ppl_r, seq),
+        # |exp(-mr) - exp(-mt)| = exp(-mt) |expm1(mt - mr)|
+        "ppl_gap": masked_mean(ppl_t * jnp.abs(jnp.expm1(mean_r)), seq),
+        "log_ppl_diff": masked_mean(-mean_r, seq),
+        "kl_k1": masked_mean(-r, mask),
+        # expm1 keeps the small-mismatch regime accurate (exp(r) - 1 cancels).
+        "kl_k3": masked_mean(jnp.expm1(r_safe) - r_safe, mask),
+        "chi2_token": masked_mean(jnp.expm1(2.0 * r_safe), mask),
+        "chi2_seq": masked_mean(jnp.expm1(2.0 * r_seq), seq),
+    }
+    return {prefix + k: v for k, v in out.items()}
+
+
+def pruning_metrics(
+    response_mask: jax.Array,
+    *,
+    pruned_mass_train: jax.Array | None = None,
+    safe_size_train: jax.Array | None = None,
+    pruned_mass_rollout: jax.Array | None = None,
+    safe_size_rollout: jax.Array | None = None,
+    in_safe_train: jax.Array | None = None,
+) -> dict[str, jax.Array]:
+    """Mean/max pruned mass delta_S (E3) and safe-set size |V_S| (E1) on each side.
+
+    Also frac_tokens_outside_train_safe: the fraction of sampled response tokens outside the
+    trainer's safe set (E5). Every argument but the mask is optional; its metrics are omitted.
+
+    Args:
+      response_mask: `[B, T]` response tokens.
+      pruned_mass_train, safe_size_train, pruned_mass_rollout, safe_size_rollout: `[B, T]`.
+      in_safe_train: `[B, T]` bool, sampled token inside the trainer's V_S.
+
+    Returns:
+      Dict of float32 scalars.
+    """
+    mask = response_mask.astype(bool)
+    out = {}
+    named = {
+        "pruned_mass_train": pruned_mass_train,
+        "safe_size_train": safe_size_train,
+        "pruned_mass_rollout": pruned_mass_rollout,
+        "safe_size_rollout": safe_size_rollout,
+    }
+    for name, x in named.items():
+        if x is not None:
+            out[name + "_mean"] = masked_mean(x, mask)
+            out[name + "_max"] = _masked_max(x, mask)
+    if in_safe_train is not None:
+        out["frac_tokens_outside_train_safe"] = masked_mean(~in_safe_train.astype(bool), mask)
+    return out
+
+
+def exclusion_metrics(
+    response_mask: jax.Array,
+    excluded: jax.Array,
+    seq_masked: jax.Array,
+    token_masked: jax.Array,
+) -> dict[str, jax.Array]:
+    """Fractions of responses excluded (E5) or masked (E7 seq_mis) and of tokens masked (token_mis).
+
+    Args:
+      response_mask: `[B, T]` response tokens; responses without tokens are not counted.
+      excluded: `[B]` bool, response has a sampled token outside the trainer safe set (E5).
+      seq_masked: `[B]` bool, response masked by the correction (seq_mis, exp L > C).
+      token_masked: `[B, T]` bool, token masked by the correction (token_mis, exp l_t > C).
+
+    Returns:
+      frac_responses_excluded and frac_responses_masked (over responses with tokens),
+      frac_tokens_masked (over response tokens).
+    """
+    mask = response_mask.astype(bool)
+    has_tokens = jnp.any(mask, axis=-1)
+    return {
+        "frac_responses_excluded": masked_mean(excluded, has_tokens),
+        "frac_responses_masked": masked_mean(seq_masked, has_tokens),
+        "frac_tokens_masked": masked_mean(token_masked, mask),
+    }
+
+
+def is_weight_stats(weights: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
+    """Importance-weight mean, max and normalised effective sample size (E7 weights).
+
+    ESS = (sum w)^2 / (n sum w^2) in (0, 1] (1 when all weights are equal), n = masked count.
+
+    Args:
+      weights: `[...]` applied weights w (per token or per response).
+      mask: `[...]` which weights count (kept tokens or kept responses).
+
+    Returns:
+      is_weight_mean, is_weight_max, is_weight_ess (float32 scalars; 0 / 0 / 1 when empty).
+    """
+    mask = mask.astype(bool)
+    w = jnp.where(mask, _f32(weights), 0.0)
+    n = jnp.sum(mask)
+    sum_w, sum_w2 = jnp.sum(w), jnp.sum(w * w)
+    ess = jnp.where(sum_w2 > 0, sum_w * sum_w / jnp.maximum(n * sum_w2, 1e-30), 1.0)
+    return {
+        "is_weight_mean": sum_w / jnp.maximum(n, 1),
+        "is_weight_max": _masked_max(w, mask),
+        "is_weight_ess": ess,
+    }
+
+
+def lt_by_p_bins(
+    log_ratio: jax.Array, p_train: jax.Array, mask: jax.Array, num_bins: int = 10
+) -> dict[str, jax.Array]:
+    """Token log-ratio l_t binned by 1 - p (the (1 - p) evidence behind E10).
+
+    Bin k holds tokens with 1 - p in [k / K, (k + 1) / K) (p = 0 goes to the last bin). Reports
+    per bin the mean signed l_t (systematic bias), mean |l_t| and the token count.
+
+    Args:
+      log_ratio: `[B, T]` l_t = log pi(y_t) - log mu(y_t).
+      p_train: `[B, T]` trainer probability of the sampled token.
+      mask: `[B, T]` tokens to use.
+      num_bins: K (static).
+
+    Returns:
+      lt_bin{k}_mean_signed, lt_bin{k}_mean_abs, lt_bin{k}_count for k < K.
+    """
+    mask = mask.astype(bool)
+    one_minus_p = jnp.clip(1.0 - jnp.where(mask, _f32(p_train), 1.0), 0.0, 1.0)
+    k = jnp.minimum((one_minus_p * num_bins).astype(jnp.int32), num_bins - 1)
+    ratio = jnp.where(mask, _f32(log_ratio), 0.0)
+    # [B, T, K] one-hot bin membership; K is small.
+    member = (k[..., None] == jnp.arange(num_bins)) & mask[..., None]
+    count = jnp.sum(member, axis=(0, 1))
+    per_bin = lambda x: jnp.sum(jnp.where(member, x[..., None], 0.0), axis=(0, 1))  # [K]
+    signed = per_bin(ratio) / jnp.maximum(count, 1)
+    absolute = per_bin(jnp.abs(ratio)) / jnp.maximum(count, 1)
+    out = {}
+    for b in range(num_bins):
+        out[f"lt_bin{b}_mean_signed"] = signed[b]
+        out[f"lt_bin{b}_mean_abs"] = absolute[b]
+        out[f"lt_bin{b}_count"] = count[b]
+    return out
+
+
+def mismatch_diagnostics(
+    *,
+    logp_train: jax.Array,
+    logp_rollout: jax.Array,
+    response_mask: jax.Array,
+    in_safe_train: jax.Array | None = None,
+    logp_full_train: jax.Array | None = None,
+    logp_full_rollout: jax.Array | None = None,
+    pruned_mass_train: jax.Array | None = None,
+    safe_size_train: jax.Array | None = None,
+    pruned_mass_rollout: jax.Array | None = None,
+    safe_size_rollout: jax.Array | None = None,
+    num_bins: int = 10,
+) -> dict[str, jax.Array]:
+    """All config-independent diagnostics of one batch (DESIGN.md section 2).
+
+    * `mismatch_metrics` on the pruned log-probs (E2/E4, what the objective sees), over the
+      responses kept by E5 (those with no sampled token outside the trainer safe set);
+    * the same with keys prefixed `full_` on the unpruned log-probs, over all response tokens,
+      when both `logp_full_*` are given;
+    * `pruning_metrics`;
+    * `lt_by_p_bins` of l_t = log pi(y) - log mu(y) against p = pi(y), unpruned when the
+      `logp_full_*` are given (the setting of E10), else pruned over the E5-kept tokens.
+
+    Args:
+      logp_train: `[B, T]` log pi_S(y_t) (floor outside the trainer safe set).
+      logp_rollout: `[B, T]` log mu_S(y_t) recorded by the rollout (E4).
+      response_mask: `[B, T]` response tokens.
+      in_safe_train: `[B, T]` bool, y_t inside the trainer safe set (None: all inside).
+      logp_full_train, logp_full_rollout: `[B, T]` unpruned log pi(y_t), log mu(y_t).
+      pruned_mass_train, safe_size_train, pruned_mass_rollout, safe_size_rollout: `[B, T]`.
+      num_bins: number of (1 - p) bins (static).
+
+    Returns:
+      Flat dict of float32 scalars.
+    """
+    mask = response_mask.astype(bool)
+    inside = jnp.ones_like(mask) if in_safe_train is None else in_safe_train.astype(bool)
+    kept = mask & ~jnp.any(mask & ~inside, axis=-1, keepdims=True)  # E5-kept responses
+    out = mismatch_metrics(logp_train, logp_rollout, kept)
+    have_full = logp_full_train is not None and logp_full_rollout is not None
+    if have_full:
+        out |= mismatch_metrics(logp_full_train, logp_full_rollout, mask, prefix="full_")
+    out |= pruning_metrics(
+        mask,
+        pruned_mass_train=pruned_mass_train,
+        safe_size_train=safe_size_train,
+        pruned_mass_rollout=pruned_mass_rollout,
+        safe_size_rollout=safe_size_rollout,
+        in_safe_train=in_safe_train,
+    )
+    if have_full:
+        lt, lr, bin_mask = _f32(logp_full_train), _f32(logp_full_rollout), mask
+    else:
+        lt, lr, bin_mask = _f32(logp_train), _f32(logp_rollout), kept
+    lt = jnp.where(bin_mask, lt, 0.0)
+    lr = jnp.where(bin_mask, lr, 0.0)
+    out |= lt_by_p_bins(lt - lr, jnp.exp(lt), bin_mask, num_bins)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# E10: the (1 - p) bound on the log-probability mismatch.
+# ---------------------------------------------------------------------------------------------
+
+
+class BoundReport(NamedTuple):
+    """Result of `mismatch_bound` (E10).
+
+    Attributes:
+      eps: `[...]` max_b |z'_b - z_b| per position.
+      abs_logp_diff: `[..., V]` |log p'_a - log p_a| (or `[...]` for the given tokens).
+      bound: same shape, factor * eps * (1 - min(p_a, p'_a)).
+      within: same shape, bool, abs_logp_diff <= bound (+ a rounding allowance).
+      frac_within: scalar float32, fraction of entries within the bound.
+    """
+
+    eps: jax.Array
+    abs_logp_diff: jax.Array
+    bound: jax.Array
+    within: jax.Array
+    frac_within: jax.Array
+
+
+def _one_minus_softmax(z: jax.Array) -> jax.Array:
+    """1 - softmax(z) `[..., V]`, accurate also for p close to 1 (no 1 - p cancellation).
+
+    With e_b = exp(z_b - max z) and R = sum of e_b over all b except the argmax:
+    1 - p_argmax = R / (1 + R) and 1 - p_a = ((1 - e_a) + R) / (1 + R) otherwise.
+    """
+    m = jnp.max(z, axis=-1, keepdims=True)
+    e = jnp.exp(z - m)
+    is_max = jax.nn.one_hot(jnp.argmax(z, axis=-1), z.shape[-1], dtype=bool)
+    rest = jnp.sum(jnp.where(is_max, 0.0, e), axis=-1, keepdims=True)
+    return jnp.where(is_max, rest, (1.0 - e) + rest) / (1.0 + rest)
+
+
+def mismatch_bound(
+    logits_rollout: jax.Array,
+    logits_train: jax.Array,
+    y: jax.Array | None = None,
+    *,
+    temperature: float = 1.0,
+    factor: float = 2.0,
+    rel_tol: float = 1e-5,
+) -> BoundReport:
+    """Checks E10: |log p'_a - log p_a| <= 2 eps (1 - min(p_a, p'_a)), eps = max_b |z'_b - z_b|.
+
+    Exact, not only first order: along z(s) = z + s (z' - z), d/ds log q_a(s) =
+    sum_b q_b (d_a - d_b) with d = z' - z, so its size is at most 2 eps (1 - q_a(s)); and log q_a
+    is concave in s (z_a is linear, logsumexp convex), so q_a(s) >= min(p_a, p'_a) on the segment.
+    Here p = softmax(z / tau) (trainer), p' = softmax(z' / tau) (rollout), eps on the scaled
+    logits. The difference is computed as d_a - log(sum_b p_b exp(d_b)) (log1p/expm1), so its
+    float32 rounding is relative to eps, not to the size of the logits; `within` allows
+    `rel_tol * eps` for that rounding.
+
+    Args:
+      logits_rollout: `[..., V]` z' (e.g. the bf16 forward, upcast to float32).
+      logits_train: `[..., V]` z (e.g. the fp32 forward).
+      y: optional `[...]` token ids; when given, per-token arrays are for those tokens only.
+      temperature: tau > 0.
+      factor: the bound's constant; 2 is E10 (tests pass 1 to check a wrong bound is caught).
+      rel_tol: rounding allowance, as a fraction of eps.
+
+    Returns:
+      `BoundReport`.
+    """
+    z = _f32(logits_train) / temperature
+    zr = _f32(logits_rollout) / temperature
+    d = zr - z  # [..., V]
+    eps = jnp.max(jnp.abs(d), axis=-1)  # [...]
+    p = jax.nn.softmax(z, axis=-1)
+    # log p'_a - log p_a = d_a - log sum_b p_b exp(d_b)
+    shift = jnp.log1p(jnp.sum(p * jnp.expm1(d), axis=-1, keepdims=True))
+    diff = jnp.abs(d - shift)
+    one_minus_min_p = jnp.maximum(_one_minus_softmax(z), _one_minus_softmax(zr))
+    bound = factor * eps[..., None] * one_minus_min_p
+    if y is not None:
+        take = lambda a: jnp.take_along_axis(a, y[..., None].astype(jnp.int32), axis=-1)[..., 0]
+        diff, bound = take(diff), take(bound)
+        eps_b = eps
+    else:
+        eps_b = eps[..., None]
+    within = diff <= bound + rel_tol * eps_b
+    return BoundReport(
+        eps=eps,
+        abs_logp_diff=diff,
+        bound=bound,
+        within=within,
+        frac_within=jnp.mean(within.astype(jnp.float32)),
+    )

@@ -1,0 +1,238 @@
+"""The DVP-RLOO policy-gradient loss (E5-E9) and its configuration.
+
+`dvp_loss` is a pure function of arrays; the caller jits it and differentiates it with respect
+to whatever produced `logp_train` (normally `pruning.chunked_pruned_logprobs`). Every weight
+(E6, E7) and the advantage are stop-gradient constants, so the gradient is
+  -(1/Z) sum_i sum_t w_it A_i grad log pi_S(y_it | s_it)                                    (E9)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from dvp_jax.dvp import diagnostics
+
+CORRECTIONS = ("none", "token_tis", "token_mis", "seq_tis", "seq_mis")
+NORMALISATIONS = ("token_mean", "seq_mean_token_sum")
+
+# Clamp on log(pi / pi_old) before exponentiating the PPO ratio (keeps it finite in float32).
+_PPO_LOG_RATIO_BOUND = 20.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Which DVP-RLOO objective to optimise (E1, E5, E7, E9).
+
+    Attributes:
+      prune: apply the min-p safe set (E1) on the trainer side and the E5 exclusion.
+      log_rho: log of the min-p threshold rho, <= 0; -inf means the full vocabulary. Used only
+        when `prune` is True (see `effective_log_rho`).
+      correction: one of `CORRECTIONS` (E7).
+      cap: C >= 1, the cap of the TIS/MIS corrections (E7).
+      normalisation: `token_mean` (Z = kept tokens) or `seq_mean_token_sum` (Z = kept responses).
+      ppo_clip_eps: None (one optimizer step per rollout batch) or eps in (0, 1) for the
+        decoupled PPO clip over several steps (E9).
+      temperature: tau > 0 applied to the trainer logits (E1, E2).
+    """
+
+    prune: bool = True
+    log_rho: float = -13.0
+    correction: str = "none"
+    cap: float = 2.0
+    normalisation: str = "token_mean"
+    ppo_clip_eps: float | None = None
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        if not isinstance(self.prune, bool):
+            raise ValueError(f"LossConfig.prune must be a bool, got {self.prune!r}.")
+        if not isinstance(self.log_rho, int | float) or math.isnan(self.log_rho):
+            raise ValueError(
+                f"LossConfig.log_rho must be a float <= 0 or -inf, got {self.log_rho!r}."
+            )
+        if self.log_rho > 0:
+            raise ValueError(
+                f"LossConfig.log_rho must be <= 0 (rho <= 1) or -inf, got {self.log_rho}."
+            )
+        if self.correction not in CORRECTIONS:
+            raise ValueError(
+                f"LossConfig.correction must be one of {CORRECTIONS}, got {self.correction!r}."
+            )
+        if not (isinstance(self.cap, int | float) and math.isfinite(self.cap) and self.cap >= 1):
+            raise ValueError(
+                f"LossConfig.cap must be a finite float >= 1 (weight 1 must be kept), "
+                f"got {self.cap!r}."
+            )
+        if self.normalisation not in NORMALISATIONS:
+            raise ValueError(
+                f"LossConfig.normalisation must be one of {NORMALISATIONS}, "
+                f"got {self.normalisation!r}."
+            )
+        eps = self.ppo_clip_eps
+        if eps is not None and not (isinstance(eps, int | float) and 0 < eps < 1):
+            raise ValueError(f"LossConfig.ppo_clip_eps must be None or in (0, 1), got {eps!r}.")
+        t = self.temperature
+        if not (isinstance(t, int | float) and math.isfinite(t) and t > 0):
+            raise ValueError(f"LossConfig.temperature must be a finite float > 0, got {t!r}.")
+
+    @property
+    def effective_log_rho(self) -> float:
+        """log_rho for `pruning.*`: -inf (no pruning) unless `prune`."""
+        return float(self.log_rho) if self.prune else -math.inf
+
+    @property
+    def pruning(self) -> bool:
+        """Whether the trainer safe set is a strict min-p set (and E5 applies)."""
+        return self.effective_log_rho != -math.inf
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> LossConfig:
+        """The paper's methods (DESIGN.md section 2), optionally with field overrides.
+
+        rloo = no pruning + none; tis = no pruning + token_tis; mis = no pruning + seq_mis;
+        dvp = pruning + none (with E5 exclusion); mis_dvp = pruning + seq_mis.
+        """
+        if name not in PRESETS:
+            raise ValueError(f"unknown loss preset {name!r}; choose one of {tuple(PRESETS)}.")
+        return cls(**(PRESETS[name] | overrides))
+
+
+PRESETS: dict[str, dict] = {
+    "rloo": dict(prune=False, correction="none"),
+    "tis": dict(prune=False, correction="token_tis"),
+    "mis": dict(prune=False, correction="seq_mis"),
+    "dvp": dict(prune=True, correction="none"),
+    "mis_dvp": dict(prune=True, correction="seq_mis"),
+}
+
+
+def dvp_loss(
+    logp_train: jax.Array,
+    logp_rollout: jax.Array,
+    advantages: jax.Array,
+    response_mask: jax.Array,
+    in_safe_train: jax.Array | None,
+    cfg: LossConfig,
+    logp_old: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """DVP-RLOO loss (E5-E9) of a batch of B responses padded to T tokens.
+
+    E5: a response with any sampled token outside the trainer safe set (`in_safe_train` False on
+    a response token, only when `cfg.pruning`) has token ratio 0: it is excluded from numerator
+    and normaliser. E6: l_t = log pi_S(y_t) - log mu_S(y_t), L = sum_t l_t, stop-gradient.
+    E7 with C = `cfg.cap` (compared in the log domain, l <= log C  <=>  exp l <= C):
+      none: w = 1; token_tis: w_t = min(exp l_t, C); token_mis: w_t = exp l_t, token masked if
+      exp l_t > C; seq_tis: w = min(exp L, C); seq_mis: w = exp L, response masked if exp L > C.
+    E9: loss = -(1/Z) sum_i sum_t w_it A_i log pi_S(y_it), sums over kept tokens;
+      Z = kept tokens (`token_mean`) or kept responses (`seq_mean_token_sum`); masked tokens and
+      responses leave Z; Z = 0 gives loss 0.
+    Decoupled PPO (`cfg.ppo_clip_eps` = eps, needs `logp_old` = log pi_S_old from before the
+    first optimizer step on this batch): l_t uses pi_old instead of pi (behaviour correction
+    pi_old / mu_S), and each token term is multiplied by the stop-gradient factor r_t =
+    exp(log pi_S - log pi_S_old), set to 0 where PPO's clip is active (A > 0 and r > 1 + eps, or
+    A < 0 and r < 1 - eps). Its gradient equals that of the decoupled PPO-clip surrogate
+    w min(r A, clip(r, 1 - eps, 1 + eps) A); the value equals E9 when r = 1 (the first step).
+
+    Masked positions (`response_mask` False) and floors/-inf of out-of-safe-set tokens are
+    replaced with `jnp.where` before any arithmetic: they never change the loss or its gradient.
+
+    Args:
+      logp_train: `[B, T]` log pi_S(y_t) from the trainer (differentiable; E2).
+      logp_rollout: `[B, T]` log mu_S(y_t) recorded by the rollout (E4).
+      advantages: `[B]` per-response advantage A_i (E8), broadcast over tokens.
+      response_mask: `[B, T]` bool, True on response tokens.
+      in_safe_train: `[B, T]` bool, y_t in the trainer's V_S; None means all inside. Ignored when
+        pruning is off.
+      cfg: `LossConfig`.
+      logp_old: `[B, T]` log pi_S_old(y_t), required iff `cfg.ppo_clip_eps` is set.
+
+    Returns:
+      `(loss, metrics)`: float32 scalar and a dict of float32 scalars (see `diagnostics` for
+      frac_* and is_weight_*; plus loss, kept_tokens, kept_responses, ppo_clip_frac).
+    """
+    if (cfg.ppo_clip_eps is None) != (logp_old is None):
+        raise ValueError(
+            "logp_old must be given exactly when LossConfig.ppo_clip_eps is set "
+            f"(ppo_clip_eps={cfg.ppo_clip_eps}, logp_old given: {logp_old is not None})."
+        )
+    if logp_train.ndim != 2 or advantages.shape != logp_train.shape[:1]:
+        raise ValueError(
+            f"need logp_train [B, T] and advantages [B]; got {logp_train.shape}, "
+            f"{advantages.shape}."
+        )
+    f32 = jnp.float32
+    mask = response_mask.astype(bool)  # [B, T]
+
+    # ----- E5: exclusion of responses with a sampled token outside the trainer safe set -----
+    if cfg.pruning and in_safe_train is not None:
+        outside = mask & ~in_safe_train.astype(bool)
+    else:
+        outside = jnp.zeros_like(mask)
+    excluded = jnp.any(outside, axis=-1)  # [B]
+    tok = mask & ~excluded[:, None]  # [B, T] tokens of included responses, all inside V_S
+
+    # ----- E6: stop-gradient log-ratios on included tokens only (no floor/-inf beyond here) ----
+    lp = jnp.where(tok, logp_train.astype(f32), 0.0)
+    lmu = jnp.where(tok, logp_rollout.astype(f32), 0.0)
+    if logp_old is not None:
+        lold = jnp.where(tok, logp_old.astype(f32), 0.0)
+        lref = lold
+    else:
+        lref = lp
+    l_tok = jax.lax.stop_gradient(lref - lmu)  # [B, T], 0 off `tok`
+    l_seq = jnp.sum(l_tok, axis=-1)  # [B]
+
+    # ----- E7: corrections -----
+    log_cap = math.log(cfg.cap)
+    token_masked = jnp.zeros_like(mask)
+    seq_masked = jnp.zeros_like(excluded)
+    if cfg.correction == "none":
+        w = jnp.ones_like(lp)
+    elif cfg.correction == "token_tis":
+        w = jnp.exp(jnp.minimum(l_tok, log_cap))
+    elif cfg.correction == "token_mis":
+        token_masked = tok & (l_tok > log_cap)
+        w = jnp.exp(jnp.minimum(l_tok, log_cap))
+    elif cfg.correction == "seq_tis":
+        w = jnp.broadcast_to(jnp.exp(jnp.minimum(l_seq, log_cap))[:, None], lp.shape)
+    else:  # seq_mis
+        seq_masked = ~excluded & jnp.any(mask, axis=-1) & (l_seq > log_cap)
+        w = jnp.broadcast_to(jnp.exp(jnp.minimum(l_seq, log_cap))[:, None], lp.shape)
+    keep = tok & ~token_masked & ~seq_masked[:, None]  # [B, T]
+    w = jnp.where(keep, w, 0.0)
+
+    # ----- E9 (+ decoupled PPO): weighted REINFORCE with stop-gradient coefficients -----
+    adv = jax.lax.stop_gradient(advantages.astype(f32))[:, None]  # [B, 1]
+    coef = w * adv
+    metrics = {}
+    if cfg.ppo_clip_eps is not None:
+        eps = cfg.ppo_clip_eps
+        log_r = jnp.clip(lp - lold, -_PPO_LOG_RATIO_BOUND, _PPO_LOG_RATIO_BOUND)
+        r = jax.lax.stop_gradient(jnp.exp(log_r))
+        clipped = keep & (((adv > 0) & (r > 1 + eps)) | ((adv < 0) & (r < 1 - eps)))
+        coef = coef * jnp.where(clipped, 0.0, r)
+        metrics["ppo_clip_frac"] = diagnostics.masked_mean(clipped, keep)
+    total = -jnp.sum(jnp.where(keep, coef * lp, 0.0))
+    kept_responses = jnp.any(keep, axis=-1)  # [B]
+    if cfg.normalisation == "token_mean":
+        z = jnp.sum(keep).astype(f32)
+    else:
+        z = jnp.sum(kept_responses).astype(f32)
+    loss = total / jnp.maximum(z, 1.0)
+
+    # ----- metrics -----
+    metrics["loss"] = loss
+    metrics["kept_tokens"] = jnp.sum(keep).astype(f32)
+    metrics["kept_responses"] = jnp.sum(kept_responses).astype(f32)
+    metrics["frac_tokens_outside_train_safe"] = diagnostics.masked_mean(outside, mask)
+    metrics |= diagnostics.exclusion_metrics(mask, excluded, seq_masked, token_masked)
+    if cfg.correction.startswith("seq"):
+        # One weight per response: w is constant over a kept response's tokens, 0 elsewhere.
+        metrics |= diagnostics.is_weight_stats(jnp.max(w, axis=-1), kept_responses)
+    else:
+        metrics |= diagnostics.is_weight_stats(w, keep)
+    return loss, metrics

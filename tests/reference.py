@@ -1,0 +1,240 @@
+"""Float64 NumPy references of DESIGN.md E1-E10, written from the equations, not from the JAX code.
+
+Deliberately plain: Python loops over rows, responses and tokens, sets instead of masks, -inf
+where the equations say -inf. Slow, so only for the small shapes of the tests.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def _logsumexp(x):
+    x = np.asarray(x, np.float64)
+    m = np.max(x)
+    return m + math.log(np.sum(np.exp(x - m)))
+
+
+# ----------------------------------------------------------------------------- E1-E3
+
+
+def safe_set(z_row, log_rho, tau=1.0) -> set[int]:
+    """E1 for one position: {a : z_a / tau >= max_b z_b / tau + log_rho}."""
+    z = np.asarray(z_row, np.float64) / tau
+    top = max(z)
+    return {a for a in range(len(z)) if z[a] >= top + log_rho}
+
+
+def pruned_token_logprob(z_row, y, log_rho, tau=1.0) -> dict:
+    """E1-E3 for one position and target y: logp (-inf outside V_S), in_safe, mass, size, full."""
+    z = np.asarray(z_row, np.float64) / tau
+    s = safe_set(z_row, log_rho, tau)
+    lse_s = _logsumexp([z[b] for b in sorted(s)])
+    probs = np.exp(z - _logsumexp(z))
+    return {
+        "logp": z[y] - lse_s if y in s else -math.inf,
+        "in_safe": y in s,
+        "pruned_mass": 1.0 - sum(probs[b] for b in s),
+        "safe_size": len(s),
+        "logp_full": z[y] - _logsumexp(z),
+    }
+
+
+def pruned_token_logprobs(logits, y, log_rho, tau=1.0) -> dict[str, np.ndarray]:
+    """E1-E3 for rows of logits `[N, V]` and targets `[N]`; dict of `[N]` arrays."""
+    rows = [pruned_token_logprob(logits[n], int(y[n]), log_rho, tau) for n in range(len(y))]
+    return {k: np.array([r[k] for r in rows]) for k in rows[0]}
+
+
+def objective_grad_logits(logits, y, log_rho, tau, g_logp, g_full, g_mass, step=1e-6):
+    """d/d logits of sum_n g_logp logp + g_full logp_full + g_mass pruned_mass, `[N, V]`.
+
+    Central finite differences of the float64 reference, one position at a time. logp outside
+    the safe set is the constant floor (zero gradient), as in the JAX code.
+    """
+    logits = np.asarray(logits, np.float64)
+    grad = np.zeros_like(logits)
+
+    def objective(row, n):
+        r = pruned_token_logprob(row, int(y[n]), log_rho, tau)
+        logp = r["logp"] if r["in_safe"] else 0.0
+        return g_logp[n] * logp + g_full[n] * r["logp_full"] + g_mass[n] * r["pruned_mass"]
+
+    for n in range(logits.shape[0]):
+        for v in range(logits.shape[1]):
+            up, down = logits[n].copy(), logits[n].copy()
+            up[v] += step
+            down[v] -= step
+            grad[n, v] = (objective(up, n) - objective(down, n)) / (2 * step)
+    return grad
+
+
+# ----------------------------------------------------------------------------- E8
+
+
+def rloo(rewards_pg) -> np.ndarray:
+    """E8 on `[P, G]` rewards: A_i = R_i - mean of the other G-1 rewards."""
+    r = np.asarray(rewards_pg, np.float64)
+    p_count, g_count = r.shape
+    out = np.zeros_like(r)
+    for p in range(p_count):
+        for i in range(g_count):
+            others = [r[p, j] for j in range(g_count) if j != i]
+            out[p, i] = r[p, i] - sum(others) / len(others)
+    return out
+
+
+def grpo(rewards_pg, eps=1e-6) -> np.ndarray:
+    """(R_i - mean) / (unbiased std + eps) within each group of `[P, G]` rewards."""
+    r = np.asarray(rewards_pg, np.float64)
+    out = np.zeros_like(r)
+    for p in range(r.shape[0]):
+        out[p] = (r[p] - r[p].mean()) / (r[p].std(ddof=1) + eps)
+    return out
+
+
+# ----------------------------------------------------------------------------- E5-E9
+
+
+def dvp_loss(
+    logp_obj,
+    logp_rollout,
+    advantages,
+    response_mask,
+    in_safe,
+    *,
+    prune,
+    correction,
+    cap=2.0,
+    normalisation="token_mean",
+    logp_weights=None,
+    ppo_eps=None,
+    logp_old=None,
+) -> dict:
+    """E5-E9 by loops. `logp_obj` enters the objective; weights use `logp_weights` (default
+    `logp_obj`; the stop-gradient of E6), so finite differences in `logp_obj` give the gradient.
+
+    With `ppo_eps`, returns the decoupled PPO-clip surrogate
+    -(1/Z) sum w min(r A, clip(r, 1-eps, 1+eps) A), r = exp(logp_obj - logp_old), with weights
+    from logp_old (behaviour correction pi_old / mu).
+    """
+    logp_obj = np.asarray(logp_obj, np.float64)
+    lp_w = logp_obj if logp_weights is None else np.asarray(logp_weights, np.float64)
+    if ppo_eps is not None:
+        lp_w = np.asarray(logp_old, np.float64)
+    b_count, t_count = logp_obj.shape
+    total, z_tokens, z_seqs = 0.0, 0, 0
+    excluded = masked_seqs = masked_tokens = 0
+    for i in range(b_count):
+        tokens = [t for t in range(t_count) if response_mask[i][t]]
+        if prune and any(not in_safe[i][t] for t in tokens):
+            excluded += 1  # E5: token ratio 0 -> whole response contributes nothing
+            continue
+        ratio = {t: lp_w[i, t] - logp_rollout[i][t] for t in tokens}  # E6
+        big_l = sum(ratio.values())
+        weights = {}
+        for t in tokens:  # E7
+            if correction == "none":
+                weights[t] = 1.0
+            elif correction == "token_tis":
+                weights[t] = min(math.exp(ratio[t]), cap)
+            elif correction == "token_mis":
+                if math.exp(ratio[t]) <= cap:
+                    weights[t] = math.exp(ratio[t])
+                else:
+                    masked_tokens += 1
+            elif correction == "seq_tis":
+                weights[t] = min(math.exp(big_l), cap)
+            elif correction == "seq_mis":
+                if math.exp(big_l) <= cap:
+                    weights[t] = math.exp(big_l)
+            else:
+                raise ValueError(correction)
+        if correction == "seq_mis" and tokens and math.exp(big_l) > cap:
+            masked_seqs += 1
+        a = float(advantages[i])
+        for t, w in weights.items():  # E9 numerator
+            if ppo_eps is None:
+                total += w * a * logp_obj[i, t]
+            else:
+                r = math.exp(logp_obj[i, t] - lp_w[i, t])
+                clipped = min(max(r, 1 - ppo_eps), 1 + ppo_eps)
+                total += w * min(r * a, clipped * a)
+        z_tokens += len(weights)
+        z_seqs += 1 if weights else 0
+    z = z_tokens if normalisation == "token_mean" else z_seqs
+    return {
+        "loss": -total / z if z else 0.0,
+        "kept_tokens": z_tokens,
+        "kept_responses": z_seqs,
+        "excluded": excluded,
+        "masked_seqs": masked_seqs,
+        "masked_tokens": masked_tokens,
+    }
+
+
+def loss_grad(logp_obj, *args, step=1e-6, **kwargs) -> np.ndarray:
+    """Central finite differences of `dvp_loss(...)["loss"]` in `logp_obj` (weights held)."""
+    logp_obj = np.asarray(logp_obj, np.float64)
+    kwargs.setdefault("logp_weights", logp_obj.copy())
+    grad = np.zeros_like(logp_obj)
+    for idx in np.ndindex(logp_obj.shape):
+        up, down = logp_obj.copy(), logp_obj.copy()
+        up[idx] += step
+        down[idx] -= step
+        grad[idx] = (
+            dvp_loss(up, *args, **kwargs)["loss"] - dvp_loss(down, *args, **kwargs)["loss"]
+        ) / (2 * step)
+    return grad
+
+
+# ----------------------------------------------------------------------------- diagnostics
+
+
+def mismatch_metrics(logp_train, logp_rollout, mask) -> dict[str, float]:
+    """verl-style ppl / kl / chi^2 metrics by loops (see diagnostics.mismatch_metrics)."""
+    seqs, tokens = [], []
+    for i in range(len(mask)):
+        ts = [t for t in range(len(mask[i])) if mask[i][t]]
+        if not ts:
+            continue
+        lt = [float(logp_train[i][t]) for t in ts]
+        lr = [float(logp_rollout[i][t]) for t in ts]
+        diffs = [a - b for a, b in zip(lt, lr, strict=True)]
+        seqs.append((np.mean(lt), np.mean(lr), sum(diffs)))
+        tokens += diffs
+    clip = lambda x: min(max(x, -20.0), 20.0)
+    return {
+        "training_ppl": np.mean([math.exp(-mt) for mt, _, _ in seqs]),
+        "rollout_ppl": np.mean([math.exp(-mr) for _, mr, _ in seqs]),
+        "ppl_gap": np.mean([abs(math.exp(-mr) - math.exp(-mt)) for mt, mr, _ in seqs]),
+        "log_ppl_diff": np.mean([mr - mt for mt, mr, _ in seqs]),
+        "kl_k1": np.mean([-r for r in tokens]),
+        "kl_k3": np.mean([math.exp(r) - r - 1 for r in tokens]),
+        "chi2_token": np.mean([math.exp(2 * clip(r)) for r in tokens]) - 1,
+        "chi2_seq": np.mean([math.exp(2 * clip(s)) for _, _, s in seqs]) - 1,
+    }
+
+
+def lt_by_p_bins(log_ratio, p, mask, num_bins) -> dict[str, float]:
+    """Mean signed / mean |l_t| / count per bin of 1 - p in [k/K, (k+1)/K)."""
+    bins = [[] for _ in range(num_bins)]
+    for idx in np.ndindex(np.shape(mask)):
+        if mask[idx]:
+            k = min(int((1.0 - p[idx]) * num_bins), num_bins - 1)
+            bins[k].append(float(log_ratio[idx]))
+    out = {}
+    for k, vals in enumerate(bins):
+        out[f"lt_bin{k}_mean_signed"] = np.mean(vals) if vals else 0.0
+        out[f"lt_bin{k}_mean_abs"] = np.mean(np.abs(vals)) if vals else 0.0
+        out[f"lt_bin{k}_count"] = len(vals)
+    return out
+
+
+def log_softmax(z) -> np.ndarray:
+    """Row-wise float64 log-softmax of `[..., V]`."""
+    z = np.asarray(z, np.float64)
+    m = z.max(axis=-1, keepdims=True)
+    return z - m - np.log(np.exp(z - m).sum(axis=-1, keepdims=True))

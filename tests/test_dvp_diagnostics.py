@@ -1,0 +1,153 @@
+"""Mismatch diagnostics and the E10 bound. Tolerance 1e-5 relative vs the float64 reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dvp_jax.dvp import diagnostics, pruning
+from tests import reference as ref
+
+B, T, V = 6, 7, 40
+
+
+def _logprobs(seed=0):
+    rng = np.random.default_rng(seed)
+    mask = np.arange(T)[None, :] < rng.integers(1, T + 1, size=B)[:, None]
+    mask[-1] = False  # one all-padding response
+    lr = -rng.exponential(1.0, size=(B, T))
+    lt = lr + rng.normal(0, 0.3, size=(B, T))
+    f = lambda x: x.astype(np.float32)
+    return f(lt), f(lr), mask
+
+
+def test_mismatch_metrics_match_reference():
+    lt, lr, mask = _logprobs()
+    got = jax.jit(diagnostics.mismatch_metrics)(lt, lr, mask)
+    expect = ref.mismatch_metrics(lt, lr, mask)
+    assert set(got) == set(expect)
+    for k, v in expect.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_identical_logprobs_give_zero_mismatch():
+    lt, _, mask = _logprobs(seed=1)
+    got = diagnostics.mismatch_metrics(lt, lt, mask)
+    for k in ("ppl_gap", "log_ppl_diff", "kl_k1", "kl_k3", "chi2_token", "chi2_seq"):
+        assert got[k] == 0.0, k
+    assert got["rollout_ppl"] == got["training_ppl"] > 1.0
+
+
+def test_lt_bins_match_reference():
+    rng = np.random.default_rng(2)
+    lt, lr, mask = _logprobs(seed=2)
+    p = rng.random((B, T)).astype(np.float32)
+    p[0, 0], p[0, 1] = 1.0, 0.0  # the edges: 1 - p = 0 -> bin 0, 1 - p = 1 -> last bin
+    got = diagnostics.lt_by_p_bins(lt - lr, p, mask, num_bins=5)
+    expect = ref.lt_by_p_bins(lt - lr, p, mask, num_bins=5)
+    assert set(got) == set(expect)
+    for k, v in expect.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_is_weight_stats_and_exclusion_by_hand():
+    # w = (1, 2) kept, 7 masked out: mean 1.5, max 2, ESS = (1 + 2)^2 / (2 * (1 + 4)) = 0.9.
+    got = diagnostics.is_weight_stats(jnp.array([1.0, 2.0, 7.0]), jnp.array([True, True, False]))
+    np.testing.assert_allclose([got[k] for k in ("is_weight_mean", "is_weight_max")], [1.5, 2.0])
+    np.testing.assert_allclose(got["is_weight_ess"], 0.9, rtol=1e-6)
+    # 3 responses with tokens (the 4th is padding): 1 excluded, 1 masked; 1 of 5 tokens masked.
+    mask = jnp.array([[1, 1], [1, 0], [1, 1], [0, 0]], bool)
+    got = diagnostics.exclusion_metrics(
+        mask,
+        excluded=jnp.array([True, False, False, True]),
+        seq_masked=jnp.array([False, True, False, False]),
+        token_masked=jnp.array([[0, 0], [0, 0], [0, 1], [1, 1]], bool),
+    )
+    np.testing.assert_allclose(
+        [got["frac_responses_excluded"], got["frac_responses_masked"], got["frac_tokens_masked"]],
+        [1 / 3, 1 / 3, 1 / 5],
+        rtol=1e-6,
+    )
+
+
+def test_mismatch_diagnostics_from_logits_end_to_end():
+    """Rollout (bf16-rounded logits) vs trainer (fp32) through the pruning functions."""
+    rng = np.random.default_rng(3)
+    logits = (2.0 * rng.normal(size=(B, T, V))).astype(np.float32)
+    logits_r = np.asarray(jnp.asarray(logits, jnp.bfloat16).astype(jnp.float32))
+    y = rng.integers(0, V, size=(B, T))
+    _, _, mask = _logprobs(seed=3)
+    train = pruning.pruned_token_logprobs(logits, y, -3.0)
+    roll = pruning.pruned_token_logprobs(logits_r, y, -3.0)
+    diagnose = jax.jit(
+        lambda: diagnostics.mismatch_diagnostics(
+            logp_train=train.logp,
+            logp_rollout=roll.logp,
+            response_mask=mask,
+            in_safe_train=train.in_safe,
+            logp_full_train=train.logp_full,
+            logp_full_rollout=roll.logp_full,
+            pruned_mass_train=train.pruned_mass,
+            safe_size_train=train.safe_size,
+            pruned_mass_rollout=roll.pruned_mass,
+            safe_size_rollout=roll.safe_size,
+            num_bins=4,
+        )
+    )
+    got = diagnose()
+    assert all(np.isfinite(v) for v in got.values())
+    for side in ("train", "rollout"):
+        for stat in ("pruned_mass", "safe_size"):
+            assert f"{stat}_{side}_mean" in got and f"{stat}_{side}_max" in got
+    outside = (~np.asarray(train.in_safe) & mask).sum() / mask.sum()
+    np.testing.assert_allclose(got["frac_tokens_outside_train_safe"], outside, rtol=1e-6)
+    kept = mask & ~np.any(mask & ~np.asarray(train.in_safe), axis=1, keepdims=True)
+    expect = ref.mismatch_metrics(train.logp, roll.logp, kept)
+    for k, v in expect.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+    expect = ref.mismatch_metrics(train.logp_full, roll.logp_full, mask)
+    for k, v in expect.items():
+        np.testing.assert_allclose(got["full_" + k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+    assert sum(got[f"lt_bin{k}_count"] for k in range(4)) == mask.sum()
+
+
+@pytest.mark.parametrize("eps", [1e-4, 1e-2, 0.3, 2.0])
+def test_bound_holds_for_random_perturbations(eps):
+    rng = np.random.default_rng(int(eps * 1e4))
+    z = (3.0 * rng.normal(size=(64, V))).astype(np.float32)
+    z[:8, 0] += 25.0  # some positions with p close to 1 (1 - p ~ 1e-10): the hard end of E10
+    d = rng.uniform(-eps, eps, size=z.shape).astype(np.float32)
+    report = jax.jit(diagnostics.mismatch_bound)(z + d, z)
+    assert report.frac_within == 1.0
+    np.testing.assert_allclose(report.eps, np.abs((z + d) - z).max(-1), rtol=1e-6)
+    diff = np.abs(ref.log_softmax(z + d) - ref.log_softmax(z))
+    np.testing.assert_allclose(report.abs_logp_diff, diff, rtol=1e-3, atol=1e-6 * eps)
+    # Gathered at sampled tokens: the same numbers.
+    y = rng.integers(0, V, size=64)
+    at_y = diagnostics.mismatch_bound(z + d, z, y)
+    np.testing.assert_array_equal(at_y.abs_logp_diff, report.abs_logp_diff[np.arange(64), y])
+    assert at_y.frac_within == 1.0
+
+
+def test_bound_from_bf16_forward():
+    rng = np.random.default_rng(5)
+    h = rng.normal(size=(32, 16)).astype(np.float32)
+    w = rng.normal(size=(16, V)).astype(np.float32)
+    z = h @ w
+    z_bf16 = jnp.einsum("nd,dv->nv", jnp.asarray(h, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16))
+    report = diagnostics.mismatch_bound(z_bf16.astype(jnp.float32), z, temperature=0.7)
+    assert report.frac_within == 1.0 and float(report.eps.max()) > 0
+
+
+def test_a_wrong_one_x_bound_is_caught():
+    # d = -eps on every logit except +eps on token a: d log q_a / ds = 2 eps (1 - q_a(s)), so
+    # |log p'_a - log p_a| is close to 2 eps (1 - p_a) and exceeds eps (1 - min(p_a, p'_a)).
+    rng = np.random.default_rng(6)
+    z = rng.normal(size=(16, V)).astype(np.float32)
+    eps = 0.05
+    d = np.full(z.shape, -eps, np.float32)
+    d[:, 3] = eps
+    assert diagnostics.mismatch_bound(z + d, z).frac_within == 1.0
+    wrong = diagnostics.mismatch_bound(z + d, z, factor=1.0)
+    assert not np.asarray(wrong.within)[:, 3].any()
+    assert wrong.frac_within < 1.0

@@ -1,0 +1,298 @@
+"""The DVP-RLOO loss (E5-E9), its config and presets.
+
+Tolerances: loss values 1e-5 relative (fp32 vs the float64 loop reference; 1e-6 absolute near 0);
+gradients in logp_train 1e-5 relative against the reference's central finite differences (the
+loss is linear in logp_train with stop-gradient weights, so differences are exact up to rounding),
+1e-4 for the PPO surrogate and for the end-to-end chunked path (composed).
+"""
+
+import dataclasses
+import functools
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dvp_jax.dvp import advantages, losses, pruning
+from dvp_jax.dvp.losses import LossConfig, dvp_loss
+from tests import reference as ref
+
+B, T = 6, 5
+
+
+def _batch(seed=0, b=B, t=T, noise=0.3, outside_rate=0.1):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, t + 1, size=b)
+    mask = np.arange(t)[None, :] < lengths[:, None]
+    logp_rollout = -rng.exponential(1.0, size=(b, t))
+    logp_train = logp_rollout + rng.normal(0.0, noise, size=(b, t))
+    in_safe = rng.random((b, t)) > outside_rate
+    logp_train = np.where(in_safe, logp_train, pruning.LOGP_FLOOR)  # as the trainer produces
+    adv = rng.normal(size=b)
+    f = lambda x: x.astype(np.float32)
+    return f(logp_train), f(logp_rollout), f(adv), mask, in_safe
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def _loss_and_grad(cfg, lp, lr, adv, mask, in_safe, logp_old=None):
+    fn = lambda lp: dvp_loss(lp, lr, adv, mask, in_safe, cfg, logp_old)
+    (loss, metrics), grad = jax.value_and_grad(fn, has_aux=True)(lp)
+    return loss, metrics, grad
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("prune", "yes"),
+        ("log_rho", 1.0),
+        ("log_rho", math.nan),
+        ("correction", "token_is"),
+        ("cap", 0.5),
+        ("cap", math.inf),
+        ("normalisation", "seq_mean"),
+        ("ppo_clip_eps", 0.0),
+        ("ppo_clip_eps", 1.5),
+        ("temperature", 0.0),
+    ],
+)
+def test_config_errors_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        LossConfig(**{field: value})
+
+
+def test_presets():
+    expect = {
+        "rloo": (False, "none"),
+        "tis": (False, "token_tis"),
+        "mis": (False, "seq_mis"),
+        "dvp": (True, "none"),
+        "mis_dvp": (True, "seq_mis"),
+    }
+    for name, (prune, correction) in expect.items():
+        cfg = LossConfig.preset(name)
+        assert (cfg.prune, cfg.correction, cfg.cap) == (prune, correction, 2.0)
+        assert cfg.pruning == prune
+        assert cfg.effective_log_rho == (-13.0 if prune else -math.inf)
+    assert LossConfig.preset("dvp", log_rho=-10.0).effective_log_rho == -10.0
+    assert not LossConfig.preset("dvp", log_rho=-math.inf).pruning
+    with pytest.raises(ValueError, match="mis_dvp"):
+        LossConfig.preset("dvp_mis")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        LossConfig().cap = 3.0
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+@pytest.mark.parametrize("correction", losses.CORRECTIONS)
+@pytest.mark.parametrize("normalisation", losses.NORMALISATIONS)
+@pytest.mark.parametrize("prune", [True, False])
+def test_matches_reference(correction, normalisation, prune):
+    lp, lr, adv, mask, in_safe = _batch(seed=1, b=8, t=6)
+    if not prune:  # the unpruned trainer has no floors
+        lp = np.where(in_safe, lp, lr - 0.1).astype(np.float32)
+    cfg = LossConfig(prune=prune, correction=correction, normalisation=normalisation)
+    loss, metrics, grad = _loss_and_grad(cfg, lp, lr, adv, mask, in_safe)
+    kw = dict(prune=prune, correction=correction, normalisation=normalisation, cap=2.0)
+    expect = ref.dvp_loss(lp, lr, adv, mask, in_safe, **kw)
+    np.testing.assert_allclose(loss, expect["loss"], rtol=1e-5, atol=1e-6)
+    expect_grad = ref.loss_grad(lp, lr, adv, mask, in_safe, **kw)
+    np.testing.assert_allclose(grad, expect_grad, rtol=1e-5, atol=1e-7)
+    assert metrics["kept_tokens"] == expect["kept_tokens"]
+    assert metrics["kept_responses"] == expect["kept_responses"]
+    assert metrics["frac_responses_excluded"] * B == pytest.approx(expect["excluded"] * B / 8)
+    if correction == "seq_mis":
+        assert metrics["frac_responses_masked"] * 8 == pytest.approx(expect["masked_seqs"])
+    if correction == "token_mis":
+        assert metrics["frac_tokens_masked"] * mask.sum() == pytest.approx(expect["masked_tokens"])
+
+
+@pytest.mark.parametrize("correction", ["token_tis", "seq_mis"])
+def test_ppo_gradient_matches_decoupled_clip_surrogate(correction):
+    lp, lr, adv, mask, in_safe = _batch(seed=2, b=12, t=6)
+    rng = np.random.default_rng(3)
+    logp_old = np.where(in_safe, lp + rng.normal(0, 0.4, lp.shape), lp).astype(np.float32)
+    cfg = LossConfig(correction=correction, ppo_clip_eps=0.1)
+    loss, metrics, grad = _loss_and_grad(cfg, lp, lr, adv, mask, in_safe, logp_old)
+    kw = dict(prune=True, correction=correction, ppo_eps=0.1, logp_old=logp_old)
+    expect = ref.loss_grad(lp, lr, adv, mask, in_safe, **kw)
+    np.testing.assert_allclose(grad, expect, rtol=1e-4, atol=1e-7)
+    assert 0 < metrics["ppo_clip_frac"] < 1
+    # First optimizer step (pi_old = pi): the value and gradient are E9's.
+    cfg0 = LossConfig(correction=correction)
+    loss0, _, grad0 = _loss_and_grad(cfg0, lp, lr, adv, mask, in_safe)
+    loss1, _, grad1 = _loss_and_grad(cfg, lp, lr, adv, mask, in_safe, lp)
+    np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
+    np.testing.assert_allclose(grad1, grad0, rtol=1e-6)
+    with pytest.raises(ValueError, match="logp_old"):
+        dvp_loss(lp, lr, adv, mask, in_safe, cfg)
+
+
+# ----------------------------------------------------------------------------- by hand
+
+
+def test_response_with_a_token_outside_the_safe_set_is_excluded_by_hand():
+    # Response 0: 3 tokens, all inside V_S, log pi_S = (-0.5, -1.0, -0.25), A_0 = 2.
+    # Response 1: 2 tokens, the second outside the trainer's V_S (log pi_S = -inf), A_1 = -1.
+    # E5 drops response 1 from numerator and normaliser: Z = 3 tokens and
+    # loss = -(1/3) * 2 * (-0.5 - 1.0 - 0.25) = 3.5 / 3 = 1.1666667;
+    # d loss / d log pi_S = -2/3 on response 0's tokens, 0 elsewhere (also on the -inf token).
+    lp = jnp.array([[-0.5, -1.0, -0.25], [-0.2, -jnp.inf, 0.0]])
+    lr = jnp.array([[-0.5, -1.0, -0.25], [-0.2, -3.0, 0.0]])
+    mask = jnp.array([[True, True, True], [True, True, False]])
+    in_safe = jnp.array([[True, True, True], [True, False, True]])
+    adv = jnp.array([2.0, -1.0])
+    cfg = LossConfig.preset("dvp")
+    loss, metrics, grad = _loss_and_grad(cfg, lp, lr, adv, mask, in_safe)
+    np.testing.assert_allclose(loss, 3.5 / 3, rtol=1e-6)
+    np.testing.assert_allclose(grad, [[-2 / 3] * 3, [0.0] * 3], rtol=1e-6)
+    assert metrics["frac_responses_excluded"] == 0.5
+    assert metrics["kept_tokens"] == 3
+    np.testing.assert_allclose(metrics["frac_tokens_outside_train_safe"], 1 / 5)
+    # The same batch with pruning off (rloo) ignores in_safe: response 1 counts (with a finite
+    # log-prob in place of the -inf a pruned trainer would not produce).
+    lp_full = lp.at[1, 1].set(-3.0)
+    loss, metrics, _ = _loss_and_grad(LossConfig.preset("rloo"), lp_full, lr, adv, mask, in_safe)
+    np.testing.assert_allclose(loss, -(2 * -1.75 + -1 * -3.2) / 5, rtol=1e-6)
+
+
+def test_seq_mis_masks_exactly_responses_with_exp_l_above_cap_by_hand():
+    # C = 2 (log C = 0.6931). Rollout log-probs all -1; token log-ratios l:
+    #   response 0: (0.3, 0.3)  L = 0.6,  exp L = 1.8221188 <= 2 -> kept, w = 1.8221188
+    #   response 1: (0.5, 0.3)  L = 0.8,  exp L = 2.2255409 >  2 -> masked
+    #   response 2: (-1.0, 0.2) L = -0.8, exp L = 0.4493290 <= 2 -> kept, w = 0.4493290
+    # A = (1, 1, -1); Z = 4 kept tokens;
+    # numerator = 1.8221188 * 1 * (-0.7 - 0.7) + 0.4493290 * (-1) * (-2.0 - 0.8)
+    #           = -2.5509663 + 1.2581211 = -1.2928452; loss = 1.2928452 / 4 = 0.3232113.
+    lr = -jnp.ones((3, 2))
+    ratio = jnp.array([[0.3, 0.3], [0.5, 0.3], [-1.0, 0.2]])
+    mask = jnp.ones((3, 2), bool)
+    adv = jnp.array([1.0, 1.0, -1.0])
+    cfg = LossConfig.preset("mis_dvp")
+    loss, metrics, grad = _loss_and_grad(cfg, lr + ratio, lr, adv, mask, mask)
+    np.testing.assert_allclose(loss, 0.3232113, rtol=1e-6)
+    np.testing.assert_allclose(metrics["frac_responses_masked"], 1 / 3)
+    np.testing.assert_allclose(grad[1], [0.0, 0.0])
+    np.testing.assert_allclose(grad[0], [-1.8221188 / 4] * 2, rtol=1e-6)
+    np.testing.assert_allclose(metrics["is_weight_max"], 1.8221188, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- identities
+
+
+def test_identical_logprobs_give_unit_weights_and_equal_presets():
+    lp, _, adv, mask, _ = _batch(seed=4)
+    lp = np.where(mask, lp, -1.0).astype(np.float32)  # no floors: everything inside
+    inside = np.ones_like(mask)
+    results = {
+        name: _loss_and_grad(LossConfig.preset(name), lp, lp, adv, mask, inside)
+        for name in losses.PRESETS
+    }
+    base_loss, _, base_grad = results["rloo"]
+    for loss, metrics, grad in results.values():
+        np.testing.assert_allclose(loss, base_loss, rtol=1e-6)
+        np.testing.assert_allclose(grad, base_grad, rtol=1e-6)
+        assert metrics["is_weight_mean"] == 1.0 and metrics["is_weight_max"] == 1.0
+        assert metrics["is_weight_ess"] == pytest.approx(1.0)
+    for correction in losses.CORRECTIONS:
+        _, metrics, _ = _loss_and_grad(LossConfig(correction=correction), lp, lp, adv, mask, inside)
+        assert metrics["is_weight_mean"] == 1.0 and metrics["is_weight_max"] == 1.0
+
+
+def test_no_pruning_and_no_correction_is_plain_rloo_reinforce():
+    rng = np.random.default_rng(5)
+    p, g = 3, 4
+    rewards = rng.integers(0, 2, size=p * g).astype(np.float32)
+    adv = advantages.rloo(rewards, group_size=g)
+    lp, lr, _, mask, _ = _batch(seed=5, b=p * g, outside_rate=0.0)
+    loss, _, grad = _loss_and_grad(LossConfig.preset("rloo"), lp, lr, adv, mask, None)
+    # REINFORCE with the leave-one-out baseline, averaged over all response tokens.
+    a = ref.rloo(rewards.reshape(p, g)).reshape(-1)
+    expect = -np.sum(a[:, None] * np.where(mask, lp, 0.0)) / mask.sum()
+    np.testing.assert_allclose(loss, expect, rtol=1e-5)
+    np.testing.assert_allclose(grad, -a[:, None] * mask / mask.sum(), rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("correction", losses.CORRECTIONS)
+@pytest.mark.parametrize("normalisation", losses.NORMALISATIONS)
+def test_padding_never_changes_loss_or_gradients(correction, normalisation):
+    lp, lr, adv, mask, in_safe = _batch(seed=6)
+    cfg = LossConfig(correction=correction, normalisation=normalisation, ppo_clip_eps=0.2)
+    old = (lp + 0.05).astype(np.float32)
+    loss, metrics, grad = _loss_and_grad(cfg, lp, lr, adv, mask, in_safe, old)
+
+    def pad(x, value):  # 3 more positions per response and one all-padding response
+        x = np.concatenate([x, np.full((B, 3), value, x.dtype)], axis=1)
+        return np.concatenate([x, np.full((1, T + 3), value, x.dtype)], axis=0)
+
+    garbage = [np.nan, -np.inf, np.inf, 1e30]
+    for i, value in enumerate(garbage):
+        other = garbage[(i + 1) % len(garbage)]
+        got_loss, got_metrics, got_grad = _loss_and_grad(
+            cfg,
+            pad(lp, value),
+            pad(lr, other),
+            np.concatenate([adv, [np.float32(5.0)]]),
+            pad(mask, False),
+            pad(in_safe, i % 2 == 0),
+            pad(old, other),
+        )
+        np.testing.assert_array_equal(got_loss, loss)
+        np.testing.assert_array_equal(got_grad[:B, :T], grad)
+        np.testing.assert_array_equal(got_grad[B:], 0.0)
+        np.testing.assert_array_equal(got_grad[:, T:], 0.0)
+        for k in ("kept_tokens", "kept_responses", "is_weight_mean", "is_weight_max"):
+            np.testing.assert_array_equal(got_metrics[k], metrics[k])
+
+
+def test_no_retrace_on_second_call():
+    cfg = LossConfig.preset("mis_dvp")
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(lp, lr, adv, mask, in_safe):
+        fn = lambda lp: dvp_loss(lp, lr, adv, mask, in_safe, cfg)
+        return jax.value_and_grad(fn, has_aux=True)(lp)
+
+    step(*_batch(seed=7))
+    step(*_batch(seed=8))
+
+
+def test_end_to_end_chunked_logprobs_into_loss_matches_unchunked():
+    """Loss gradients w.r.t. hidden states and unembedding: chunked path == logits path."""
+    rng = np.random.default_rng(9)
+    d, v = 8, 40
+    h = rng.normal(size=(B, T, d)).astype(np.float32)
+    w = (1.5 * rng.normal(size=(d, v))).astype(np.float32)
+    # Mostly the argmax (inside any safe set), sometimes a random token (often outside).
+    y = np.where(rng.random((B, T)) < 0.9, np.argmax(h @ w, axis=-1), rng.integers(0, v, (B, T)))
+    y = y.astype(np.int32)
+    _, lr, adv, mask, _ = _batch(seed=9)
+    cfg = LossConfig.preset("mis_dvp", log_rho=-2.5)
+
+    def loss_fn(h, w, chunked):
+        if chunked:
+            tl = pruning.chunked_pruned_logprobs(
+                h, w, y, log_rho=cfg.effective_log_rho, chunk_size=16
+            )
+        else:
+            logits = jnp.einsum("btd,dv->btv", h, w)
+            tl = pruning.pruned_token_logprobs(logits, y, cfg.effective_log_rho)
+        return dvp_loss(tl.logp, lr, adv, mask, tl.in_safe, cfg)
+
+    def vg(chunked):
+        fn = functools.partial(loss_fn, chunked=chunked)
+        return jax.jit(jax.value_and_grad(fn, argnums=(0, 1), has_aux=True))(h, w)
+
+    (loss_c, m_c), grads_c = vg(True)
+    (loss_u, m_u), grads_u = vg(False)
+    assert 0 < m_c["frac_responses_excluded"] < 1  # the case exercises E5
+    np.testing.assert_allclose(loss_c, loss_u, rtol=1e-5)
+    for a, b in zip(grads_c, grads_u, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max())

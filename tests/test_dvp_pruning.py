@@ -1,0 +1,225 @@
+"""Pruning (E1-E3) and chunked pruned log-probabilities with a custom VJP.
+
+Tolerances: values 1e-5 relative (fp32 vs the float64 reference, plus 1e-6 absolute for entries
+near 0); gradients 1e-4 relative to the reference (composed: matmul + softmax, fp32 accumulation
+over V) and, between chunk sizes, 1e-5 of the largest entry (entries that are sums of cancelling
+terms differ by summation order only).
+"""
+
+import functools
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dvp_jax.dvp import pruning
+from tests import reference as ref
+
+N, D, V = 24, 8, 50
+
+
+def _inputs(seed=0, n=N, d=D, v=V, scale=1.0):
+    rng = np.random.default_rng(seed)
+    h = rng.normal(size=(n, d)).astype(np.float32)
+    w = (scale * rng.normal(size=(d, v))).astype(np.float32)
+    y = rng.integers(0, v, size=(n,)).astype(np.int32)
+    return h, w, y
+
+
+def _objective(out, g):
+    """A scalar touching every differentiable output (cotangents g = (g_logp, g_full, g_mass))."""
+    return (
+        jnp.sum(g[0] * out.logp) + jnp.sum(g[1] * out.logp_full) + jnp.sum(g[2] * out.pruned_mass)
+    )
+
+
+def test_four_token_vocab_by_hand():
+    # z = [2, 1, -1, -3], log_rho = -2.5: max 2, threshold -0.5 -> V_S = {0, 1}.
+    # logsumexp over V_S = log(e^2 + e^1) = 2 + log(1 + e^-1) = 2.3132617
+    # log pi_S(0) = 2 - 2.3132617 = -0.3132617; log pi_S(1) = -1.3132617; tokens 2, 3 outside.
+    # delta_S = (e^-1 + e^-3) / (e^2 + e^1 + e^-1 + e^-3) = 0.4176665 / 10.5250036 = 0.0396833.
+    z = jnp.array([[2.0, 1.0, -1.0, -3.0]])
+    np.testing.assert_array_equal(pruning.safe_set(z, -2.5), [[True, True, False, False]])
+    logp, stats = pruning.pruned_log_softmax(z, -2.5)
+    lse = 2.0 + math.log1p(math.exp(-1.0))
+    np.testing.assert_allclose(logp[0, :2], [2.0 - lse, 1.0 - lse], rtol=1e-6)
+    np.testing.assert_array_equal(logp[0, 2:], [pruning.LOGP_FLOOR] * 2)
+    np.testing.assert_allclose(stats.pruned_mass, [0.4176665 / 10.5250036], rtol=1e-5)
+    np.testing.assert_array_equal(stats.safe_size, [2])
+    # tau = 2: z / tau = [1, 0.5, -0.5, -1.5], threshold 1 - 2.5 = -1.5 (exact in binary), and
+    # E1 is ">=": token 3 sits exactly on the threshold, so all four are safe and delta_S = 0.
+    np.testing.assert_array_equal(pruning.safe_set(z, -2.5, temperature=2.0), [[True] * 4])
+    # The same case through the chunked path (h = [[1], [1]], W = z, so h W = z): y = 1 is
+    # inside, y = 3 is not.
+    h = jnp.ones((2, 1))
+    w = z  # [d=1, V=4]
+    out = pruning.chunked_pruned_logprobs(h, w, jnp.array([1, 3]), log_rho=-2.5, chunk_size=3)
+    np.testing.assert_allclose(out.logp[0], 1.0 - lse, rtol=1e-6)
+    assert out.logp[1] == pruning.LOGP_FLOOR
+    np.testing.assert_array_equal(out.in_safe, [True, False])
+    np.testing.assert_array_equal(out.safe_size, [2, 2])
+
+
+def test_tiny_pruned_mass_is_accurate():
+    # z = (20, 0, -1, -30), rho = e^-13: V_S = {0} and
+    # delta_S = (1 + e^-1 + e^-30) / (e^20 + 1 + e^-1 + e^-30) = 2.8194e-9, far below float32's
+    # 1 - S/F resolution; both paths compute it from the pruned terms themselves.
+    z = np.array([[20.0, 0.0, -1.0, -30.0]], np.float32)
+    expect = ref.pruned_token_logprob(z[0], 0, -13.0)["pruned_mass"]
+    assert 2.8e-9 < expect < 2.83e-9
+    _, stats = pruning.pruned_log_softmax(z, -13.0)
+    np.testing.assert_allclose(stats.pruned_mass, [expect], rtol=1e-5)
+    out = pruning.chunked_pruned_logprobs(
+        jnp.ones((1, 1)), z, jnp.array([0]), log_rho=-13.0, chunk_size=2
+    )
+    np.testing.assert_allclose(out.pruned_mass, [expect], rtol=1e-5)
+
+
+@pytest.mark.parametrize("log_rho", [-2.0, -13.0, None])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logits_path_matches_reference(log_rho, temperature):
+    h, w, y = _inputs(scale=1.5)
+    logits = h @ w
+    lr = -math.inf if log_rho is None else log_rho
+    expect = ref.pruned_token_logprobs(logits, y, lr, temperature)
+    got = pruning.pruned_token_logprobs(jnp.asarray(logits), jnp.asarray(y), log_rho, temperature)
+    _assert_matches_reference(got, expect)
+    mask = pruning.safe_set(jnp.asarray(logits), log_rho, temperature)
+    for n in range(N):
+        assert set(np.flatnonzero(mask[n])) == ref.safe_set(logits[n], lr, temperature)
+
+
+def _assert_matches_reference(got, expect):
+    np.testing.assert_array_equal(got.in_safe, expect["in_safe"])
+    np.testing.assert_array_equal(got.safe_size, expect["safe_size"])
+    inside = expect["in_safe"]
+    np.testing.assert_allclose(got.logp[inside], expect["logp"][inside], rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(got.logp)[~inside] == pruning.LOGP_FLOOR)
+    np.testing.assert_allclose(got.logp_full, expect["logp_full"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got.pruned_mass, expect["pruned_mass"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("log_rho", [-2.0, None])
+def test_chunked_matches_reference_values_and_grads(log_rho):
+    temperature = 0.8
+    h, w, y = _inputs(seed=1, scale=1.5)
+    lr = -math.inf if log_rho is None else log_rho
+    expect = ref.pruned_token_logprobs(h @ w, y, lr, temperature)
+    if log_rho is not None:  # the case must exercise both sides of the safe set
+        assert 0 < expect["in_safe"].sum() < N
+    rng = np.random.default_rng(2)
+    g = [rng.normal(size=N) for _ in range(3)]
+
+    fn = lambda h, w: pruning.chunked_pruned_logprobs(
+        h, w, jnp.asarray(y), log_rho=log_rho, temperature=temperature, chunk_size=16
+    )
+    _assert_matches_reference(jax.jit(fn)(h, w), expect)
+    grads = jax.jit(jax.grad(lambda h, w: _objective(fn(h, w), g), argnums=(0, 1)))(h, w)
+    g_logits = ref.objective_grad_logits(h @ w, y, lr, temperature, *g)  # [N, V] float64
+    np.testing.assert_allclose(grads[0], g_logits @ w.astype(np.float64).T, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(grads[1], h.astype(np.float64).T @ g_logits, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("log_rho", [-3.0, None])
+def test_chunk_sizes_agree(log_rho):
+    h, w, y = _inputs(seed=3, scale=2.0)
+    g = [jnp.linspace(-1, 1, N), jnp.ones(N), jnp.full(N, 0.5)]
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def run(chunk_size):
+        fn = lambda h, w: pruning.chunked_pruned_logprobs(
+            h, w, jnp.asarray(y), log_rho=log_rho, chunk_size=chunk_size
+        )
+        return fn(h, w), jax.grad(lambda h, w: _objective(fn(h, w), g), argnums=(0, 1))(h, w)
+
+    base_out, base_grads = run(V)
+    for chunk_size in (math.ceil(V / 7), 1024, 13):
+        out, grads = run(chunk_size)
+        for a, b in zip(out, base_out, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        for a, b in zip(grads, base_grads, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+
+
+def test_chunked_leading_dims_bf16_and_extreme_logits_are_finite():
+    h, w, y = _inputs(seed=4)
+    h_bf16, w_bf16 = jnp.asarray(h, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+    out = pruning.chunked_pruned_logprobs(
+        h_bf16.reshape(4, 6, D), w_bf16, y.reshape(4, 6), log_rho=-2.0, chunk_size=16
+    )
+    assert out.logp.shape == (4, 6) and out.logp.dtype == jnp.float32
+    # Logits in the thousands: exponentials are of z - max <= 0, so nothing overflows.
+    fn = lambda h, w: jnp.sum(
+        pruning.chunked_pruned_logprobs(h, w, jnp.asarray(y), log_rho=-5.0, chunk_size=16).logp
+    )
+    grads = jax.grad(fn, argnums=(0, 1))(h * 1e3, w)
+    assert all(np.isfinite(g).all() for g in grads)
+    assert np.isfinite(fn(h * 1e3, w))
+    grads = jax.grad(fn, argnums=(0, 1))(h_bf16, w_bf16)
+    assert grads[0].dtype == jnp.bfloat16 and grads[1].dtype == jnp.bfloat16
+
+
+def test_no_n_by_v_array_in_forward_or_backward():
+    n, d, v, chunk = 96, 16, 2048, 256
+    h, w, y = _inputs(n=n, d=d, v=v)
+    fn = lambda h, w: jnp.sum(
+        pruning.chunked_pruned_logprobs(h, w, jnp.asarray(y), log_rho=-13.0, chunk_size=chunk).logp
+    )
+    hlo = jax.jit(jax.value_and_grad(fn, argnums=(0, 1))).lower(h, w).compile().as_text()
+    assert f"[{n},{v}]" not in hlo and f"[{v},{n}]" not in hlo
+    assert f"f32[{n},{chunk}]" in hlo  # the chunk logits are there instead
+
+
+@pytest.mark.parametrize("axis_type", ["explicit", "auto"])
+def test_sharded_equals_single_device(axis_type):
+    kind = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}[axis_type]
+    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(kind,) * 3)
+    b, t, v = 8, 4, 64
+    h, w, y = _inputs(seed=5, n=b * t, v=v, scale=1.5)
+    h, y = h.reshape(b, t, D), y.reshape(b, t)
+
+    def fn(h, w, y):
+        out = pruning.chunked_pruned_logprobs(h, w, y, log_rho=-2.0, chunk_size=24)
+        return _objective(out, [1.0, 0.5, 2.0]), out
+
+    vg = jax.jit(jax.value_and_grad(fn, argnums=(0, 1), has_aux=True))
+    expect = vg(h, w, y)
+    hs = jax.device_put(h, NamedSharding(mesh, P(("data", "fsdp"), None, None)))
+    ys = jax.device_put(y, NamedSharding(mesh, P(("data", "fsdp"), None)))
+    for w_spec in (P(None, "tensor"), P("fsdp", "tensor")):
+        ws = jax.device_put(w, NamedSharding(mesh, w_spec))
+        got = vg(hs, ws, ys)
+        chex.assert_trees_all_close(got, expect, rtol=1e-5, atol=1e-6)
+        assert got[1][0].sharding.is_equivalent_to(hs.sharding, 3)  # dh laid out like h
+
+
+def test_no_retrace_on_second_call():
+    h, w, y = _inputs(seed=6)
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(h, w, y):
+        fn = lambda h, w: jnp.sum(
+            pruning.chunked_pruned_logprobs(h, w, y, log_rho=-2.0, chunk_size=16).logp
+        )
+        return jax.value_and_grad(fn, argnums=(0, 1))(h, w)
+
+    step(h, w, y)
+    step(h + 1.0, w * 2.0, (y + 1) % V)
+
+
+def test_argument_errors():
+    h, w, y = _inputs()
+    with pytest.raises(ValueError, match="chunk_size"):
+        pruning.chunked_pruned_logprobs(h, w, y, log_rho=-1.0, chunk_size=0)
+    with pytest.raises(ValueError, match="log_rho"):
+        pruning.chunked_pruned_logprobs(h, w, y, log_rho=1.0, chunk_size=8)
+    with pytest.raises(ValueError, match="temperature"):
+        pruning.chunked_pruned_logprobs(h, w, y, log_rho=-1.0, temperature=0.0, chunk_size=8)
+    with pytest.raises(ValueError, match="y must have shape"):
+        pruning.chunked_pruned_logprobs(h, w, y[:3], log_rho=-1.0, chunk_size=8)
