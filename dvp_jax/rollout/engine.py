@@ -1,0 +1,560 @@
+"""`RolloutEngine`: our Qwen3-style model behind JetStream's `engine_api.Engine`.
+
+The same engine serves two drivers: the RL rollout loop (`offline.py`, which calls the Engine API
+directly because JetStream's results carry no log-probs) and JetStream's own orchestrator
+(`server.py`). Precision is a switch (`EngineConfig.dtype`, `noise_std`): the trainer stays fp32.
+
+Data flow per request (b = slot, M = max_decode_length, S = max_prefill_length + M):
+
+* `prefill(params, padded_tokens, true_length, rng=None) -> Prefix`: the prompt is re-padded to
+  the smallest prefill bucket that holds it (so prefill compiles at most once per bucket) and run
+  once; the `Prefix` holds its KV cache `[L, 1, bucket, k, h]`, the next-token logits `[v]`, the
+  true length and the request's PRNG key (`rng`, or `fold_in(seed key, request counter)` when
+  the caller gives none, as JetStream's orchestrator does).
+* `insert(prefix, state, slot, sample_index=0)`: copies the prefix into slot `slot` and gives the
+  slot the key `fold_in(prefix key, sample_index)`; RL rollouts insert one prefix into G slots
+  with sample indices 0..G-1.
+* `generate(params, state)`: for every slot, samples the next token from the slot's pending
+  logits (E4, `sampling.sample` with key `fold_in(slot key, step)`), records per generated token
+  its id, log mu_S, unpruned log mu, pruned mass and safe-set size, then runs one decode step to
+  get the next pending logits. A slot finishes at a stop token (recorded, counted in the length)
+  or after M tokens. Keys depend only on (request key, sample index, step), never on the slot or
+  the schedule, so a fixed seed reproduces a rollout exactly.
+
+Jitted functions take the parameters as an argument (never closed over), so `update_params`
+(cast + reshard of trainer weights) never recompiles: tests assert the compile caches do not grow.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+from jax.sharding import NamedSharding
+from jetstream.engine import engine_api, tokenizer_pb2
+
+from dvp_jax.model.attention import CACHE_AXES, KVCache
+from dvp_jax.model.config import DTypePolicy, ModelConfig
+from dvp_jax.model.transformer import Transformer
+from dvp_jax.rollout import sampling
+from dvp_jax.rollout.tokenizers import load_tokenizer
+from dvp_jax.sharding import (
+    ROLLOUT_RULES,
+    MeshConfig,
+    Sharder,
+    init_sharded,
+    make_mesh,
+    state_shardings,
+)
+
+DTYPES = ("float32", "bfloat16", "bfloat16_fp8kv")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Rollout engine settings (static shapes, precision and default sampling).
+
+    Attributes:
+      dtype: rollout precision: 'float32' (no mismatch with the trainer), 'bfloat16' (params,
+        activations and KV cache; the default) or 'bfloat16_fp8kv' (bf16 with a float8_e4m3fn
+        KV cache).
+      noise_std: sigma of additive Gaussian noise on the rollout logits before pruning
+        (0 = off); a controlled, stronger mismatch.
+      max_concurrent_decodes: decode slots (the decode batch).
+      max_prefill_length: longest prompt in tokens (BOS included).
+      prefill_buckets: prompt lengths prefill is compiled for; values above
+        `max_prefill_length` are dropped and `max_prefill_length` is always added.
+      max_decode_length: most tokens generated per request.
+      temperature, log_rho, greedy: default sampling (see `sampling.SamplingParams`);
+        `init_decode_state(sampling=...)` overrides them without recompiling.
+      seed: base seed of the keys given to requests prefilled without an explicit `rng`.
+      stop_tokens: token ids that end a response; None: the tokenizer's `stop_tokens`; () never
+        stops early (benchmarks).
+    """
+
+    dtype: str = "bfloat16"
+    noise_std: float = 0.0
+    max_concurrent_decodes: int = 8
+    max_prefill_length: int = 64
+    prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    max_decode_length: int = 64
+    temperature: float = 1.0
+    log_rho: float = -13.0
+    greedy: bool = False
+    seed: int = 0
+    stop_tokens: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("max_concurrent_decodes", "max_prefill_length", "max_decode_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")
+        if any(not isinstance(b, int) or b < 1 for b in self.prefill_buckets):
+            raise ValueError(
+                f"EngineConfig.prefill_buckets must be positive ints, got {self.prefill_buckets}"
+            )
+        sampling.check_sampling_values(self.temperature, self.log_rho, self.noise_std)
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """Sorted prefill lengths actually compiled for."""
+        kept = {b for b in self.prefill_buckets if b < self.max_prefill_length}
+        return tuple(sorted(kept | {self.max_prefill_length}))
+
+    @property
+    def cache_length(self) -> int:
+        """S: every slot holds a full prompt plus a full response."""
+        return self.max_prefill_length + self.max_decode_length
+
+    def sampling_params(self, **overrides) -> sampling.SamplingParams:
+        kwargs = dict(
+            temperature=self.temperature,
+            log_rho=self.log_rho,
+            noise_std=self.noise_std,
+            greedy=self.greedy,
+        )
+        kwargs.update(overrides)
+        return sampling.SamplingParams.create(**kwargs)
+
+
+@struct.dataclass
+class Prefix:
+    """A prefilled request (JetStream's `Prefix`).
+
+    Attributes:
+      cache: KVCache with k, v `[L, 1, bucket, k, h]` in the cache dtype.
+      logits: `[v]` float32 logits for the first generated token.
+      length: `[]` int32 true prompt length (BOS included).
+      key: `[2]` uint32 raw PRNG key of the request.
+    """
+
+    cache: KVCache
+    logits: jax.Array
+    length: jax.Array
+    key: jax.Array
+
+
+@struct.dataclass
+class DecodeState:
+    """Per-slot decode state (B slots, M = max_decode_length, S = cache length).
+
+    Attributes:
+      cache: KVCache with k, v `[L, B, S, k, h]`.
+      logits: `[B, v]` float32 pending next-token logits of each slot.
+      pos: `[B]` int32 position of the next token (= tokens in the slot's sequence so far).
+      step: `[B]` int32 tokens generated so far.
+      done: `[B]` bool, True once a slot finished (or was never filled).
+      key: `[B, 2]` uint32 raw per-slot PRNG key.
+      tokens: `[B, M]` int32 generated token ids.
+      logp: `[B, M]` float32 log mu_S of each generated token (E4, pruned behaviour log-prob).
+      logp_full: `[B, M]` float32 unpruned log mu.
+      pruned_mass: `[B, M]` float32 delta_S (E3).
+      safe_size: `[B, M]` int32 |V_S| (E1).
+      sampling: the sampling parameters (arrays, so changing them never recompiles).
+    """
+
+    cache: KVCache
+    logits: jax.Array
+    pos: jax.Array
+    step: jax.Array
+    done: jax.Array
+    key: jax.Array
+    tokens: jax.Array
+    logp: jax.Array
+    logp_full: jax.Array
+    pruned_mass: jax.Array
+    safe_size: jax.Array
+    sampling: sampling.SamplingParams
+
+
+# The per-generated-token record arrays of `DecodeState`.
+RECORD_FIELDS = ("tokens", "logp", "logp_full", "pruned_mass", "safe_size")
+
+
+def _key_data(key: jax.Array) -> jax.Array:
+    """Raw uint32 key data of a typed key or of raw key data."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(key)
+    return jnp.asarray(key, jnp.uint32)
+
+
+class RolloutEngine(engine_api.Engine):
+    """JetStream Engine for `Transformer` (see the module docstring).
+
+    Args:
+      model_cfg: the architecture.
+      config: engine settings.
+      tokenizer: a tokenizer spec for `tokenizers.load_tokenizer` ('char' or a local
+        tokenizer.json path) or a JetStream tokenizer instance.
+      params: initial weights: an `nnx.State` (any float dtype, any layout; cast and resharded
+        like `update_params`) or a `Transformer`. None: random init from `config.seed`.
+      mesh: the rollout mesh (axes data, fsdp, tensor; `ROLLOUT_RULES`). None: one device.
+    """
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        config: EngineConfig = EngineConfig(),
+        tokenizer: Any = "char",
+        params: Any = None,
+        mesh: jax.sharding.Mesh | None = None,
+    ):
+        self.model_cfg = model_cfg
+        self.config = config
+        self.tokenizer = load_tokenizer(tokenizer)
+        # What get_tokenizer() reports; build_tokenizer() returns the instance regardless.
+        self._tokenizer_path = (
+            os.fspath(tokenizer) if isinstance(tokenizer, str | os.PathLike) else "instance"
+        )
+        self._mesh = mesh or make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+        self.sharder = Sharder(self._mesh, ROLLOUT_RULES)
+        self.policy = DTypePolicy.named(config.dtype)
+        stop = self.tokenizer.stop_tokens if config.stop_tokens is None else config.stop_tokens
+        self.stop_tokens = tuple(sorted(int(t) for t in stop))
+
+        make = lambda seed: Transformer(model_cfg, self.policy, self.sharder, rngs=nnx.Rngs(seed))
+        self._graphdef, abstract = nnx.split(nnx.eval_shape(lambda: make(0)))
+        self._abstract_leaves, self._params_treedef = jax.tree.flatten(abstract)
+        self._param_paths = [path for path, _ in nnx.to_flat_state(abstract)]
+        self._param_shardings = jax.tree.leaves(state_shardings(abstract, self.sharder))
+        self._state_shardings = self._decode_state_shardings()
+        self._prefix_shardings = self._make_prefix_shardings()
+
+        # Host bookkeeping for requests without an explicit key (the orchestrator's prefill
+        # thread); the lock keeps the counter exact if several threads prefill.
+        self._base_key = jax.random.key_data(jax.random.key(config.seed))
+        self._requests = 0
+        self._lock = threading.Lock()
+
+        self._prefill_jit = jax.jit(self._prefill_impl)
+        self._insert_jit = jax.jit(
+            self._insert_impl, donate_argnums=(1,), out_shardings=self._state_shardings
+        )
+        self._generate_jit = jax.jit(
+            self._generate_impl,
+            donate_argnums=(1,),
+            out_shardings=(self._state_shardings, self.sharder.replicated()),
+        )
+        self._generate_steps_jit = jax.jit(
+            self._generate_steps_impl,
+            static_argnums=(2,),
+            donate_argnums=(1,),
+            out_shardings=self._state_shardings,
+        )
+        self._init_state_jit = jax.jit(self._init_state_impl, out_shardings=self._state_shardings)
+        dtypes = [a.dtype for a in self._abstract_leaves]
+        self._cast_jit = jax.jit(
+            lambda leaves: [x.astype(d) for x, d in zip(leaves, dtypes, strict=True)]
+        )
+
+        if params is None:  # born sharded: full parameters never sit on one device
+            params = nnx.state(init_sharded(lambda: make(config.seed), self.sharder))
+        self.params = self.update_params(params)
+
+    # ------------------------------------------------------------------------------------------
+    # Weights.
+    # ------------------------------------------------------------------------------------------
+    def update_params(self, trainer_params: Any) -> nnx.State:
+        """Casts and reshards trainer weights into the rollout layout (no recompilation).
+
+        Args:
+          trainer_params: an `nnx.State` with the same paths and shapes as the rollout model's
+            parameters (e.g. the fp32 trainer's `nnx.state(model)`), in any dtype and any
+            sharding, or a `Transformer`.
+        Returns:
+          The new rollout params (also stored, so `load_params()` returns them).
+        Raises:
+          ValueError: naming the first missing, unexpected or mis-shaped parameter path.
+        """
+        if isinstance(trainer_params, nnx.Module):
+            trainer_params = nnx.state(trainer_params, nnx.Param)
+        src = {}
+        for path, var in nnx.to_flat_state(trainer_params):
+            src[path] = var.get_value() if isinstance(var, nnx.Variable) else var
+        missing = [p for p in self._param_paths if p not in src]
+        extra = [p for p in src if p not in set(self._param_paths)]
+        if missing or extra:
+            raise ValueError(
+                f"update_params: parameter paths differ from the rollout model's (missing "
+                f"{missing[:3]}, unexpected {extra[:3]}); pass the trainer's nnx.state(model) "
+                "for the same ModelConfig"
+            )
+        leaves = []
+        for path, abstract in zip(self._param_paths, self._abstract_leaves, strict=True):
+            value = src[path]
+            if tuple(value.shape) != tuple(abstract.shape):
+                raise ValueError(
+                    f"update_params: parameter {'/'.join(map(str, path))} has shape "
+                    f"{tuple(value.shape)}, the rollout model expects {tuple(abstract.shape)}"
+                )
+            leaves.append(value)
+        # Cast where the trainer's arrays live (one compiled program per trainer layout), then
+        # move to the rollout shardings (a no-op copy when they already match).
+        leaves = self._cast_jit(leaves)
+        leaves = [jax.device_put(x, s) for x, s in zip(leaves, self._param_shardings, strict=True)]
+        self.params = jax.tree.unflatten(self._params_treedef, leaves)
+        return self.params
+
+    def load_params(self, *args, **kwargs) -> nnx.State:
+        """The current rollout params (set at construction or by `update_params`)."""
+        del args, kwargs
+        return self.params
+
+    def model(self, params: nnx.State | None = None) -> Transformer:
+        """The rollout-precision `Transformer` with `params` (default: the current ones)."""
+        return nnx.merge(self._graphdef, self.params if params is None else params)
+
+    # ------------------------------------------------------------------------------------------
+    # Shardings.
+    # ------------------------------------------------------------------------------------------
+    def _cache_sharding(self, batch: int, length: int) -> NamedSharding:
+        cfg = self.model_cfg
+        shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
+        return self.sharder.sharding(CACHE_AXES, shape)
+
+    def _decode_state_shardings(self) -> DecodeState:
+        cache = self._cache_sharding(self.config.max_concurrent_decodes, self.config.cache_length)
+        rep = self.sharder.replicated()
+        return DecodeState(
+            cache=KVCache(cache, cache),
+            **{f: rep for f in ("logits", "pos", "step", "done", "key") + RECORD_FIELDS},
+            sampling=sampling.SamplingParams(rep, rep, rep, rep),
+        )
+
+    def _make_prefix_shardings(self) -> Prefix:
+        cache = self._cache_sharding(1, 1)
+        rep = self.sharder.replicated()
+        return Prefix(cache=KVCache(cache, cache), logits=rep, length=rep, key=rep)
+
+    def get_prefix_destination_sharding(self) -> Prefix:
+        """A `Prefix` of shardings (JetStream device_puts prefixes to it between engines)."""
+        return self._prefix_shardings
+
+    # ------------------------------------------------------------------------------------------
+    # Prefill.
+    # ------------------------------------------------------------------------------------------
+    def bucket(self, length: int) -> int:
+        """The prefill length a prompt of `length` tokens is padded to."""
+        buckets = self.config.buckets
+        if not 1 <= length <= buckets[-1]:
+            raise ValueError(
+                f"prompt length {length} outside [1, max_prefill_length={buckets[-1]}]; shorten "
+                "the prompt or raise EngineConfig.max_prefill_length"
+            )
+        return buckets[bisect.bisect_left(buckets, length)]
+
+    def _prefill_impl(self, params, tokens, length, key):
+        model = nnx.merge(self._graphdef, params)
+        logits, cache = model.prefill(tokens, length[None], cache_len=tokens.shape[1])
+        return Prefix(cache=cache, logits=logits[0], length=length, key=key)
+
+    def prefill(
+        self,
+        *,
+        params: nnx.State,
+        existing_prefix: Prefix | None = None,
+        padded_tokens: jax.Array | np.ndarray | Sequence[int],
+        true_length: int,
+        rng: jax.Array | None = None,
+    ) -> Prefix:
+        """Runs one prompt and returns its `Prefix`.
+
+        Args:
+          params: rollout params.
+          existing_prefix: unsupported (must be None).
+          padded_tokens: `[T]` token ids, real on `[0, true_length)` (any padding after).
+          true_length: the prompt length (BOS included), 1..max_prefill_length.
+          rng: the request's PRNG key (typed or raw). None: `fold_in(seed key, n)` for the n-th
+            such request (serving).
+        """
+        if existing_prefix is not None:
+            raise NotImplementedError("RolloutEngine.prefill does not support existing_prefix")
+        true_length = int(true_length)
+        bucket = self.bucket(true_length)
+        tokens = np.zeros((1, bucket), np.int32)
+        tokens[0, :true_length] = np.asarray(padded_tokens, np.int32).reshape(-1)[:true_length]
+        if rng is None:
+            with self._lock:
+                request = self._requests
+                self._requests += 1
+            rng = jax.random.fold_in(jax.random.wrap_key_data(self._base_key), request)
+        return self._prefill_jit(params, tokens, np.int32(true_length), _key_data(rng))
+
+    # ------------------------------------------------------------------------------------------
+    # Decode state and insert.
+    # ------------------------------------------------------------------------------------------
+    def _init_state_impl(self, params: sampling.SamplingParams) -> DecodeState:
+        cfg, b, m = self.config, self.config.max_concurrent_decodes, self.config.max_decode_length
+        return DecodeState(
+            cache=KVCache.zeros(self.model_cfg, b, cfg.cache_length, self.policy.cache_dtype),
+            logits=jnp.zeros((b, self.model_cfg.vocab_size), jnp.float32),
+            pos=jnp.zeros((b,), jnp.int32),
+            step=jnp.zeros((b,), jnp.int32),
+            done=jnp.ones((b,), bool),
+            key=jnp.zeros((b,) + self._base_key.shape, jnp.uint32),
+            tokens=jnp.zeros((b, m), jnp.int32),
+            logp=jnp.zeros((b, m), jnp.float32),
+            logp_full=jnp.zeros((b, m), jnp.float32),
+            pruned_mass=jnp.zeros((b, m), jnp.float32),
+            safe_size=jnp.zeros((b, m), jnp.int32),
+            sampling=params,
+        )
+
+    def init_decode_state(
+        self, *args, sampling: sampling.SamplingParams | None = None, **kwargs
+    ) -> DecodeState:
+        """All slots empty (done). `sampling` overrides the config's sampling parameters."""
+        del args, kwargs
+        return self._init_state_jit(sampling or self.config.sampling_params())
+
+    def _insert_impl(self, prefix: Prefix, state: DecodeState, slot, sample_index):
+        def put(buf, value):
+            start = (0, slot) + (0,) * (buf.ndim - 2)
+            return jax.lax.dynamic_update_slice(buf, value.astype(buf.dtype), start)
+
+        row = lambda a: a.at[slot].set(jnp.zeros_like(a[slot]))
+        key = jax.random.key_data(
+            jax.random.fold_in(jax.random.wrap_key_data(prefix.key), sample_index)
+        )
+        return state.replace(
+            cache=KVCache(put(state.cache.k, prefix.cache.k), put(state.cache.v, prefix.cache.v)),
+            logits=state.logits.at[slot].set(prefix.logits),
+            pos=state.pos.at[slot].set(prefix.length),
+            step=state.step.at[slot].set(0),
+            done=state.done.at[slot].set(False),
+            key=state.key.at[slot].set(key),
+            **{f: row(getattr(state, f)) for f in RECORD_FIELDS},
+        )
+
+    def insert(
+        self, prefix: Prefix, decode_state: DecodeState, slot: int, sample_index: int = 0
+    ) -> DecodeState:
+        """Puts `prefix` into `slot` (donating `decode_state`); the slot's key is
+        `fold_in(prefix key, sample_index)` (RL: sample index g of the prompt's G samples)."""
+        if not 0 <= int(slot) < self.config.max_concurrent_decodes:
+            raise ValueError(
+                f"slot {slot} outside [0, max_concurrent_decodes="
+                f"{self.config.max_concurrent_decodes})"
+            )
+        return self._insert_jit(prefix, decode_state, np.int32(slot), np.int32(sample_index))
+
+    # ------------------------------------------------------------------------------------------
+    # Generate.
+    # ------------------------------------------------------------------------------------------
+    def _generate_impl(self, params, state: DecodeState):
+        model = nnx.merge(self._graphdef, params)
+        b, m = self.config.max_concurrent_decodes, self.config.max_decode_length
+        active = ~state.done
+        keys = jax.vmap(lambda k, s: jax.random.fold_in(jax.random.wrap_key_data(k), s))(
+            state.key, state.step
+        )
+        tokens, stats = sampling.sample(keys, state.logits, state.sampling)
+
+        rows, col = jnp.arange(b), jnp.minimum(state.step, m - 1)
+
+        def record(buf, value):
+            return buf.at[rows, col].set(jnp.where(active, value, buf[rows, col]).astype(buf.dtype))
+
+        step = state.step + active.astype(jnp.int32)
+        stop = jnp.isin(tokens, jnp.asarray(self.stop_tokens, jnp.int32))
+        done = state.done | (active & (stop | (step >= m)))
+        logits, cache = model.decode(tokens, state.pos, state.cache)
+        new_state = state.replace(
+            cache=cache,
+            logits=logits,
+            pos=jnp.minimum(state.pos + active.astype(jnp.int32), self.config.cache_length - 1),
+            step=step,
+            done=done,
+            tokens=record(state.tokens, tokens),
+            logp=record(state.logp, stats.logp),
+            logp_full=record(state.logp_full, stats.logp_full),
+            pruned_mass=record(state.pruned_mass, stats.pruned_mass),
+            safe_size=record(state.safe_size, stats.safe_size),
+        )
+        # JetStream's result layout: [tokens | valid | lengths], one speculation per slot.
+        data = jnp.stack([tokens, active.astype(jnp.int32), step], axis=-1)
+        return new_state, data
+
+    def generate(
+        self, params: nnx.State, decode_state: DecodeState
+    ) -> tuple[DecodeState, engine_api.ResultTokens]:
+        """One token for every active slot (donates `decode_state`); see the module docstring.
+
+        The `ResultTokens` row of a slot is (token, valid, length): `valid` is 0 for a slot that
+        had already finished, `length` counts the slot's generated tokens including this one.
+        """
+        state, data = self._generate_jit(params, decode_state)
+        return state, engine_api.ResultTokens(
+            data=data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3), samples_per_slot=1
+        )
+
+    def _generate_steps_impl(self, params, state: DecodeState, num_steps: int):
+        return jax.lax.fori_loop(
+            0, num_steps, lambda _, st: self._generate_impl(params, st)[0], state
+        )
+
+    def generate_steps(
+        self, params: nnx.State, decode_state: DecodeState, num_steps: int
+    ) -> DecodeState:
+        """`num_steps` generate steps in one compiled loop (donates `decode_state`).
+
+        Not part of JetStream's API: the RL loop uses it to dispatch and synchronise once per
+        `num_steps` tokens. It computes what `num_steps` calls of `generate` compute (finished
+        slots do not change; keys depend on the step, not on the call), so the sampled tokens
+        are the same; recorded log-probs agree to float rounding (the loop is compiled
+        separately, so XLA may fuse differently).
+        """
+        return self._generate_steps_jit(params, decode_state, int(num_steps))
+
+    # ------------------------------------------------------------------------------------------
+    # Tokenizer and static properties.
+    # ------------------------------------------------------------------------------------------
+    def get_tokenizer(self) -> tokenizer_pb2.TokenizerParameters:
+        return tokenizer_pb2.TokenizerParameters(path=self._tokenizer_path)
+
+    def build_tokenizer(self, metadata: tokenizer_pb2.TokenizerParameters) -> Any:
+        """Our tokenizer (JetStream's default would build a SentencePiece one)."""
+        del metadata
+        return self.tokenizer
+
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self.config.max_concurrent_decodes
+
+    @property
+    def samples_per_slot(self) -> int:
+        return 1
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self.config.max_prefill_length
+
+    @property
+    def max_decode_length(self) -> int:
+        return self.config.max_decode_length
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        return self._mesh
+
+    @property
+    def colocated_cpus(self) -> None:
+        """No colocated CPU devices are used."""
+        return None
+
+    def compile_cache_sizes(self) -> dict[str, int]:
+        """Compiled-program counts of the jitted entry points (tests assert they stay put)."""
+        return {
+            name: getattr(self, f"_{name}_jit")._cache_size()
+            for name in ("prefill", "insert", "generate", "generate_steps", "init_state")
+        }

@@ -1,0 +1,226 @@
+"""RL rollouts through the Engine API: P prompts x G samples -> a fixed-shape `RolloutBatch`.
+
+JetStream 0.2.2's orchestrator returns no log-probs and cannot swap weights, so the RL loop
+drives `RolloutEngine` directly (DESIGN.md sections 3-4):
+
+* each prompt is prefilled exactly once, and its `Prefix` is inserted into G decode slots with
+  sample indices 0..G-1 (each slot's key is `fold_in(fold_in(rng, p), g)`);
+* continuous batching: whenever a slot finishes (stop token or `max_decode_length`), its record
+  is copied out and the next (prompt, sample) pair is inserted into it;
+* the per-token records of the engine (token, log mu_S, log mu, delta_S, |V_S|; E4) are laid out
+  as `[N, T]` arrays aligned with the tokens, N = P * G (row `p * G + g`), T = prompt_len +
+  max_decode_length.
+
+The output is deterministic in `rng`: keys depend on (prompt, sample, step) only, not on slots.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from dvp_jax.rollout.engine import RECORD_FIELDS, RolloutEngine
+from dvp_jax.rollout.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutBatch:
+    """P prompts x G responses as fixed-shape host arrays (N = P * G rows, T columns).
+
+    Row `i = p * G + g` holds prompt `p` on columns `[0, Lp)`, its g-th response on
+    `[Lp, Lp + R)` and padding (token 0) after. A response includes its final stop token.
+    The per-token statistics sit at the column of the token they describe, e.g.
+    `behaviour_logprobs[i, t] = log mu_S(tokens[i, t] | tokens[i, :t])` where
+    `response_mask[i, t]`, and 0 elsewhere.
+
+    Attributes:
+      tokens: [N, T] int32.
+      prompt_mask: [N, T] bool, True on prompt tokens.
+      response_mask: [N, T] bool, True on generated tokens.
+      behaviour_logprobs: [N, T] float32, log mu_S (E4, the pruned rollout distribution).
+      unpruned_logprobs: [N, T] float32, log mu (rollout logits, no pruning).
+      pruned_mass: [N, T] float32, delta_S of the rollout's safe set (E3).
+      safe_size: [N, T] int32, |V_S| of the rollout's safe set (E1).
+      prompt_index: [N] int32, p.
+      group_index: [N] int32, g (sample index within the prompt's group).
+      prompt_lengths: [N] int32, Lp.
+      response_lengths: [N] int32, R.
+      finished: [N] bool, True if the response ended with a stop token (else it was cut at
+        `max_decode_length`).
+    """
+
+    tokens: np.ndarray
+    prompt_mask: np.ndarray
+    response_mask: np.ndarray
+    behaviour_logprobs: np.ndarray
+    unpruned_logprobs: np.ndarray
+    pruned_mass: np.ndarray
+    safe_size: np.ndarray
+    prompt_index: np.ndarray
+    group_index: np.ndarray
+    prompt_lengths: np.ndarray
+    response_lengths: np.ndarray
+    finished: np.ndarray
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.shape[0]
+
+    def response(self, i: int) -> np.ndarray:
+        """The generated token ids of row i."""
+        start = self.prompt_lengths[i]
+        return self.tokens[i, start : start + self.response_lengths[i]]
+
+
+def _as_token_lists(engine: RolloutEngine, prompts: Sequence, prompt_len: int) -> list[np.ndarray]:
+    tok = engine.tokenizer
+    out = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            ids = ([tok.bos_id] if getattr(tok, "add_bos", True) else []) + list(
+                tok.encode_ids(prompt)
+            )
+        else:
+            ids = list(prompt)
+        ids = np.asarray(ids, np.int64)
+        if ids.size == 0:
+            raise ValueError(f"prompt {i} is empty")
+        if ids.size > prompt_len:
+            raise ValueError(
+                f"prompt {i} has {ids.size} tokens, more than prompt_len={prompt_len} "
+                f"(max_prefill_length={engine.max_prefill_length})"
+            )
+        vocab = engine.model_cfg.vocab_size
+        if ids.min() < 0 or ids.max() >= vocab:
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
+        out.append(ids.astype(np.int32))
+    return out
+
+
+def generate_rollouts(
+    engine: RolloutEngine,
+    prompts: Sequence[Sequence[int] | str],
+    num_samples: int,
+    rng: jax.Array,
+    *,
+    params: nnx.State | None = None,
+    sampling: SamplingParams | None = None,
+    prompt_len: int | None = None,
+    steps_per_sync: int = 1,
+) -> RolloutBatch:
+    """Samples `num_samples` responses for each prompt (E4) with continuous batching.
+
+    Args:
+      engine: the rollout engine.
+      prompts: P prompts, each a sequence of token ids (BOS included if wanted) or a string
+        (encoded with the engine's tokenizer, BOS prepended if the tokenizer adds one).
+      num_samples: G >= 1 responses per prompt.
+      rng: PRNG key of this rollout batch (e.g. `fold_in(key, train_step)`).
+      params: rollout params; default `engine.load_params()`.
+      sampling: sampling parameters; default the engine config's.
+      prompt_len: prompt columns of the output; default `engine.max_prefill_length` (fixed
+        shapes across batches for the jitted train step).
+      steps_per_sync: decode steps per dispatch and host check (`engine.generate_steps`). 1
+        refills a finished slot at once; k > 1 saves dispatch/sync latency (small models,
+        remote accelerators) at the cost of up to k - 1 idle steps per finished slot. Tokens
+        are the same for every value (log-probs to float rounding).
+    Returns:
+      A `RolloutBatch` with N = P * G rows.
+    """
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if steps_per_sync < 1:
+        raise ValueError(f"steps_per_sync must be >= 1, got {steps_per_sync}")
+    params = engine.load_params() if params is None else params
+    prompt_len = engine.max_prefill_length if prompt_len is None else int(prompt_len)
+    if not 1 <= prompt_len <= engine.max_prefill_length:
+        raise ValueError(
+            f"prompt_len must be in [1, max_prefill_length={engine.max_prefill_length}], "
+            f"got {prompt_len}"
+        )
+    token_lists = _as_token_lists(engine, prompts, prompt_len)
+    n_prompts, g_size, m = len(token_lists), num_samples, engine.max_decode_length
+    n, t = n_prompts * g_size, prompt_len + m
+
+    tokens = np.zeros((n, t), np.int32)
+    records = {f: np.zeros((n, t), np.float32) for f in ("logp", "logp_full", "pruned_mass")}
+    safe_size = np.zeros((n, t), np.int32)
+    prompt_lengths = np.zeros((n,), np.int32)
+    response_lengths = np.zeros((n,), np.int32)
+    finished = np.zeros((n,), bool)
+    for p, ids in enumerate(token_lists):
+        rows = slice(p * g_size, (p + 1) * g_size)
+        tokens[rows, : ids.size] = ids
+        prompt_lengths[rows] = ids.size
+
+    stop = np.asarray(engine.stop_tokens, np.int32)
+    pending = collections.deque((p, g) for p in range(n_prompts) for g in range(g_size))
+    prefixes: dict[int, list] = {}  # p -> [Prefix, inserts left]
+    owner: list[tuple[int, int] | None] = [None] * engine.max_concurrent_decodes
+    state = engine.init_decode_state(sampling=sampling)
+
+    def harvest(state, slots):
+        host = jax.device_get({f: getattr(state, f) for f in RECORD_FIELDS + ("step",)})
+        for slot in slots:
+            p, g = owner[slot]
+            i, r = p * g_size + g, int(host["step"][slot])
+            cols = slice(prompt_lengths[i], prompt_lengths[i] + r)
+            tokens[i, cols] = host["tokens"][slot, :r]
+            for f in records:
+                records[f][i, cols] = host[f][slot, :r]
+            safe_size[i, cols] = host["safe_size"][slot, :r]
+            response_lengths[i] = r
+            finished[i] = r > 0 and bool(np.isin(host["tokens"][slot, r - 1], stop))
+            owner[slot] = None
+
+    while pending or any(o is not None for o in owner):
+        for slot in range(len(owner)):
+            if owner[slot] is not None or not pending:
+                continue
+            p, g = pending.popleft()
+            if p not in prefixes:
+                ids = token_lists[p]
+                prefix = engine.prefill(
+                    params=params,
+                    padded_tokens=ids,
+                    true_length=ids.size,
+                    rng=jax.random.fold_in(rng, p),
+                )
+                prefixes[p] = [prefix, g_size]
+            state = engine.insert(prefixes[p][0], state, slot, sample_index=g)
+            prefixes[p][1] -= 1
+            if prefixes[p][1] == 0:
+                del prefixes[p]
+            owner[slot] = (p, g)
+        if steps_per_sync == 1:
+            state, _ = engine.generate(params, state)
+        else:
+            state = engine.generate_steps(params, state, steps_per_sync)
+        done = np.asarray(state.done)  # the one host sync per step (or per steps_per_sync)
+        ended = [s for s, o in enumerate(owner) if o is not None and done[s]]
+        if ended:
+            harvest(state, ended)
+
+    positions = np.arange(t)[None, :]
+    prompt_mask = positions < prompt_lengths[:, None]
+    response_mask = ~prompt_mask & (positions < (prompt_lengths + response_lengths)[:, None])
+    rows = np.arange(n)
+    return RolloutBatch(
+        tokens=tokens,
+        prompt_mask=prompt_mask,
+        response_mask=response_mask,
+        behaviour_logprobs=records["logp"],
+        unpruned_logprobs=records["logp_full"],
+        pruned_mass=records["pruned_mass"],
+        safe_size=safe_size,
+        prompt_index=(rows // g_size).astype(np.int32),
+        group_index=(rows % g_size).astype(np.int32),
+        prompt_lengths=prompt_lengths,
+        response_lengths=response_lengths,
+        finished=finished,
+    )

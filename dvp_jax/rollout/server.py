@@ -1,0 +1,322 @@
+r"""Serve a model with JetStream's own orchestrator over gRPC (evaluation, interactive use).
+
+  python -m dvp_jax.rollout.server --random_init_preset=tiny --port=9000
+  python -m dvp_jax.rollout.server --hf_checkpoint=/models/qwen3-0.6b \
+      --tokenizer=/models/qwen3-0.6b --max_prefill_length=1024 --max_decode_length=1024
+  python -m dvp_jax.rollout.server --orbax_checkpoint=/ckpt/params --model_preset=qwen3_0_6b ...
+
+JetStream's `Driver` runs our `RolloutEngine` as both its prefill and its generate engine
+(interleaved mode) and JetStream's `LLMOrchestrator` answers the `Decode` and `HealthCheck` RPCs.
+We do not use `jetstream.core.server_lib.run`, which binds every interface (`[::]`) with no
+option: the servicer is served on a gRPC server bound to `--host` (127.0.0.1 by default).
+
+Requests are validated before they reach the orchestrator, whose threads SIGKILL the process on
+any exception: a request with no content, an empty prompt, a prompt longer than
+`--max_prefill_length` (BOS included), token ids outside the model vocabulary, text the tokenizer
+cannot encode, text that is not UTF-8, or `max_tokens <= 0` gets `INVALID_ARGUMENT`, and the
+server keeps serving. SIGTERM / SIGINT stop the gRPC server (2 s grace) and the driver's threads,
+and the process exits 0.
+
+Checkpoints (exactly one of):
+* `--hf_checkpoint DIR`: a Hugging Face Qwen3 directory (config.json + safetensors), loaded by
+  `dvp_jax.model.hf_import.load_hf` straight into the rollout dtype and layout.
+* `--orbax_checkpoint DIR` with `--model_preset NAME` or `--model_config config.json`: a directory
+  written by `orbax.checkpoint.StandardCheckpointer().save(DIR, nnx.state(model))` for a
+  `Transformer` of that config, i.e. the parameter `nnx.State` alone, any float dtype (the
+  trainer's fp32 master weights); it is restored directly into the rollout dtype and shardings.
+  A trainer `CheckpointManager` directory stores that item at `<root>/<step>/<item name>`.
+* `--random_init_preset NAME`: random weights (tests, demos).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+import grpc
+import jax
+from absl import app, flags
+from flax import nnx
+from google.protobuf.message import DecodeError
+from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
+
+from dvp_jax.model.config import DTypePolicy, ModelConfig
+from dvp_jax.model.transformer import Transformer
+from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
+from dvp_jax.rollout.tokenizers import DEFAULT_PREFILL_LENGTHS
+from dvp_jax.sharding import (
+    ROLLOUT_RULES,
+    MeshConfig,
+    Sharder,
+    make_mesh,
+    state_shardings,
+)
+
+_log = logging.getLogger(__name__)
+
+
+def _orchestrator():
+    """JetStream's orchestrator module, imported on first use with our shim applied first.
+
+    Imported lazily because importing it reconfigures the root logger (DEBUG, to stdout), which
+    a process that only loads checkpoints through this module (tests) should not inherit.
+    """
+    # isort: off
+    import dvp_jax.rollout.jetstream_compat  # noqa: F401  (the jax.tree_map shim, first)
+    from jetstream.core import orchestrator
+    # isort: on
+
+    return orchestrator
+
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("host", "127.0.0.1", "Interface to bind (e.g. 0.0.0.0 for all IPv4).")
+flags.DEFINE_integer("port", 9000, "gRPC port.")
+flags.DEFINE_string("hf_checkpoint", None, "Hugging Face Qwen3 model directory.")
+flags.DEFINE_string("orbax_checkpoint", None, "Orbax StandardCheckpointer dir of nnx.State.")
+flags.DEFINE_string("model_preset", None, "ModelConfig preset for --orbax_checkpoint.")
+flags.DEFINE_string("model_config", None, "HF config.json for --orbax_checkpoint.")
+flags.DEFINE_string("random_init_preset", None, "Random weights of this ModelConfig preset.")
+flags.DEFINE_string("tokenizer", "char", "'char' or a local tokenizer.json file/directory.")
+flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16", "bfloat16_fp8kv"], "Precision.")
+flags.DEFINE_float("noise_std", 0.0, "Gaussian logit noise before pruning (0: off).")
+flags.DEFINE_integer("max_concurrent_decodes", 8, "Decode slots.")
+flags.DEFINE_integer("max_prefill_length", 64, "Longest prompt (BOS included); a power of 2 >= 16.")
+flags.DEFINE_integer("max_decode_length", 64, "Most generated tokens per request.")
+flags.DEFINE_float("temperature", 1.0, "Sampling temperature.")
+flags.DEFINE_float("log_rho", -13.0, "log min-p threshold; -inf: no pruning.")
+flags.DEFINE_bool("greedy", False, "Greedy decoding.")
+flags.DEFINE_integer("seed", 0, "Base seed of the per-request keys.")
+flags.DEFINE_integer("tensor_parallel", 1, "Devices on the mesh's tensor axis.")
+flags.DEFINE_bool("verbose", False, "Keep JetStream's per-step DEBUG logging.")
+
+
+# ----------------------------------------------------------------------------------------------
+# Request validation.
+# ----------------------------------------------------------------------------------------------
+class _Unparsable:
+    """Stands in for a request whose bytes are not a valid DecodeRequest (e.g. non-UTF-8 text)."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def _parse_decode_request(data: bytes):
+    try:
+        return jetstream_pb2.DecodeRequest.FromString(data)
+    except DecodeError as e:
+        return _Unparsable(f"malformed DecodeRequest ({e}); text must be valid UTF-8")
+
+
+def validation_error(request, engine: RolloutEngine) -> str | None:
+    """Why `request` must not reach the orchestrator, or None if it is fine."""
+    if isinstance(request, _Unparsable):
+        return request.reason
+    if request.max_tokens <= 0:
+        return f"max_tokens must be >= 1, got {request.max_tokens}"
+    which = request.WhichOneof("content")
+    if which is None:
+        return "request has no content: set text_content or token_content"
+    is_bos = not request.session_cache  # what the orchestrator's prefill thread will use
+    if which == "text_content":
+        text = request.text_content.text
+        if not text:
+            return "empty prompt: text_content.text is ''"
+        try:
+            n = len(engine.tokenizer.encode_ids(text))
+        except ValueError as e:
+            return f"cannot tokenize the prompt: {e}"
+    else:
+        ids = list(request.token_content.token_ids)
+        if not ids:
+            return "empty prompt: token_content.token_ids is empty"
+        vocab = engine.model_cfg.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            return f"token ids {bad[:5]} outside the vocabulary [0, {vocab})"
+        n = len(ids)
+    n += int(is_bos)
+    if n == 0:
+        return "empty prompt after tokenization"
+    if n > engine.max_prefill_length:
+        return (
+            f"prompt has {n} tokens (BOS included: {is_bos}), more than max_prefill_length="
+            f"{engine.max_prefill_length}"
+        )
+    return None
+
+
+class ValidatingOrchestrator(jetstream_pb2_grpc.OrchestratorServicer):
+    """Rejects malformed requests with INVALID_ARGUMENT, forwards the rest to JetStream."""
+
+    def __init__(self, inner, engine: RolloutEngine):
+        """`inner`: JetStream's `LLMOrchestrator` for the engine's driver."""
+        self._inner = inner
+        self._engine = engine
+
+    async def Decode(self, request, context):  # noqa: N802 (gRPC method name)
+        error = validation_error(request, self._engine)
+        if error is not None:
+            _log.info("rejected request: %s", error)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        async for response in self._inner.Decode(request, context):
+            yield response
+
+    async def HealthCheck(self, request, context):  # noqa: N802
+        return await self._inner.HealthCheck(request, context)
+
+
+def add_servicer(servicer: ValidatingOrchestrator, server: grpc.aio.Server) -> None:
+    """`add_OrchestratorServicer_to_server` with a request parser that never raises."""
+    handlers = {
+        "Decode": grpc.unary_stream_rpc_method_handler(
+            servicer.Decode,
+            request_deserializer=_parse_decode_request,
+            response_serializer=jetstream_pb2.DecodeResponse.SerializeToString,
+        ),
+        "HealthCheck": grpc.unary_unary_rpc_method_handler(
+            servicer.HealthCheck,
+            request_deserializer=jetstream_pb2.HealthCheckRequest.FromString,
+            response_serializer=jetstream_pb2.HealthCheckResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("jetstream_proto.Orchestrator", handlers),)
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Model loading.
+# ----------------------------------------------------------------------------------------------
+def load_orbax_params(path: str, cfg: ModelConfig, policy: DTypePolicy, sharder: Sharder):
+    """Restores a StandardCheckpointer save of `nnx.state(Transformer(cfg, ...))` directly into
+    the rollout dtype and shardings (orbax casts while reading)."""
+    import orbax.checkpoint as ocp  # Local import: only this path needs orbax.
+
+    make = lambda: Transformer(cfg, policy, sharder, rngs=nnx.Rngs(0))
+    abstract = nnx.state(nnx.eval_shape(make))
+    shardings = state_shardings(abstract, sharder)
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
+    with ocp.StandardCheckpointer() as checkpointer:
+        return checkpointer.restore(os.path.abspath(path), target)
+
+
+def _model_config_from_flags() -> ModelConfig:
+    if FLAGS.model_preset and FLAGS.model_config:
+        raise app.UsageError("give one of --model_preset and --model_config")
+    if FLAGS.model_preset:
+        return ModelConfig.preset(FLAGS.model_preset)
+    if FLAGS.model_config:
+        import json
+
+        with open(FLAGS.model_config) as f:
+            return ModelConfig.from_hf(json.load(f))
+    raise app.UsageError("--orbax_checkpoint needs --model_preset or --model_config")
+
+
+def build_engine() -> RolloutEngine:
+    """The engine described by the flags (see the module docstring)."""
+    sources = [FLAGS.hf_checkpoint, FLAGS.orbax_checkpoint, FLAGS.random_init_preset]
+    if sum(s is not None for s in sources) != 1:
+        raise app.UsageError(
+            "give exactly one of --hf_checkpoint, --orbax_checkpoint, --random_init_preset"
+        )
+    if FLAGS.max_prefill_length not in DEFAULT_PREFILL_LENGTHS:
+        # JetStream's token-id padding (token_utils.pad_tokens) only accepts its own buckets.
+        raise app.UsageError(
+            f"--max_prefill_length must be one of {DEFAULT_PREFILL_LENGTHS}, got "
+            f"{FLAGS.max_prefill_length}"
+        )
+    config = EngineConfig(
+        dtype=FLAGS.dtype,
+        noise_std=FLAGS.noise_std,
+        max_concurrent_decodes=FLAGS.max_concurrent_decodes,
+        max_prefill_length=FLAGS.max_prefill_length,
+        max_decode_length=FLAGS.max_decode_length,
+        temperature=FLAGS.temperature,
+        log_rho=FLAGS.log_rho,
+        greedy=FLAGS.greedy,
+        seed=FLAGS.seed,
+    )
+    tp = FLAGS.tensor_parallel
+    mesh = make_mesh(MeshConfig(1, 1, tp), jax.devices()[:tp])
+    sharder = Sharder(mesh, ROLLOUT_RULES)
+    policy = DTypePolicy.named(FLAGS.dtype)
+    params = None
+    if FLAGS.random_init_preset:
+        cfg = ModelConfig.preset(FLAGS.random_init_preset)
+    elif FLAGS.hf_checkpoint:
+        from dvp_jax.model import hf_import
+
+        cfg = hf_import.load_hf_config(FLAGS.hf_checkpoint)
+        params = nnx.state(hf_import.load_hf(FLAGS.hf_checkpoint, policy, sharder, cfg))
+    else:
+        cfg = _model_config_from_flags()
+        params = load_orbax_params(FLAGS.orbax_checkpoint, cfg, policy, sharder)
+    return RolloutEngine(cfg, config, tokenizer=FLAGS.tokenizer, params=params, mesh=mesh)
+
+
+def warm_up(engine: RolloutEngine) -> None:
+    """Compiles prefill (every bucket), insert and generate before the port opens."""
+    state = engine.init_decode_state()
+    for bucket in engine.config.buckets:
+        tokens = [0] * bucket
+        prefix = engine.prefill(params=engine.params, padded_tokens=tokens, true_length=bucket)
+        state = engine.insert(prefix, state, 0)
+    state, result = engine.generate(engine.params, state)
+    jax.block_until_ready(result.data)
+
+
+# ----------------------------------------------------------------------------------------------
+# Serving.
+# ----------------------------------------------------------------------------------------------
+async def serve(engine: RolloutEngine, host: str, port: int) -> None:
+    """Runs JetStream's driver + our validating servicer until SIGTERM / SIGINT."""
+    orchestrator = _orchestrator()
+    driver = orchestrator.Driver(
+        prefill_engines=[engine],
+        generate_engines=[engine],
+        prefill_params=[engine.params],
+        generate_params=[engine.params],
+        interleaved_mode=True,
+    )
+    # so_reuseport off: binding a port another process holds must fail, not share it.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    add_servicer(ValidatingOrchestrator(orchestrator.LLMOrchestrator(driver), engine), server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if server.add_insecure_port(address) == 0:
+        driver.stop()
+        raise RuntimeError(f"could not bind {address}")
+    await server.start()
+    _log.info("serving on %s (%d slots)", address, engine.max_concurrent_decodes)
+    print(f"dvp_jax rollout server listening on {address}", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    _log.info("shutting down")
+    await server.stop(grace=2.0)
+    driver.stop()
+    print("dvp_jax rollout server stopped", flush=True)
+
+
+def main(argv):
+    del argv
+    _orchestrator()
+    if not FLAGS.verbose:
+        # JetStream's orchestrator sets the root logger to DEBUG and logs every generate step.
+        logging.getLogger().setLevel(logging.WARNING)
+    _log.setLevel(logging.INFO)
+    engine = build_engine()
+    warm_up(engine)
+    asyncio.run(serve(engine, FLAGS.host, FLAGS.port))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,115 @@
+"""Min-p sampler (E1, E3, E4) against float64 NumPy references and a chi-square test."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from dvp_jax.rollout import sampling
+
+
+def _np_reference(logits, tokens, temperature, log_rho):
+    """Float64 E1-E4 for the given tokens: (logp_S, logp_full, pruned_mass, safe_size, safe)."""
+    z = np.asarray(logits, np.float64) / temperature
+    safe = z >= z.max(-1, keepdims=True) + log_rho
+    log_z = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
+    zs = np.where(safe, z, -np.inf)
+    log_zs = np.log(np.exp(zs - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
+    z_y = np.take_along_axis(z, tokens[:, None], -1)[:, 0]
+    return z_y - log_zs, z_y - log_z, 1 - np.exp(log_zs - log_z), safe.sum(-1), safe
+
+
+# One jitted sampler for all tests (eager op-by-op dispatch is slower than compiling).
+_sample = jax.jit(sampling.sample)
+
+
+def _keys(seed, n):
+    return jax.random.split(jax.random.key(seed), n)
+
+
+def test_stats_match_float64_reference_and_tokens_are_in_safe_set():
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(4.0 * rng.standard_normal((64, 32)), jnp.float32)
+    params = sampling.SamplingParams.create(temperature=0.7, log_rho=-2.0)
+    tokens, st = _sample(_keys(0, 64), logits, params)
+    tokens = np.asarray(tokens)
+    logp, logp_full, mass, size, safe = _np_reference(logits, tokens, 0.7, -2.0)
+    # Every sampled token lies in the safe set (E1), so its pruned log-prob is finite.
+    assert safe[np.arange(64), tokens].all()
+    # Simple float32 ops on O(10) logits: 1e-5 (STYLE.md, simple).
+    np.testing.assert_allclose(st.logp, logp, atol=1e-5)
+    np.testing.assert_allclose(st.logp_full, logp_full, atol=1e-5)
+    np.testing.assert_allclose(st.pruned_mass, mass, atol=1e-5)
+    np.testing.assert_array_equal(st.safe_size, size)
+    assert (size < 32).all() and (mass > 0).any()
+
+
+def test_no_pruning_when_log_rho_is_minus_inf():
+    logits = jnp.asarray(np.random.default_rng(1).standard_normal((8, 16)) * 10, jnp.float32)
+    params = sampling.SamplingParams.create(log_rho=-math.inf)
+    _, st = _sample(_keys(1, 8), logits, params)
+    np.testing.assert_array_equal(st.safe_size, 16)
+    np.testing.assert_array_equal(st.pruned_mass, 0.0)
+    np.testing.assert_allclose(st.logp, st.logp_full, atol=1e-6)
+
+
+def test_temperature_is_applied_before_pruning():
+    logits = jnp.asarray([[0.0, -3.0]], jnp.float32)
+    # tau = 1: z_1 = -3 < 0 - 2 is pruned; tau = 2: z_1 = -1.5 >= -2 is kept.
+    for tau, expected in ((1.0, 1), (2.0, 2)):
+        params = sampling.SamplingParams.create(temperature=tau, log_rho=-2.0)
+        _, st = _sample(_keys(2, 1), logits, params)
+        assert int(st.safe_size[0]) == expected
+
+
+def test_greedy_takes_argmax_for_every_key():
+    logits = jnp.asarray(np.random.default_rng(3).standard_normal((16, 24)), jnp.float32)
+    params = sampling.SamplingParams.create(greedy=True, temperature=0.3, log_rho=-1.0)
+    for seed in range(3):
+        tokens, st = _sample(_keys(seed, 16), logits, params)
+        np.testing.assert_array_equal(tokens, np.argmax(np.asarray(logits), -1))
+    # Recorded log-probs are still those of mu_S at tau = 1 (greedy ignores temperature).
+    ref = _np_reference(logits, np.asarray(tokens), 1.0, -1.0)
+    np.testing.assert_allclose(st.logp, ref[0], atol=1e-5)
+
+
+def test_noise_changes_the_behaviour_distribution_consistently():
+    logits = jnp.asarray(np.random.default_rng(4).standard_normal((256, 16)) * 3, jnp.float32)
+    keys = _keys(4, 256)
+    clean, _ = _sample(keys, logits, sampling.SamplingParams.create(log_rho=-3.0))
+    noisy, st = _sample(keys, logits, sampling.SamplingParams.create(log_rho=-3.0, noise_std=1.0))
+    assert (np.asarray(clean) != np.asarray(noisy)).any()
+    # Pruned log-probs renormalise over V_S: log mu_S >= log mu, equal iff nothing is pruned.
+    assert (np.asarray(st.logp) >= np.asarray(st.logp_full) - 1e-6).all()
+    assert np.isfinite(np.asarray(st.logp)).all()
+
+
+@pytest.mark.parametrize("log_rho, tau, n_safe", [(-4.0, 1.0, 5), (-math.inf, 1.5, 8)])
+def test_chi_square_samples_follow_the_pruned_distribution(log_rho, tau, n_safe):
+    """20,000 draws from one state vs mu_S; significance level alpha = 0.001 (fixed seed).
+
+    (-4, 1): the safe set is z >= 2 - 4, the first five tokens; (-inf, 1.5): no pruning, with
+    temperature, down to a tail token of probability 5e-4 (expected count 9)."""
+    logits = np.asarray([2.0, 1.5, 1.0, 0.0, -0.5, -3.0, -5.0, -8.0], np.float32)
+    n = 20_000
+    params = sampling.SamplingParams.create(temperature=tau, log_rho=log_rho)
+    batch = jnp.broadcast_to(jnp.asarray(logits), (n, logits.size))
+    tokens, st = _sample(_keys(5, n), batch, params)
+    counts = np.bincount(np.asarray(tokens), minlength=logits.size)
+    z = logits.astype(np.float64) / tau
+    safe = z >= z.max() + log_rho
+    assert safe.sum() == n_safe and counts[~safe].sum() == 0  # pruned tokens are never drawn
+    p = np.exp(z[safe])
+    p /= p.sum()
+    result = stats.chisquare(counts[safe], n * p)
+    assert result.pvalue > 1e-3, (counts, n * p, result)
+    np.testing.assert_array_equal(np.asarray(st.safe_size), n_safe)
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=0.0), dict(log_rho=0.5), dict(noise_std=-1.0)])
+def test_sampling_params_reject_bad_values(kwargs):
+    with pytest.raises(ValueError, match="SamplingParams"):
+        sampling.SamplingParams.create(**kwargs)

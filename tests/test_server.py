@@ -1,0 +1,181 @@
+"""`python -m dvp_jax.rollout.server` end to end: a subprocess on a free loopback port.
+
+64 concurrent Decode requests complete; malformed requests get INVALID_ARGUMENT and the server
+keeps serving; SIGTERM shuts it down cleanly (exit code 0).
+"""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import portpicker
+import pytest
+from jetstream.core.proto import jetstream_pb2 as pb
+from jetstream.core.proto import jetstream_pb2_grpc as pb_grpc
+
+MAX_PREFILL, MAX_DECODE = 16, 8
+
+
+def _text(text, max_tokens=3, **kwargs):
+    return pb.DecodeRequest(
+        text_content=pb.DecodeRequest.TextContent(text=text), max_tokens=max_tokens, **kwargs
+    )
+
+
+def _tokens(ids, max_tokens=3):
+    return pb.DecodeRequest(
+        token_content=pb.DecodeRequest.TokenContent(token_ids=ids), max_tokens=max_tokens
+    )
+
+
+async def _decode(stub, request):
+    samples = []
+    async for response in stub.Decode(request):
+        samples.append(response.stream_content.samples[0])
+    return samples
+
+
+async def _wait_healthy(address, proc, timeout=240.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited early with code {proc.returncode}")
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = pb_grpc.OrchestratorStub(channel)
+                reply = await stub.HealthCheck(pb.HealthCheckRequest(), timeout=2.0)
+                if reply.is_live:
+                    return
+        except grpc.aio.AioRpcError:
+            pass
+        await asyncio.sleep(0.5)
+    raise TimeoutError("server did not become healthy")
+
+
+async def _exercise(address, proc):
+    await _wait_healthy(address, proc)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.OrchestratorStub(channel)
+
+        # 64 concurrent requests over 8 slots, a few tokens each.
+        results = await asyncio.wait_for(
+            asyncio.gather(*[_decode(stub, _text(f"{i}+{i}=")) for i in range(64)]), timeout=120
+        )
+        assert len(results) == 64
+        lengths = [sum(len(s.token_ids) for s in samples) for samples in results]
+        # A random model may sample a stop token first (an empty response); never > max_tokens.
+        assert max(lengths) <= 3 and sum(lengths) > 64
+
+        # Malformed requests: each gets INVALID_ARGUMENT.
+        bad = {
+            "empty text": _text(""),
+            "empty tokens": _tokens([]),
+            "too long": _text("1" * MAX_PREFILL),  # + BOS = 17 > 16
+            "token id >= vocab": _tokens([1, 5, 64]),
+            "negative token id": _tokens([1, -3]),
+            "untokenizable text": _text("Ünïcödé"),
+            "no content": pb.DecodeRequest(max_tokens=3),
+            "max_tokens 0": _text("1+1=", max_tokens=0),
+        }
+        for name, request in bad.items():
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _decode(stub, request)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+
+        # Non-UTF-8 text cannot be built with the generated classes: send raw bytes.
+        raw = _text("ab").SerializeToString().replace(b"ab", b"\xff\xfe")
+        decode_raw = channel.unary_stream(
+            "/jetstream_proto.Orchestrator/Decode",
+            request_serializer=lambda b: b,
+            response_deserializer=pb.DecodeResponse.FromString,
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in decode_raw(raw):
+                pass
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "UTF-8" in err.value.details()
+
+        # Still serving, with text and with client-side token ids.
+        assert await _decode(stub, _text("2*3="))
+        samples = await _decode(stub, _tokens([1, 4, 5, 6], max_tokens=2))
+        assert all(0 <= t < 64 for s in samples for t in s.token_ids)
+        assert (await stub.HealthCheck(pb.HealthCheckRequest())).is_live
+
+
+def test_server_end_to_end(tmp_path):
+    port = portpicker.pick_unused_port()
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # the server needs one device, not the tests' 8 fake ones
+    env["JAX_PLATFORMS"] = "cpu"
+    log = open(tmp_path / "server.log", "w+")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dvp_jax.rollout.server",
+            "--random_init_preset=tiny",
+            f"--port={port}",
+            "--host=127.0.0.1",
+            f"--max_prefill_length={MAX_PREFILL}",
+            f"--max_decode_length={MAX_DECODE}",
+            "--max_concurrent_decodes=8",
+            "--tokenizer=char",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    try:
+        asyncio.run(_exercise(f"127.0.0.1:{port}", proc))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.seek(0)
+        output = log.read()
+        log.close()
+    assert "server stopped" in output, output[-3000:]
+
+
+def test_server_loads_hf_and_orbax_checkpoints(tmp_path):
+    """--hf_checkpoint and --orbax_checkpoint (StandardCheckpointer of the fp32 nnx.State) both
+    land in the rollout dtype with the same values."""
+    import jax.numpy as jnp
+    import numpy as np
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    from dvp_jax.model import TRAIN_POLICY, ModelConfig, Transformer
+    from dvp_jax.model.hf_import import save_hf
+    from dvp_jax.rollout import server
+
+    master = Transformer(ModelConfig.preset("tiny"), TRAIN_POLICY, rngs=nnx.Rngs(3))
+    save_hf(master, str(tmp_path / "hf"))
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(str(tmp_path / "orbax"), nnx.state(master))
+    expected = {
+        path: np.asarray(var.get_value().astype(jnp.bfloat16))
+        for path, var in nnx.to_flat_state(nnx.state(master))
+    }
+    sources = {
+        "hf": [f"--hf_checkpoint={tmp_path / 'hf'}"],
+        "orbax": [f"--orbax_checkpoint={tmp_path / 'orbax'}", "--model_preset=tiny"],
+    }
+    for name, args in sources.items():
+        server.FLAGS(["server", *args, f"--max_prefill_length={MAX_PREFILL}"])
+        try:
+            engine = server.build_engine()
+        finally:
+            server.FLAGS.unparse_flags()
+        for path, var in nnx.to_flat_state(engine.params):
+            value = var.get_value()
+            assert value.dtype == jnp.bfloat16, (name, path)
+            np.testing.assert_array_equal(
+                np.asarray(value), expected[path], err_msg=f"{name} {path}"
+            )
