@@ -38,9 +38,17 @@ def hf_qwen3(tmp_path, tie: bool, seed: int = 0, **overrides):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     kwargs = dict(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=tie,
-        rope_theta=10_000.0, max_position_embeddings=128, rms_norm_eps=1e-6,
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=tie,
+        rope_theta=10_000.0,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
     )
     kwargs.update(overrides)
     torch.manual_seed(seed)

@@ -27,13 +27,18 @@ def _padded_inputs():
 
 def _ours(model, tokens, mask):
     positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
-    return np.asarray(model(jnp.asarray(tokens, jnp.int32), jnp.asarray(positions),
-                            jnp.asarray(mask.astype(bool))))
+    return np.asarray(
+        model(
+            jnp.asarray(tokens, jnp.int32), jnp.asarray(positions), jnp.asarray(mask.astype(bool))
+        )
+    )
 
 
 def _theirs(hf_model, tokens, mask):
     with torch.no_grad():
-        return hf_model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask)).logits.numpy()
+        return hf_model(
+            input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask)
+        ).logits.numpy()
 
 
 @pytest.mark.parametrize("tie", [True, False])
@@ -56,15 +61,19 @@ def test_export_reimport_round_trip_and_transformers_loads_it(tmp_path, tie):
     out = str(tmp_path / "export")
     save_hf(model, out)
     again = load_hf(out)
-    for (p1, v1), (p2, v2) in zip(jax.tree.leaves_with_path(jax.tree.map(np.asarray, _params(model))),
-                                  jax.tree.leaves_with_path(jax.tree.map(np.asarray, _params(again))),
-                                  strict=True):
+    for (p1, v1), (p2, v2) in zip(
+        jax.tree.leaves_with_path(jax.tree.map(np.asarray, _params(model))),
+        jax.tree.leaves_with_path(jax.tree.map(np.asarray, _params(again))),
+        strict=True,
+    ):
         assert p1 == p2
         np.testing.assert_array_equal(v1, v2)
     hf_again = Qwen3ForCausalLM.from_pretrained(out).eval()
     tokens, mask = _padded_inputs()
     real = mask.astype(bool)
-    assert np.abs(_ours(model, tokens, mask) - _theirs(hf_again, tokens, mask))[real].max() <= HF_ATOL
+    assert (
+        np.abs(_ours(model, tokens, mask) - _theirs(hf_again, tokens, mask))[real].max() <= HF_ATOL
+    )
 
 
 def test_sharded_export_with_index(tmp_path):

@@ -23,7 +23,9 @@ def test_prefill_then_decode_matches_full_forward(tie):
     full = model(tokens, positions)  # [b, t, v], no padding: the continuation is real.
 
     prompt = jnp.where(jnp.arange(prompt_len)[None] < lengths[:, None], tokens[:, :prompt_len], 0)
-    logits, cache = jax.jit(model.prefill, static_argnums=2)(prompt, jnp.asarray(lengths), cache_len)
+    logits, cache = jax.jit(model.prefill, static_argnums=2)(
+        prompt, jnp.asarray(lengths), cache_len
+    )
     np.testing.assert_allclose(logits, full[np.arange(3), lengths - 1], atol=1e-5)
     decode = jax.jit(model.decode)
     pos = jnp.asarray(lengths)
@@ -92,8 +94,9 @@ def test_fp8_kv_cache_policy_decodes():
 
 def test_config_validation_and_presets():
     with pytest.raises(ValueError, match="n_kv_heads"):
-        ModelConfig(vocab_size=8, d_model=8, n_layers=1, n_heads=3, n_kv_heads=2, head_dim=4,
-                    d_ff=8)
+        ModelConfig(
+            vocab_size=8, d_model=8, n_layers=1, n_heads=3, n_kv_heads=2, head_dim=4, d_ff=8
+        )
     with pytest.raises(ValueError, match="unknown model preset"):
         ModelConfig.preset("qwen9")
     with pytest.raises(ValueError, match="dtype policy"):

@@ -31,7 +31,9 @@ def test_rules_map_logical_names():
     train, rollout = Sharder(mesh, TRAIN_RULES), Sharder(mesh, ROLLOUT_RULES)
     assert train.spec(("vocab", "embed"), (64, 32)) == P("tensor", "fsdp")
     assert rollout.spec(("vocab", "embed"), (64, 32)) == P("tensor", None)
-    assert train.spec(("act_batch", "act_seq", "act_embed"), (4, 8, 32)) == P(("data", "fsdp"), None, None)
+    assert train.spec(("act_batch", "act_seq", "act_embed"), (4, 8, 32)) == P(
+        ("data", "fsdp"), None, None
+    )
     # A mesh axis that does not divide the dimension is dropped, not an error.
     assert train.spec(("vocab", "embed"), (63, 32)) == P(None, "fsdp")
     with pytest.raises(KeyError, match="no rule"):
@@ -51,7 +53,9 @@ def test_sharded_init_places_params_and_forward_matches_single_device():
     # Same values as eager init (jit may fuse the scale into the sampler: 1-ulp differences).
     np.testing.assert_allclose(np.asarray(emb), np.asarray(single.embed[...]), rtol=1e-6)
 
-    tokens, positions, valid = padded_batch(np.random.default_rng(0), cfg.vocab_size, [8, 5, 8, 2], 8)
+    tokens, positions, valid = padded_batch(
+        np.random.default_rng(0), cfg.vocab_size, [8, 5, 8, 2], 8
+    )
     graphdef, state = nnx.split(sharded)
 
     @jax.jit

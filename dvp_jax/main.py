@@ -1,0 +1,101 @@
+"""Entry point: `python -m dvp_jax.main --config configs/tiny_cpu.py --workdir DIR`.
+
+Overrides: `--config.train.steps=10`, `--config.method=mis_dvp`, or a config argument
+`--config configs/tiny_cpu.py:rloo`. Rerunning with the same `--workdir` resumes from its latest
+checkpoint. Multi-process: on Cloud TPU VMs `jax.distributed.initialize()` auto-detects the slice
+(`--distributed`); elsewhere pass `--coordinator_address`, `--num_processes` and `--process_id`.
+
+This module (with tests/conftest.py) is the only place that touches `jax.config`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
+                                          lock_config=False)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, plots).")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "host:port of process 0 for multi-process runs.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
+_DISTRIBUTED = flags.DEFINE_bool("distributed", False,
+                                 "Call jax.distributed.initialize() with auto-detection (TPU).")
+_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", None,
+                                    "Fake CPU devices per process (testing sharding on CPU).")
+_EXPORT_HF = flags.DEFINE_bool("export_hf", True,
+                               "Export the final policy as Hugging Face safetensors.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+class _QuietLibraries:
+    """Drops INFO records of chatty libraries (orbax logs every save step by step)."""
+
+    PREFIXES = ("orbax", "etils", "grain", "jetstream")
+
+    def filter(self, record) -> bool:
+        noisy = any(part in record.pathname for part in self.PREFIXES)
+        return record.levelno >= logging.WARNING or not noisy
+
+
+def _init_jax():
+    if _CPU_DEVICES.value:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={_CPU_DEVICES.value}")
+    import jax
+
+    if _COORDINATOR.value or (_NUM_PROCESSES.value or 1) > 1:
+        # Cross-process collectives on CPU need gloo; harmless on accelerators.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(_COORDINATOR.value, num_processes=_NUM_PROCESSES.value,
+                                   process_id=_PROCESS_ID.value)
+    elif _DISTRIBUTED.value:
+        jax.distributed.initialize()
+    logging.info("JAX: process %d of %d, %d local / %d global devices (%s)",
+                 jax.process_index(), jax.process_count(), jax.local_device_count(),
+                 jax.device_count(), jax.devices()[0].platform)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.get_absl_handler().addFilter(_QuietLibraries())
+    _init_jax()
+    import jax
+
+    from dvp_jax.model.hf_import import save_hf
+    from dvp_jax.rollout.tokenizers import load_tokenizer
+    from dvp_jax.train.config import ExperimentConfig
+    from dvp_jax.train.trainer import Trainer
+
+    tokenizer = load_tokenizer(_CONFIG.value.data.tokenizer)
+    try:
+        cfg = ExperimentConfig.from_config_dict(_CONFIG.value, tokenizer.vocab_size)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+    trainer = Trainer(cfg, _WORKDIR.value)
+    try:
+        summary = trainer.run()
+        if "preempted_at" not in summary:
+            if _EXPORT_HF.value and jax.process_index() == 0:
+                from flax import nnx
+
+                path = os.path.join(trainer.workdir, "hf_export")
+                params = jax.device_get(trainer.state.params)
+                save_hf(nnx.merge(trainer.graphdef, params), path)
+                logging.info("exported the policy to %s", path)
+            if cfg.plots and jax.process_index() == 0:
+                from dvp_jax import plots
+
+                for path in plots.plot_run(trainer.workdir):
+                    logging.info("wrote %s", path)
+            logging.info("summary: %s", summary)
+    finally:
+        trainer.close()
+
+
+if __name__ == "__main__":
+    app.run(main)

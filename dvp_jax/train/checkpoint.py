@@ -1,0 +1,82 @@
+"""Orbax checkpoints of the train state and the data iterator.
+
+One `CheckpointManager` per workdir (`<workdir>/checkpoints`), keeping the last K steps. Each
+checkpoint holds two items: `state` (the `TrainState` pytree: params, optimizer, step, RNG) and
+`data` (the grain iterator state as JSON). Orbax writes each step into a temporary directory and
+renames it when complete, so a checkpoint is never half-written; an interrupted save leaves the
+previous one as the latest. Saves are synchronous so that a kill right after `save` returns
+cannot lose it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from absl import logging
+
+from dvp_jax.train.state import TrainState
+
+
+class Checkpointer:
+    def __init__(self, workdir: str, keep: int):
+        self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+        self.manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep, create=True, enable_async_checkpointing=False
+            ),
+        )
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, state: TrainState, data_state: dict[str, Any], extra: dict) -> None:
+        """Saves step `step` (overwrites nothing: an existing step is skipped)."""
+        if step in self.manager.all_steps():
+            return
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                data=ocp.args.JsonSave(data_state),
+                extra=ocp.args.JsonSave(extra),
+            ),
+        )
+        self.manager.wait_until_finished()
+        logging.info("saved checkpoint %d to %s", step, self.directory)
+
+    def restore(self, abstract_state: TrainState, step: int | None = None):
+        """Restores (state, data_state, extra) at `step` (default: latest) into the given layout.
+
+        Args:
+          abstract_state: a TrainState of `jax.ShapeDtypeStruct`s carrying the target shardings
+            (from `jax.eval_shape` + the step's shardings), so every array lands sharded.
+        """
+        step = self.latest_step() if step is None else step
+        restored = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state),
+                data=ocp.args.JsonRestore(),
+                extra=ocp.args.JsonRestore(),
+            ),
+        )
+        logging.info("restored checkpoint %d from %s", step, self.directory)
+        return restored["state"], restored["data"], restored["extra"]
+
+    def close(self):
+        self.manager.close()
+
+
+def abstract_like(state: TrainState, shardings: TrainState | None) -> TrainState:
+    """ShapeDtypeStructs of `state` with the given shardings (or each array's own)."""
+    if shardings is None:
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+        )
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
+    )

@@ -1,0 +1,257 @@
+"""Experiment configuration: an `ml_collections.ConfigDict` converted once into frozen dataclasses.
+
+`configs/*.py` return ConfigDicts (so absl `config_flags` can apply `--config.a.b=value`
+overrides). `ExperimentConfig.from_config_dict` validates every value once; below the trainer
+boundary nothing reads a ConfigDict. Errors name the field (`config.train.group_size`) and the
+allowed values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import ml_collections
+
+from dvp_jax.dvp.losses import PRESETS as LOSS_PRESETS
+from dvp_jax.dvp.losses import LossConfig
+from dvp_jax.model.config import PRESETS as MODEL_PRESETS
+from dvp_jax.model.config import DTypePolicy, ModelConfig
+from dvp_jax.sharding import MeshConfig
+
+ROLLOUT_DTYPES = ("float32", "bfloat16", "bfloat16_fp8kv")
+TASKS = ("arithmetic", "math")
+
+
+def _check(cond: bool, field: str, allowed: str, value: Any) -> None:
+    if not cond:
+        raise ValueError(f"config.{field} must be {allowed}, got {value!r}")
+
+
+def _int(field: str, value: Any, lo: int | None = None) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and (lo is None or value >= lo)
+    _check(ok, field, f"an int >= {lo}" if lo is not None else "an int", value)
+
+
+def _pos_float(field: str, value: Any, allow_zero: bool = False) -> None:
+    ok = isinstance(value, int | float) and math.isfinite(value) and (
+        value >= 0 if allow_zero else value > 0
+    )
+    _check(ok, field, "a finite float " + (">= 0" if allow_zero else "> 0"), value)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """The inference side: JetStream engine precision and sampling."""
+
+    dtype: str = "bfloat16"  # the precision split: float32 turns the mismatch off
+    logit_noise: float = 0.0  # std of additive Gaussian logit noise before pruning (experiments)
+    temperature: float = 1.0
+    max_new_tokens: int = 8
+    num_slots: int = 64  # concurrent decode slots of the engine
+    tensor_parallel: int = 1  # the engine's mesh: (1, 1, tensor_parallel) local devices
+
+    def __post_init__(self):
+        _check(self.dtype in ROLLOUT_DTYPES, "rollout.dtype", f"one of {ROLLOUT_DTYPES}",
+               self.dtype)
+        _pos_float("rollout.logit_noise", self.logit_noise, allow_zero=True)
+        _pos_float("rollout.temperature", self.temperature)
+        _int("rollout.max_new_tokens", self.max_new_tokens, 1)
+        _int("rollout.num_slots", self.num_slots, 1)
+        _int("rollout.tensor_parallel", self.tensor_parallel, 1)
+
+    @property
+    def policy(self) -> DTypePolicy:
+        return DTypePolicy.named(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    task: str = "arithmetic"
+    path: str = ""  # jsonl / parquet in the DAPO-Math layout, for task="math"
+    eval_path: str = ""  # held-out math file (e.g. AIME25) for avg@k; arithmetic has its own split
+    tokenizer: str = "char"  # "char" or a path to a tokenizer.json
+    chat_format: str = "chatml"
+    max_prompt_len: int = 16
+    seed: int = 0
+    # arithmetic difficulty knobs (dvp_jax.data.tasks.ArithmeticTask)
+    num_operands: int = 2
+    min_operands: int = 2
+    max_operand: int = 49
+    ops: str = "+-"
+    style: str = "symbolic"
+
+    def __post_init__(self):
+        _check(self.task in TASKS, "data.task", f"one of {TASKS}", self.task)
+        if self.task == "math":
+            _check(bool(self.path), "data.path", "a jsonl/parquet file path for task='math'",
+                   self.path)
+        _int("data.max_prompt_len", self.max_prompt_len, 1)
+        _int("data.num_operands", self.num_operands, 1)
+        _int("data.min_operands", self.min_operands, 1)
+        _int("data.max_operand", self.max_operand, 1)
+        _check(bool(self.ops) and set(self.ops) <= set("+-*"), "data.ops",
+               "a non-empty string of '+', '-', '*'", self.ops)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 20
+    # P: prompts per rollout batch (the global generation batch; each of H hosts rolls out P/H)
+    prompts_per_step: int = 8
+    group_size: int = 8  # G: responses per prompt (E8 needs G >= 2)
+    learning_rate: float = 1e-4
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.999
+    micro_batches: int = 1  # gradient accumulation
+    updates_per_batch: int = 1  # > 1 uses the decoupled PPO clip (loss.ppo_clip_eps)
+    chunk_size: int = 8192  # vocabulary chunk of the pruned logprobs
+    seed: int = 0
+
+    def __post_init__(self):
+        _int("train.steps", self.steps, 0)
+        _int("train.prompts_per_step", self.prompts_per_step, 1)
+        _int("train.group_size", self.group_size, 2)
+        _pos_float("train.learning_rate", self.learning_rate)
+        _int("train.warmup_steps", self.warmup_steps, 0)
+        _pos_float("train.weight_decay", self.weight_decay, allow_zero=True)
+        _pos_float("train.grad_clip", self.grad_clip)
+        _int("train.micro_batches", self.micro_batches, 1)
+        _int("train.updates_per_batch", self.updates_per_batch, 1)
+        _int("train.chunk_size", self.chunk_size, 1)
+        _int("train.seed", self.seed, 0)
+        batch = self.prompts_per_step * self.group_size
+        _check(batch % self.micro_batches == 0, "train.micro_batches",
+               f"a divisor of prompts_per_step * group_size = {batch}", self.micro_batches)
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    """Supervised warm-up on the generated task, before RL (0 steps: off)."""
+
+    steps: int = 0
+    batch_size: int = 64
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+
+    def __post_init__(self):
+        _int("sft.steps", self.steps, 0)
+        _int("sft.batch_size", self.batch_size, 1)
+        _pos_float("sft.learning_rate", self.learning_rate)
+        _int("sft.warmup_steps", self.warmup_steps, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    every: int = 10  # 0: only at the start and the end of RL
+    num_prompts: int = 128
+    k: int = 4  # avg@k: k samples per held-out prompt
+
+    def __post_init__(self):
+        _int("eval.every", self.every, 0)
+        _int("eval.num_prompts", self.num_prompts, 1)
+        _int("eval.k", self.k, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 10  # 0: only at the end (and on SIGTERM)
+    keep: int = 3
+
+    def __post_init__(self):
+        _int("checkpoint.every", self.every, 0)
+        _int("checkpoint.keep", self.keep, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    model: ModelConfig
+    mesh: MeshConfig
+    rollout: RolloutConfig
+    loss: LossConfig
+    method: str
+    data: DataConfig
+    train: TrainConfig
+    sft: SFTConfig
+    eval: EvalConfig
+    checkpoint: CheckpointConfig
+    log_every: int = 1
+    plots: bool = True
+    init_hf_path: str = ""  # a local Hugging Face Qwen3 directory to start from (model.hf_path)
+
+    @property
+    def rollout_log_rho(self) -> float:
+        """The rollout prunes with the same rule as the trainer (E1): -inf when pruning is off."""
+        return self.loss.effective_log_rho
+
+    @classmethod
+    def from_config_dict(cls, cd: ml_collections.ConfigDict, vocab_size: int) -> ExperimentConfig:
+        """Validates a ConfigDict once. `vocab_size` is the tokenizer's (for model.vocab_size=-1)."""
+        d = cd.to_dict() if isinstance(cd, ml_collections.ConfigDict) else dict(cd)
+        known = {"model", "mesh", "rollout", "loss", "method", "data", "train", "sft", "eval",
+                 "checkpoint", "log_every", "plots"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"config has unknown top-level fields {unknown}; allowed: {sorted(known)}")
+
+        model_d = dict(d.get("model", {}))
+        preset = model_d.pop("preset", "tiny")
+        hf_path = model_d.pop("hf_path", "") or ""
+        _check(preset in MODEL_PRESETS, "model.preset", f"one of {sorted(MODEL_PRESETS)}", preset)
+        if model_d.get("vocab_size", -1) in (-1, None):
+            # Round the tokenizer's vocabulary up to a multiple of 8 so it shards evenly.
+            model_d["vocab_size"] = -(-vocab_size // 8) * 8
+        _check(model_d["vocab_size"] >= vocab_size, "model.vocab_size",
+               f">= the tokenizer's vocabulary ({vocab_size})", model_d["vocab_size"])
+        # With model.hf_path the preset must describe the checkpoint; the trainer checks it
+        # against the checkpoint's config.json when it loads the weights.
+        model = _build("model", ModelConfig, model_d, base=MODEL_PRESETS[preset])
+
+        method = d.get("method", "dvp")
+        _check(method in LOSS_PRESETS, "method", f"one of {tuple(LOSS_PRESETS)}", method)
+        loss_d = {k: v for k, v in dict(d.get("loss", {})).items() if v is not None or k == "ppo_clip_eps"}
+        loss_fields = {**LOSS_PRESETS[method], **loss_d}
+        # Both sides prune with the same rule (E1) after the same temperature.
+        loss_fields.setdefault("temperature", dict(d.get("rollout", {})).get("temperature", 1.0))
+        loss = _build("loss", LossConfig, loss_fields)
+        train = _build("train", TrainConfig, d.get("train", {}))
+        if train.updates_per_batch > 1 and loss.ppo_clip_eps is None:
+            raise ValueError("config.loss.ppo_clip_eps must be set (e.g. 0.2) when "
+                             f"config.train.updates_per_batch={train.updates_per_batch} > 1")
+        if train.updates_per_batch == 1 and loss.ppo_clip_eps is not None:
+            raise ValueError("config.loss.ppo_clip_eps needs config.train.updates_per_batch > 1")
+        cfg = cls(
+            model=model,
+            mesh=_build("mesh", MeshConfig, d.get("mesh", {})),
+            rollout=_build("rollout", RolloutConfig, d.get("rollout", {})),
+            loss=loss,
+            method=method,
+            data=_build("data", DataConfig, d.get("data", {})),
+            train=train,
+            sft=_build("sft", SFTConfig, d.get("sft", {})),
+            eval=_build("eval", EvalConfig, d.get("eval", {})),
+            checkpoint=_build("checkpoint", CheckpointConfig, d.get("checkpoint", {})),
+            log_every=d.get("log_every", 1),
+            plots=d.get("plots", True),
+            init_hf_path=hf_path,
+        )
+        _int("log_every", cfg.log_every, 1)
+        return cfg
+
+
+def _build(section: str, cls, values: dict[str, Any], base=None):
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ValueError(f"config.{section} has unknown fields {unknown}; allowed: {sorted(names)}")
+    try:
+        return dataclasses.replace(base, **values) if base is not None else cls(**values)
+    except (TypeError, ValueError) as e:
+        msg = str(e)
+        if f"config.{section}" in msg:
+            raise
+        raise ValueError(f"config.{section}: {msg}") from None

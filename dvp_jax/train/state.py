@@ -1,0 +1,100 @@
+"""Train state (fp32 master params, optax AdamW state, step, RNG) and the optimizer."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from dvp_jax.sharding import Sharder, state_shardings
+
+# Consecutive non-finite updates tolerated before optax applies one anyway; effectively "always
+# skip": a run that produces non-finite gradients this often should be stopped by a human.
+MAX_CONSECUTIVE_NONFINITE = 1_000_000
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    """Everything a resumed run needs on device.
+
+    Attributes:
+      step: [] int32, optimizer steps taken (RL steps; the SFT warm-up has its own counter).
+      params: pure dict of fp32 parameters (`nnx.to_pure_dict` of the model state).
+      opt_state: optax state, wrapped by `optax.apply_if_finite` (counts skipped updates).
+      rng: [2] uint32 raw PRNG key; per-step keys are `fold_in(rng, step)`.
+    """
+
+    step: jax.Array
+    params: dict
+    opt_state: optax.OptState
+    rng: jax.Array
+
+
+def make_optimizer(learning_rate: float, warmup_steps: int, weight_decay: float, grad_clip: float,
+                   b1: float = 0.9, b2: float = 0.999) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping and a linear warm-up to a constant rate.
+
+    Wrapped in `optax.apply_if_finite`: a non-finite gradient leaves params and moments
+    unchanged and increments `notfinite_count` / `total_notfinite` (logged as `skipped_updates`).
+    """
+    if warmup_steps > 0:
+        schedule = optax.join_schedules(
+            [optax.linear_schedule(0.0, learning_rate, warmup_steps),
+             optax.constant_schedule(learning_rate)],
+            [warmup_steps],
+        )
+    else:
+        schedule = optax.constant_schedule(learning_rate)
+    inner = optax.chain(
+        optax.clip_by_global_norm(grad_clip),
+        optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay),
+    )
+    return optax.apply_if_finite(inner, MAX_CONSECUTIVE_NONFINITE)
+
+
+def skipped_updates(opt_state) -> jax.Array:
+    """Total number of updates skipped for non-finite gradients."""
+    return opt_state.total_notfinite
+
+
+def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation, seed: int,
+                     sharder: Sharder) -> tuple[nnx.GraphDef, TrainState, TrainState]:
+    """Builds the train state from a (sharded) model.
+
+    Returns:
+      (graphdef, state, state_shardings): the optimizer state is created under jit with
+      out_shardings derived from the parameters' logical axes (moments shard like params).
+    """
+    graphdef, model_state = nnx.split(model)
+    params = nnx.to_pure_dict(model_state)
+    param_sh = nnx.to_pure_dict(state_shardings(model_state, sharder)) if sharder.mesh else None
+
+    def make(params):
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=optimizer.init(params),
+            rng=jax.random.key_data(jax.random.key(seed)),
+        )
+
+    if sharder.mesh is None:
+        state = jax.jit(make)(params)
+        return graphdef, state, None
+    abstract = jax.eval_shape(make, params)
+    replicated = sharder.replicated()
+    shardings = TrainState(
+        step=replicated,
+        params=param_sh,
+        # Optimizer moments shard like the parameters they track; counters replicate.
+        opt_state=optax.tree_map_params(
+            optimizer, lambda _, sh: sh, abstract.opt_state, param_sh,
+            transform_non_params=lambda _: replicated,
+        ),
+        rng=replicated,
+    )
+    state = jax.jit(make, out_shardings=shardings)(params)
+    return graphdef, state, shardings

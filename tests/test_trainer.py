@@ -1,0 +1,226 @@
+"""End-to-end trainer tests: a short run, crash + resume, bad data rows, bad config values."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from dvp_jax.rollout.tokenizers import CharTokenizer
+from dvp_jax.train.config import ExperimentConfig
+from dvp_jax.train.trainer import Trainer
+from tests.train_utils import REPO, TINY_CONFIG, cli_overrides, tiny_config_dict
+
+VOCAB = CharTokenizer().vocab_size
+
+
+def _metrics(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def test_three_step_run_is_finite_and_compiles_once(tmp_path):
+    cfg = ExperimentConfig.from_config_dict(tiny_config_dict(), VOCAB)
+    trainer = Trainer(cfg, str(tmp_path))
+    try:
+        summary = trainer.run()
+        # One compiled train step for all three steps: no retrace after the first.
+        assert trainer._rl_step._cache_size() == 1
+    finally:
+        trainer.close()
+    rows = [r for r in _metrics(tmp_path) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        for key in (
+            "loss",
+            "ppl_gap",
+            "kl_k3",
+            "grad_norm",
+            "training_ppl",
+            "rollout_ppl",
+            "lt_bin0_mean_abs",
+            "is_weight_ess",
+        ):
+            assert np.isfinite(row[key]), (key, row[key])
+        assert row["skipped_updates"] == 0
+    assert summary["eval_accuracy"] is not None and 0.0 <= summary["eval_accuracy"] <= 1.0
+    assert os.path.exists(os.path.join(tmp_path, "summary.json"))
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path))
+
+
+def _run_main(workdir, *extra, wait=True):
+    cmd = [
+        sys.executable,
+        "-m",
+        "dvp_jax.main",
+        f"--config={TINY_CONFIG}",
+        f"--workdir={workdir}",
+        *cli_overrides(**{"train.steps": 6}),
+        "--export_hf",
+        *extra,
+    ]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    if wait:
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out[-3000:]
+    return proc
+
+
+def _exported(workdir):
+    from safetensors.numpy import load_file
+
+    return load_file(os.path.join(workdir, "hf_export", "model.safetensors"))
+
+
+def test_sigkill_after_checkpoint_then_resume_is_bit_exact(tmp_path):
+    ref_dir, crash_dir = str(tmp_path / "ref"), str(tmp_path / "crash")
+    reference = _run_main(ref_dir, wait=False)
+
+    crashed = _run_main(crash_dir, wait=False)
+    ckpt = os.path.join(crash_dir, "checkpoints", "2")
+    deadline = time.time() + 600
+    while not os.path.isdir(ckpt) and time.time() < deadline and crashed.poll() is None:
+        time.sleep(0.2)
+    assert os.path.isdir(ckpt), "no checkpoint at step 2 before the run ended"
+    crashed.send_signal(signal.SIGKILL)
+    crashed.wait()
+    assert crashed.returncode == -signal.SIGKILL
+    assert not os.path.exists(os.path.join(crash_dir, "summary.json"))
+
+    out, _ = reference.communicate(timeout=600)
+    assert reference.returncode == 0, out[-3000:]
+    _run_main(crash_dir)
+    ref, res = _exported(ref_dir), _exported(crash_dir)
+    assert ref.keys() == res.keys()
+    for key in ref:
+        np.testing.assert_array_equal(ref[key], res[key], err_msg=key)
+    # The resumed run redid only the steps after its last checkpoint.
+    steps = [r["step"] for r in _metrics(crash_dir) if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_malformed_data_rows_are_counted_and_skipped(tmp_path):
+    rows = []
+    good = [
+        ("what is 2 plus 3?", "5"),
+        ("what is 7 minus 4?", "3"),
+        ("4 plus 4 is", "8"),
+        ("what is 9 minus 1?", "8"),
+        ("1 plus 1 is", "2"),
+        ("6 minus 2 is", "4"),
+    ]
+    for i, (q, a) in enumerate(good * 2):
+        rows.append(
+            json.dumps(
+                {"prompt": [{"role": "user", "content": q}], "reward_model": {"ground_truth": a}}
+            )
+        )
+        if i == 1:
+            rows.append(json.dumps({"prompt": "no answer here"}))  # missing ground truth
+        if i == 3:
+            rows.append("{not json")  # undecodable
+        if i == 5:
+            rows.append(json.dumps({"prompt": 17, "answer": "3"}))  # wrong type
+        if i == 7:
+            rows.append(json.dumps({"prompt": "x" * 500, "answer": "1"}))  # over-long
+    path = tmp_path / "math.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    cfg = ExperimentConfig.from_config_dict(
+        tiny_config_dict(
+            **{
+                "data.task": "math",
+                "data.path": str(path),
+                "data.chat_format": "plain",
+                "data.max_prompt_len": 32,
+                "train.steps": 2,
+                "data.eval_path": str(path),
+                # Also exercises two PPO mini-batch updates per rollout batch, each with
+                # gradient accumulation over two micro-batches.
+                "train.updates_per_batch": 2,
+                "loss.ppo_clip_eps": 0.2,
+                "train.micro_batches": 2,
+                "train.prompts_per_step": 8,
+                "eval.num_prompts": 4,
+            }
+        ),
+        VOCAB,
+    )
+    trainer = Trainer(cfg, str(tmp_path / "run"))
+    try:
+        summary = trainer.run()
+    finally:
+        trainer.close()
+    assert trainer.data.report.num_malformed == 4
+    assert summary["data_malformed_rows"] == 4
+    assert len(trainer.data.report.malformed_indices) == 4
+    losses = [r["loss"] for r in _metrics(tmp_path / "run") if "loss" in r]
+    assert len(losses) == 2 and all(np.isfinite(losses))
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ({"train.group_size": 1}, "config.train.group_size"),
+        ({"loss.correction": "seq_magic"}, "correction"),
+        ({"method": "ppo"}, "config.method"),
+        ({"rollout.dtype": "float16"}, "config.rollout.dtype"),
+        ({"train.micro_batches": 3}, "config.train.micro_batches"),
+    ],
+)
+def test_bad_config_values_fail_fast_naming_the_field(override, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        ExperimentConfig.from_config_dict(tiny_config_dict(**override), VOCAB)
+
+
+def test_cli_bad_config_exits_nonzero_with_message(tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "dvp_jax.main",
+        f"--config={TINY_CONFIG}",
+        f"--workdir={tmp_path}",
+        "--config.train.group_size=1",
+    ]
+    out = subprocess.run(
+        cmd,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},
+    )
+    assert out.returncode != 0
+    assert "config.train.group_size must be an int >= 2, got 1" in out.stderr + out.stdout
+
+
+def test_init_from_hf_checkpoint_and_architecture_mismatch_is_named(tmp_path):
+    from flax import nnx
+
+    from dvp_jax.model import Transformer
+    from dvp_jax.model.hf_import import save_hf
+
+    cfg = ExperimentConfig.from_config_dict(tiny_config_dict(), VOCAB)
+    source = Transformer(cfg.model, rngs=nnx.Rngs(123))
+    save_hf(source, str(tmp_path / "hf"))
+    cfg_hf = ExperimentConfig.from_config_dict(
+        tiny_config_dict(**{"model.hf_path": str(tmp_path / "hf")}), VOCAB
+    )
+    trainer = Trainer(cfg_hf, str(tmp_path / "run"))
+    try:
+        np.testing.assert_array_equal(
+            np.asarray(trainer.state.params["embed"]), np.asarray(source.embed[...])
+        )
+    finally:
+        trainer.close()
+    wrong = ExperimentConfig.from_config_dict(
+        tiny_config_dict(**{"model.hf_path": str(tmp_path / "hf"), "model.d_ff": 128}), VOCAB
+    )
+    with pytest.raises(ValueError, match="d_ff: config 128 vs checkpoint 64"):
+        Trainer(wrong, str(tmp_path / "run2"))
