@@ -106,23 +106,25 @@ class Attention(nnx.Module):
         attn = _masked_softmax_attention(self._group(q), k, v, mask, self.policy.compute_dtype)
         return self._out(attn), (k, v)
 
-    def decode(self, x, positions, k_cache, v_cache):
+    def decode(self, x, positions, k_all, v_all, layer: int):
         """One new token per row, attending to the cache.
 
         Args:
           x: [b, 1, d] the new token's activations; positions: [b] its position (= cache slot).
-          k_cache, v_cache: [b, S, k, h] this layer's cache.
+          k_all, v_all: [L, b, S, k, h] the whole stacked cache; `layer` is this layer's index.
         Returns:
-          (out [b, 1, d], k_cache, v_cache) with the new key/value written at `positions`.
+          (out [b, 1, d], k_all, v_all) with the new key/value written at
+          `[layer, row, positions[row]]`: a scatter into the (donated) stacked cache, so a decode
+          step never copies the cache.
         """
         q, k, v = self._qkv(x, positions[:, None])
-        write = jax.vmap(lambda c, new, p: jax.lax.dynamic_update_slice(c, new, (p, 0, 0)))
-        k_cache = write(k_cache, k.astype(k_cache.dtype), positions)
-        v_cache = write(v_cache, v.astype(v_cache.dtype), positions)
-        cache_len = k_cache.shape[1]
+        rows = jnp.arange(x.shape[0])
+        k_all = k_all.at[layer, rows, positions].set(k[:, 0].astype(k_all.dtype))
+        v_all = v_all.at[layer, rows, positions].set(v[:, 0].astype(v_all.dtype))
+        cache_len = k_all.shape[2]
         mask = (jnp.arange(cache_len)[None, :] <= positions[:, None])[:, None, :]  # [b, 1, S]
         cd = self.policy.compute_dtype
         attn = _masked_softmax_attention(
-            self._group(q), k_cache.astype(cd), v_cache.astype(cd), mask, cd
+            self._group(q), k_all[layer].astype(cd), v_all[layer].astype(cd), mask, cd
         )
-        return self._out(attn), k_cache, v_cache
+        return self._out(attn), k_all, v_all

@@ -41,10 +41,10 @@ class Block(nnx.Module):
         x = self.sharder.constrain(x + self.mlp(self.post_attn_norm(x)), ACT)
         return x, kv
 
-    def decode(self, x, positions, k_cache, v_cache):
-        attn, k_cache, v_cache = self.attn.decode(self.input_norm(x), positions, k_cache, v_cache)
+    def decode(self, x, positions, k_all, v_all, layer: int):
+        attn, k_all, v_all = self.attn.decode(self.input_norm(x), positions, k_all, v_all, layer)
         x = x + attn
-        return x + self.mlp(self.post_attn_norm(x)), k_cache, v_cache
+        return x + self.mlp(self.post_attn_norm(x)), k_all, v_all
 
 
 class Transformer(nnx.Module):
@@ -155,11 +155,8 @@ class Transformer(nnx.Module):
           (logits [b, v] float32 predicting position `positions + 1`, updated KVCache).
         """
         x = self._embed(tokens[:, None])
-        ks, vs = [], []
+        k_all, v_all = cache
         for i, block in enumerate(self.layers):
-            x, k, v = block.decode(x, positions, cache.k[i], cache.v[i])
-            ks.append(k)
-            vs.append(v)
-        cache = KVCache(jnp.stack(ks), jnp.stack(vs))
-        cache = KVCache(*(self.sharder.constrain(c, CACHE_AXES) for c in cache))
+            x, k_all, v_all = block.decode(x, positions, k_all, v_all, i)
+        cache = KVCache(*(self.sharder.constrain(c, CACHE_AXES) for c in (k_all, v_all)))
         return self.logits(self.final_norm(x)[:, 0]), cache
