@@ -1,0 +1,519 @@
+"""Runs an experiment's work units locally, or on every worker of a Cloud TPU VM slice.
+
+An experiment is a Python file `experiments/eNNN_name.py` (xmanager-style: a set of work units):
+
+  CONFIG = "configs/tiny_cpu.py"     # the base config, relative to the repository root
+  CONFIG_ARG = "dvp"                 # optional: the `get_config` argument (`--config FILE:ARG`)
+  ENV = {"XLA_FLAGS": "..."}         # optional: extra environment of every unit (local and TPU)
+  SUMMARY_KEYS = ("eval_accuracy",)  # optional: summary.json columns of the final table
+  def get_sweep() -> list[dict]:     # one dict of dotted config overrides per work unit
+      return [{"method": m, "train.seed": s} for m in ("rloo", "dvp") for s in (0, 1)]
+
+A unit's overrides become `--config.a.b=value` flags of `python -m dvp_jax.main`; the optional key
+`_name` names the unit (default: its index and the overrides that vary across the sweep, e.g.
+`01_method=dvp,seed=1`). Each unit gets its own workdir
+`ROOT/EXPERIMENT/UNIT`, where the trainer writes `summary.json` at the end of the run.
+
+Local (a subprocess per unit, N at a time; logs in each workdir's `launch.log`; a summary table
+from the summary.json files at the end; exit status 1 if any unit failed):
+  python experiments/launch.py experiments/e000_smoke.py [--parallel N] [--root DIR] [--dry_run]
+      [--only 0,2] [--timeout SECONDS]
+
+Cloud TPU VM slice (multi-host: every worker runs the same command with `--distributed`, so
+`jax.distributed.initialize()` finds the other hosts from the TPU environment). Prints the
+commands; `--run` also executes them:
+  python experiments/launch.py experiments/e002_methods.py --tpu NAME --zone Z [--project P] \
+      --root gs://BUCKET/runs [--run] [--detach]
+  1. sync: `git ls-files` (tracked + untracked, not ignored) packed into a tarball, scp'd to every
+     worker and unpacked into `--remote_dir` (or `--sync git`: fetch and check out a commit of
+     `--git_remote` there); then `pip install -e .` plus `jax[tpu]` (skip with `--skip_install`).
+  2. one `gcloud compute tpus tpu-vm ssh NAME --worker=all --command=...` per unit, run one after
+     another (each unit uses the whole slice); with `--detach`, a single ssh that starts all units
+     in sequence under `nohup` on every worker and returns at once.
+  Multi-host checkpoints need storage every host sees: use a `gs://` root on TPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_ROOT = "/tmp/dvp_jax_runs"
+# A key missing from summary.json is also looked up as `final_<key>` (the trainer's tail means).
+DEFAULT_SUMMARY_KEYS = (
+    "start_eval_accuracy",
+    "eval_accuracy",
+    "ppl_gap",
+    "frac_responses_excluded",
+    "wall_time_s",
+)
+SOURCE_TARBALL = "dvp_jax_src.tgz"
+
+
+# ------------------------------------------------------------------------------------------------
+# Experiments and work units.
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    name: str  # the file's stem, e.g. "e000_smoke"
+    config: str  # path relative to the repository root
+    config_arg: str | None
+    env: dict[str, str]
+    summary_keys: tuple[str, ...]
+    units: tuple[WorkUnit, ...]
+
+    @property
+    def config_flag(self) -> str:
+        return self.config if not self.config_arg else f"{self.config}:{self.config_arg}"
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkUnit:
+    index: int
+    name: str
+    overrides: tuple[tuple[str, Any], ...]  # (dotted key, value), in the sweep's order
+
+
+def load_experiment(path: str) -> Experiment:
+    """Imports an experiment file and expands its sweep into work units."""
+    name = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(f"dvp_experiment_{name}", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"{path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for attr in ("CONFIG", "get_sweep"):
+        if not hasattr(module, attr):
+            raise ValueError(
+                f"{path}: an experiment must define {attr} (see experiments/launch.py)"
+            )
+    config = module.CONFIG
+    if not os.path.exists(os.path.join(REPO, config)):
+        raise ValueError(f"{path}: CONFIG={config!r} does not exist under {REPO}")
+    return Experiment(
+        name=name,
+        config=config,
+        config_arg=getattr(module, "CONFIG_ARG", None),
+        env={str(k): str(v) for k, v in getattr(module, "ENV", {}).items()},
+        summary_keys=tuple(getattr(module, "SUMMARY_KEYS", DEFAULT_SUMMARY_KEYS)),
+        units=expand_sweep(module.get_sweep(), source=path),
+    )
+
+
+def expand_sweep(
+    sweep: Sequence[dict[str, Any]], source: str = "get_sweep()"
+) -> tuple[WorkUnit, ...]:
+    """Checks a sweep (a list of dicts of dotted overrides) and names its units uniquely.
+
+    A unit's default name is its index plus the overrides that vary across the sweep, e.g.
+    `03_method=dvp,seed=1` (the last part of the key, or the whole key where two would clash).
+    """
+    if not isinstance(sweep, list | tuple) or not sweep:
+        raise ValueError(f"{source}: get_sweep() must return a non-empty list of dicts")
+    for i, wu in enumerate(sweep):
+        if not isinstance(wu, dict):
+            raise ValueError(f"{source}: work unit {i} is {type(wu).__name__}, not a dict")
+        for key in wu:
+            if key != "_name" and not (
+                isinstance(key, str) and re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", key)
+            ):
+                raise ValueError(
+                    f"{source}: work unit {i} has a bad override key {key!r} "
+                    "(want a dotted config path such as 'train.seed')"
+                )
+    overrides = [{k: v for k, v in wu.items() if k != "_name"} for wu in sweep]
+    keys = list(dict.fromkeys(k for wu in overrides for k in wu))
+    varying = [k for k in keys if len({repr(wu.get(k, _MISSING)) for wu in overrides}) > 1]
+    short = {k: k.rsplit(".", 1)[-1] for k in varying}
+    clash = {k for k in varying if list(short.values()).count(short[k]) > 1}
+    units, names = [], set()
+    for i, (wu, ov) in enumerate(zip(sweep, overrides, strict=True)):
+        slug = wu.get("_name") or ",".join(
+            f"{k if k in clash else short[k]}={format_value(ov[k])}" for k in varying if k in ov
+        )
+        name = f"{i:02d}_" + (re.sub(r"[^A-Za-z0-9._=,+-]", "_", str(slug))[:80] or "base")
+        if name in names:
+            raise ValueError(f"{source}: two work units are named {name!r}")
+        names.add(name)
+        units.append(WorkUnit(index=i, name=name, overrides=tuple(ov.items())))
+    return tuple(units)
+
+
+_MISSING = object()
+
+
+def format_value(value: Any) -> str:
+    """A config value as absl `config_flags` parses it back (`--config.a.b=<this>`)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, list | tuple):
+        return repr(tuple(value))
+    if value is None:
+        raise ValueError("None cannot be passed as a config override")
+    return str(value)
+
+
+def unit_argv(
+    exp: Experiment, unit: WorkUnit, workdir: str, python: str, extra_flags: Sequence[str] = ()
+) -> list[str]:
+    """The trainer command of one work unit, as an argument list."""
+    argv = [
+        python,
+        "-m",
+        "dvp_jax.main",
+        "--config",
+        exp.config_flag,
+        "--workdir",
+        workdir,
+        *extra_flags,
+    ]
+    argv += [f"--config.{k}={format_value(v)}" for k, v in unit.overrides]
+    return argv
+
+
+def join_path(root: str, *parts: str) -> str:
+    """os.path.join that leaves `gs://` roots alone."""
+    return "/".join([root.rstrip("/"), *parts]) if "://" in root else os.path.join(root, *parts)
+
+
+# ------------------------------------------------------------------------------------------------
+# Local runs.
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class UnitResult:
+    unit: WorkUnit
+    workdir: str
+    returncode: int | None = None  # None: not run (dry run)
+    wall_s: float = 0.0
+    summary: dict[str, Any] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and self.summary is not None
+
+
+def run_unit(exp: Experiment, unit: WorkUnit, workdir: str, timeout: float | None) -> UnitResult:
+    os.makedirs(workdir, exist_ok=True)
+    argv = unit_argv(exp, unit, workdir, sys.executable)
+    env = {**os.environ, **exp.env}
+    start = time.time()
+    with open(os.path.join(workdir, "launch.log"), "w") as log:
+        log.write("$ " + shlex.join(argv) + "\n")
+        log.flush()
+        try:
+            rc = subprocess.run(
+                argv,
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+                check=False,
+            ).returncode
+        except subprocess.TimeoutExpired:
+            log.write(f"\n[launch] killed after the {timeout} s timeout\n")
+            rc = 124
+    result = UnitResult(unit, workdir, rc, time.time() - start)
+    result.summary = read_summary(workdir)
+    return result
+
+
+def read_summary(workdir: str) -> dict[str, Any] | None:
+    try:
+        with open(os.path.join(workdir, "summary.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def run_local(
+    exp: Experiment, root: str, parallel: int, dry_run: bool, timeout: float | None
+) -> list[UnitResult]:
+    workdirs = {u.name: os.path.abspath(join_path(root, exp.name, u.name)) for u in exp.units}
+    if dry_run:
+        for u in exp.units:
+            env = "".join(f"{k}={shlex.quote(v)} " for k, v in exp.env.items())
+            argv = unit_argv(exp, u, workdirs[u.name], sys.executable)
+            print(f"# {u.name}\n{env}{shlex.join(argv)}")
+        return [UnitResult(u, workdirs[u.name]) for u in exp.units]
+    print(
+        f"[launch] {exp.name}: {len(exp.units)} work units, {parallel} at a time, root {root}",
+        flush=True,
+    )
+    results = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
+        futures = {pool.submit(run_unit, exp, u, workdirs[u.name], timeout): u for u in exp.units}
+        for fut in concurrent.futures.as_completed(futures):
+            r = fut.result()
+            results[r.unit.name] = r
+            status = "ok" if r.ok else f"FAILED (exit {r.returncode}, log {r.workdir}/launch.log)"
+            print(f"[launch] {r.unit.name}: {status} in {r.wall_s:.0f} s", flush=True)
+    ordered = [results[u.name] for u in exp.units]
+    with open(os.path.join(os.path.abspath(root), exp.name, "results.json"), "w") as f:
+        json.dump(
+            [
+                dict(
+                    name=r.unit.name,
+                    overrides=dict(r.unit.overrides),
+                    workdir=r.workdir,
+                    returncode=r.returncode,
+                    wall_s=r.wall_s,
+                    summary=r.summary,
+                )
+                for r in ordered
+            ],
+            f,
+            indent=1,
+        )
+    return ordered
+
+
+def summary_table(results: Sequence[UnitResult], keys: Sequence[str]) -> str:
+    """A fixed-width table: one row per unit, the requested summary.json keys as columns."""
+    header = ["unit", "status", *keys]
+    rows = [header]
+    for r in results:
+        status = "-" if r.returncode is None else ("ok" if r.ok else f"fail({r.returncode})")
+        cells = [r.unit.name, status]
+        for k in keys:
+            summary = r.summary or {}
+            v = summary.get(k, summary.get(f"final_{k}"))
+            cells.append("-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v)))
+        rows.append(cells)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Cloud TPU VM slice.
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TPUTarget:
+    name: str
+    zone: str
+    project: str | None = None
+    remote_dir: str = "dvp_jax"  # relative to the home directory of every worker
+    python: str = "python3"
+
+    def gcloud(self, verb: str, *args: str) -> list[str]:
+        argv = ["gcloud", "compute", "tpus", "tpu-vm", verb, *args, "--zone", self.zone]
+        return argv + (["--project", self.project] if self.project else [])
+
+    def ssh(self, remote_command: str) -> list[str]:
+        return self.gcloud("ssh", self.name, "--worker=all", f"--command={remote_command}")
+
+
+def tpu_sync_commands(
+    tpu: TPUTarget, sync: str, git_remote: str | None, git_ref: str | None, install: bool
+) -> list[tuple[str, list[str] | str]]:
+    """(description, command) pairs that put this repository on every worker.
+
+    A command is an argv list, or a string for the one local shell pipeline (run in REPO).
+    """
+    d = shlex.quote(tpu.remote_dir)
+    steps: list[tuple[str, list[str] | str]] = []
+    if sync == "scp":
+        tarball = os.path.join("/tmp", SOURCE_TARBALL)
+        pack = (
+            f"git ls-files -z --cached --others --exclude-standard | "
+            f"tar -czf {shlex.quote(tarball)} --null -T -"
+        )
+        steps.append(("pack the working tree (tracked + untracked, not ignored)", pack))
+        steps.append(
+            (
+                "copy it to every worker",
+                tpu.gcloud("scp", tarball, f"{tpu.name}:{SOURCE_TARBALL}", "--worker=all"),
+            )
+        )
+        unpack = f"mkdir -p {d} && tar -xzf {SOURCE_TARBALL} -C {d}"
+        steps.append(("unpack on every worker", tpu.ssh(unpack)))
+    elif sync == "git":
+        if not git_remote:
+            raise ValueError("--sync git needs --git_remote URL (a remote every worker can fetch)")
+        git_ref = git_ref or local_head()
+        r, ref = shlex.quote(git_remote), shlex.quote(git_ref)
+        fetch = (
+            f"(test -d {d}/.git || git clone {r} {d}) && cd {d} && git fetch {r} {ref} && "
+            f"git checkout --force FETCH_HEAD"
+        )
+        steps.append((f"check out {git_ref} of {git_remote} on every worker", tpu.ssh(fetch)))
+    else:
+        raise ValueError(f"--sync must be 'scp' or 'git', got {sync!r}")
+    if install:
+        py = shlex.quote(tpu.python)
+        pip = f"cd {d} && {py} -m pip install -q -e . 'jax[tpu]'"
+        steps.append(("install the package and jax[tpu] on every worker", tpu.ssh(pip)))
+    return steps
+
+
+def local_head() -> str:
+    """This checkout's HEAD commit (what `--sync git` checks out on the workers by default)."""
+    out = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False
+    )
+    return out.stdout.strip() or "HEAD"
+
+
+def tpu_unit_remote_command(exp: Experiment, unit: WorkUnit, tpu: TPUTarget, root: str) -> str:
+    """The shell command every worker runs for one unit (log in REMOTE_DIR/logs/EXP/UNIT.log)."""
+    # --distributed: jax.distributed.initialize() finds the slice's other hosts by itself.
+    argv = unit_argv(
+        exp, unit, join_path(root, exp.name, unit.name), tpu.python, extra_flags=("--distributed",)
+    )
+    log_dir = f"logs/{exp.name}"
+    env = "".join(f"{k}={shlex.quote(v)} " for k, v in exp.env.items())
+    return (
+        f"cd {shlex.quote(tpu.remote_dir)} && mkdir -p {shlex.quote(log_dir)} && "
+        f"{env}{shlex.join(argv)} > {shlex.quote(f'{log_dir}/{unit.name}.log')} 2>&1"
+    )
+
+
+def tpu_commands(
+    exp: Experiment,
+    tpu: TPUTarget,
+    root: str,
+    *,
+    sync: str = "scp",
+    git_remote: str | None = None,
+    git_ref: str | None = None,
+    install: bool = True,
+    detach: bool = False,
+) -> list[tuple[str, list[str] | str]]:
+    """Every command of a TPU launch, in order: sync, install, then the work units."""
+    steps = tpu_sync_commands(tpu, sync, git_remote, git_ref, install)
+    units = [(u, tpu_unit_remote_command(exp, u, tpu, root)) for u in exp.units]
+    if detach:
+        # All units in sequence in one background script per worker; ssh returns at once. A
+        # failed unit does not stop the next one (`;`), as in the blocking mode.
+        script = " ; ".join(f"( {cmd} )" for _, cmd in units)
+        remote = (
+            f"mkdir -p {shlex.quote(tpu.remote_dir)} && nohup bash -c {shlex.quote(script)} "
+            f"> {shlex.quote(f'{tpu.remote_dir}/{exp.name}.launch.log')} 2>&1 < /dev/null &"
+        )
+        steps.append(
+            (
+                f"start all {len(units)} units in the background: "
+                + ", ".join(u.name for u, _ in units),
+                tpu.ssh(remote),
+            )
+        )
+    else:
+        steps += [(f"work unit {u.name}", tpu.ssh(cmd)) for u, cmd in units]
+    return steps
+
+
+def run_tpu(steps: Sequence[tuple[str, list[str] | str]], execute: bool) -> int:
+    """Prints each command (shell-quoted) and, with `execute`, runs it; stops at a failed sync."""
+    failures = 0
+    for desc, cmd in steps:
+        print(f"# {desc}\n{cmd if isinstance(cmd, str) else shlex.join(cmd)}", flush=True)
+        if not execute:
+            continue
+        rc = subprocess.run(cmd, shell=isinstance(cmd, str), cwd=REPO, check=False).returncode
+        if rc:
+            print(f"[launch] exit {rc}: {desc}", file=sys.stderr, flush=True)
+            if not desc.startswith("work unit"):
+                return rc
+            failures += 1
+    return 1 if failures else 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Command line.
+# ------------------------------------------------------------------------------------------------
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("experiment", help="experiments/eNNN_name.py")
+    p.add_argument(
+        "--root",
+        default=None,
+        help=f"root of the workdirs (default {DEFAULT_ROOT}; a gs:// path on TPU)",
+    )
+    p.add_argument("--parallel", type=int, default=1, help="local units run at a time")
+    p.add_argument("--dry_run", action="store_true", help="print the local commands, run nothing")
+    p.add_argument("--only", default=None, help="comma-separated unit indices to run")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per local unit")
+    g = p.add_argument_group("Cloud TPU VM")
+    g.add_argument("--tpu", default=None, help="TPU VM (slice) name: switches to TPU mode")
+    g.add_argument("--zone", default=None)
+    g.add_argument("--project", default=None)
+    g.add_argument("--run", action="store_true", help="execute the printed gcloud commands")
+    g.add_argument("--detach", action="store_true", help="start all units under nohup, return")
+    g.add_argument("--sync", default="scp", choices=("scp", "git"))
+    g.add_argument("--git_remote", default=None)
+    g.add_argument("--git_ref", default=None, help="default: this checkout's HEAD commit")
+    g.add_argument("--remote_dir", default="dvp_jax", help="checkout dir, relative to $HOME")
+    g.add_argument("--remote_python", default="python3")
+    g.add_argument("--skip_install", action="store_true")
+    args = p.parse_args(argv)
+    if args.parallel < 1:
+        p.error(f"--parallel must be >= 1, got {args.parallel}")
+    if args.tpu and not args.zone:
+        p.error("--tpu needs --zone")
+    if not args.tpu and (args.run or args.detach or args.zone):
+        p.error("--run / --detach / --zone only apply with --tpu")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    exp = load_experiment(args.experiment)
+    if args.only:
+        keep = {int(i) for i in args.only.split(",")}
+        exp = dataclasses.replace(exp, units=tuple(u for u in exp.units if u.index in keep))
+        if not exp.units:
+            raise SystemExit(f"--only {args.only}: no such work units")
+    root = args.root or DEFAULT_ROOT
+    if args.tpu:
+        if "://" not in root:
+            print(
+                f"[launch] warning: --root {root} is a local path on each worker; multi-host "
+                "checkpoints and summaries need shared storage (gs://...)",
+                file=sys.stderr,
+            )
+        tpu = TPUTarget(args.tpu, args.zone, args.project, args.remote_dir, args.remote_python)
+        steps = tpu_commands(
+            exp,
+            tpu,
+            root,
+            sync=args.sync,
+            git_remote=args.git_remote,
+            git_ref=args.git_ref,
+            install=not args.skip_install,
+            detach=args.detach,
+        )
+        return run_tpu(steps, execute=args.run)
+    results = run_local(exp, root, args.parallel, args.dry_run, args.timeout)
+    if args.dry_run:
+        return 0
+    print(summary_table(results, exp.summary_keys))
+    failed = [r.unit.name for r in results if not r.ok]
+    if failed:
+        print(
+            f"[launch] {len(failed)} of {len(results)} units failed: {', '.join(failed)}",
+            file=sys.stderr,
+        )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
