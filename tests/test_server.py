@@ -144,8 +144,8 @@ def test_server_end_to_end(tmp_path):
 
 
 def test_server_loads_hf_and_orbax_checkpoints(tmp_path):
-    """--hf_checkpoint and --orbax_checkpoint (StandardCheckpointer of the fp32 nnx.State) both
-    land in the rollout dtype with the same values."""
+    """--hf_checkpoint, --orbax_checkpoint (StandardCheckpointer of the fp32 nnx.State) and
+    --trainer_checkpoint (a trainer run dir) all land in the rollout dtype with the same values."""
     import jax.numpy as jnp
     import numpy as np
     import orbax.checkpoint as ocp
@@ -163,9 +163,24 @@ def test_server_loads_hf_and_orbax_checkpoints(tmp_path):
         path: np.asarray(var.get_value().astype(jnp.bfloat16))
         for path, var in nnx.to_flat_state(nnx.state(master))
     }
+    # A trainer run directory: Orbax CheckpointManager with the whole TrainState (params +
+    # AdamW state) and the run's model_config.json; the server reads the params alone.
+    import json
+
+    from dvp_jax.sharding import Sharder
+    from dvp_jax.train.checkpoint import Checkpointer
+    from dvp_jax.train.state import init_train_state, make_optimizer
+
+    _, train_state, _ = init_train_state(master, make_optimizer(1e-3, 0, 0.0, 1.0), 0, Sharder())
+    run = tmp_path / "run"
+    ckpt = Checkpointer(str(run), keep=1)
+    ckpt.save(7, train_state, {"grain": {}}, {})
+    ckpt.close()
+    (run / "model_config.json").write_text(json.dumps(master.cfg.to_hf()))
     sources = {
         "hf": [f"--hf_checkpoint={tmp_path / 'hf'}"],
         "orbax": [f"--orbax_checkpoint={tmp_path / 'orbax'}", "--model_preset=tiny"],
+        "trainer": [f"--trainer_checkpoint={run}"],
     }
     for name, args in sources.items():
         server.FLAGS(["server", *args, f"--max_prefill_length={MAX_PREFILL}"])

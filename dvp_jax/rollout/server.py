@@ -25,6 +25,10 @@ Checkpoints (exactly one of):
   `Transformer` of that config, i.e. the parameter `nnx.State` alone, any float dtype (the
   trainer's fp32 master weights); it is restored directly into the rollout dtype and shardings.
   A trainer `CheckpointManager` directory stores that item at `<root>/<step>/<item name>`.
+* `--trainer_checkpoint DIR`: a `dvp_jax.main` run directory (or its `checkpoints/` or one
+  step's dir): only the policy params of the latest step are read, cast to the rollout dtype;
+  the architecture comes from the run's `model_config.json` unless `--model_preset` or
+  `--model_config` is given.
 * `--random_init_preset NAME`: random weights (tests, demos).
 """
 
@@ -76,6 +80,7 @@ flags.DEFINE_string("host", "127.0.0.1", "Interface to bind (e.g. 0.0.0.0 for al
 flags.DEFINE_integer("port", 9000, "gRPC port.")
 flags.DEFINE_string("hf_checkpoint", None, "Hugging Face Qwen3 model directory.")
 flags.DEFINE_string("orbax_checkpoint", None, "Orbax StandardCheckpointer dir of nnx.State.")
+flags.DEFINE_string("trainer_checkpoint", None, "A dvp_jax.main workdir (latest checkpoint).")
 flags.DEFINE_string("model_preset", None, "ModelConfig preset for --orbax_checkpoint.")
 flags.DEFINE_string("model_config", None, "HF config.json for --orbax_checkpoint.")
 flags.DEFINE_string("random_init_preset", None, "Random weights of this ModelConfig preset.")
@@ -205,6 +210,37 @@ def load_orbax_params(path: str, cfg: ModelConfig, policy: DTypePolicy, sharder:
         return checkpointer.restore(os.path.abspath(path), target)
 
 
+def load_trainer_params(path: str, cfg: ModelConfig, policy: DTypePolicy, sharder: Sharder):
+    """The policy params of a trainer checkpoint, read straight into the rollout dtype/layout."""
+    from dvp_jax.train.checkpoint import restore_params
+
+    make = lambda: Transformer(cfg, policy, sharder, rngs=nnx.Rngs(0))
+    graphdef, abstract = nnx.split(nnx.eval_shape(make))
+    shardings = nnx.to_pure_dict(state_shardings(abstract, sharder))
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        nnx.to_pure_dict(abstract), shardings,
+    )
+    return nnx.state(nnx.merge(graphdef, restore_params(path, target)))
+
+
+def _trainer_model_config(path: str) -> ModelConfig:
+    if FLAGS.model_preset or FLAGS.model_config:
+        return _model_config_from_flags()
+    candidates = [os.path.join(path, "model_config.json"),
+                  os.path.join(os.path.dirname(os.path.abspath(path)), "model_config.json")]
+    for candidate in candidates:
+        if os.path.exists(candidate):
+            import json
+
+            with open(candidate) as f:
+                return ModelConfig.from_hf(json.load(f))
+    raise app.UsageError(
+        f"--trainer_checkpoint {path!r}: no model_config.json found there; pass --model_preset "
+        "or --model_config"
+    )
+
+
 def _model_config_from_flags() -> ModelConfig:
     if FLAGS.model_preset and FLAGS.model_config:
         raise app.UsageError("give one of --model_preset and --model_config")
@@ -220,10 +256,12 @@ def _model_config_from_flags() -> ModelConfig:
 
 def build_engine() -> RolloutEngine:
     """The engine described by the flags (see the module docstring)."""
-    sources = [FLAGS.hf_checkpoint, FLAGS.orbax_checkpoint, FLAGS.random_init_preset]
+    sources = [FLAGS.hf_checkpoint, FLAGS.orbax_checkpoint, FLAGS.trainer_checkpoint,
+               FLAGS.random_init_preset]
     if sum(s is not None for s in sources) != 1:
         raise app.UsageError(
-            "give exactly one of --hf_checkpoint, --orbax_checkpoint, --random_init_preset"
+            "give exactly one of --hf_checkpoint, --orbax_checkpoint, --trainer_checkpoint, "
+            "--random_init_preset"
         )
     if FLAGS.max_prefill_length not in DEFAULT_PREFILL_LENGTHS:
         # JetStream's token-id padding (token_utils.pad_tokens) only accepts its own buckets.
@@ -254,6 +292,9 @@ def build_engine() -> RolloutEngine:
 
         cfg = hf_import.load_hf_config(FLAGS.hf_checkpoint)
         params = nnx.state(hf_import.load_hf(FLAGS.hf_checkpoint, policy, sharder, cfg))
+    elif FLAGS.trainer_checkpoint:
+        cfg = _trainer_model_config(FLAGS.trainer_checkpoint)
+        params = load_trainer_params(FLAGS.trainer_checkpoint, cfg, policy, sharder)
     else:
         cfg = _model_config_from_flags()
         params = load_orbax_params(FLAGS.orbax_checkpoint, cfg, policy, sharder)

@@ -80,3 +80,38 @@ def abstract_like(state: TrainState, shardings: TrainState | None) -> TrainState
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
     )
+
+
+def state_item_dir(path: str) -> str:
+    """The `state` item of the latest step under a run workdir, a checkpoints dir or a step dir."""
+    path = os.path.abspath(path)
+    root = os.path.join(path, "checkpoints") if os.path.isdir(
+        os.path.join(path, "checkpoints")) else path
+    if os.path.isdir(os.path.join(root, "state")):
+        return os.path.join(root, "state")
+    steps = [int(d) for d in os.listdir(root)
+             if d.isdigit() and os.path.isdir(os.path.join(root, d, "state"))]
+    if not steps:
+        raise FileNotFoundError(f"no trainer checkpoint (<step>/state) under {path!r}")
+    return os.path.join(root, str(max(steps)), "state")
+
+
+def restore_params(path: str, target: Any) -> Any:
+    """Restores only the policy params of a trainer checkpoint (no optimizer state is read).
+
+    Args:
+      path: a run workdir, its `checkpoints` dir, or one step's dir.
+      target: pure dict of `jax.ShapeDtypeStruct` (dtype and sharding to restore into, e.g.
+        bf16 on the rollout mesh: Orbax casts while reading).
+    """
+    item_dir = state_item_dir(path)
+    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        out = checkpointer.restore(
+            item_dir,
+            args=ocp.args.PyTreeRestore(item={"params": target},
+                                        restore_args={"params": restore_args},
+                                        partial_restore=True),
+        )
+    logging.info("restored policy params from %s", item_dir)
+    return out["params"]

@@ -217,6 +217,9 @@ class Trainer:
             self.workdir, just_logging=not self.is_lead, asynchronous=False
         )
         self.metrics_path = os.path.join(self.workdir, "metrics.jsonl")
+        if self.is_lead:  # the architecture, for tools that read checkpoints (the server)
+            with open(os.path.join(self.workdir, "model_config.json"), "w") as fh:
+                json.dump(cfg.model.to_hf(), fh, indent=2)
         self.preemption = _Preemption()
 
     # ==========================================================================================
