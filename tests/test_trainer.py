@@ -224,3 +224,22 @@ def test_init_from_hf_checkpoint_and_architecture_mismatch_is_named(tmp_path):
     )
     with pytest.raises(ValueError, match="d_ff: config 128 vs checkpoint 64"):
         Trainer(wrong, str(tmp_path / "run2"))
+
+
+def test_sigterm_checkpoints_the_current_step_and_exits_cleanly(tmp_path):
+    workdir = str(tmp_path / "run")
+    proc = _run_main(workdir, wait=False)
+    start_ckpt = os.path.join(workdir, "checkpoints", "0")
+    deadline = time.time() + 600
+    while not os.path.isdir(start_ckpt) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    assert os.path.isdir(start_ckpt), "the run ended before its step-0 checkpoint"
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    assert "preempted: checkpoint saved at step" in out
+    steps = sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit())
+    # The step that was running when SIGTERM arrived was finished and checkpointed.
+    last_logged = max(r["step"] for r in _metrics(workdir) if "loss" in r)
+    assert steps[-1] == last_logged < 6
+    assert not os.path.exists(os.path.join(workdir, "summary.json"))
