@@ -86,7 +86,23 @@ def _pad_to_bucket(
     return (jnp.asarray(padded) if jax_padding else padded), true_length
 
 
-class CharTokenizer(tokenizer_api.Tokenizer):
+class _BucketTokenizer(tokenizer_api.Tokenizer):
+    """JetStream's `encode` for both tokenizers: subclasses provide `encode_ids`."""
+
+    def encode(self, s: str, **kwargs: Any) -> tuple[jnp.ndarray | np.ndarray, int]:
+        """JetStream contract; see the module docstring."""
+        return _pad_to_bucket(
+            self.encode_ids(s),
+            bos_id=self.bos_id,
+            pad_id=self.pad_id,
+            is_bos=kwargs.pop("is_bos", self.add_bos),
+            prefill_lengths=kwargs.pop("prefill_lengths", None),
+            max_prefill_length=kwargs.pop("max_prefill_length", None),
+            jax_padding=kwargs.pop("jax_padding", True),
+        )
+
+
+class CharTokenizer(_BucketTokenizer):
     """Character tokenizer for the generated arithmetic task (see module docstring)."""
 
     def __init__(self):
@@ -125,18 +141,6 @@ class CharTokenizer(tokenizer_api.Tokenizer):
                 f"{pos} of {s[:40]!r}; allowed characters: {CHAR_VOCAB!r}"
             ) from None
 
-    def encode(self, s: str, **kwargs: Any) -> tuple[jnp.ndarray | np.ndarray, int]:
-        """JetStream contract; see the module docstring."""
-        return _pad_to_bucket(
-            self.encode_ids(s),
-            bos_id=self.bos_id,
-            pad_id=self.pad_id,
-            is_bos=kwargs.pop("is_bos", self.add_bos),
-            prefill_lengths=kwargs.pop("prefill_lengths", None),
-            max_prefill_length=kwargs.pop("max_prefill_length", None),
-            jax_padding=kwargs.pop("jax_padding", True),
-        )
-
     def decode(self, token_ids: Iterable[int], **kwargs: Any) -> str:
         """Text of `token_ids`; specials are dropped unless `skip_special_tokens=False`."""
         skip_special = kwargs.pop("skip_special_tokens", True)
@@ -152,7 +156,7 @@ class CharTokenizer(tokenizer_api.Tokenizer):
         return "".join(out)
 
 
-class HFTokenizer(tokenizer_api.Tokenizer):
+class HFTokenizer(_BucketTokenizer):
     """A Hugging Face `tokenizer.json` loaded from a local path (see module docstring).
 
     Args:
@@ -253,18 +257,6 @@ class HFTokenizer(tokenizer_api.Tokenizer):
         if not isinstance(s, str):
             raise ValueError(f"expected a str to encode, got {type(s).__name__}")
         return self._tok.encode(s, add_special_tokens=False).ids
-
-    def encode(self, s: str, **kwargs: Any) -> tuple[jnp.ndarray | np.ndarray, int]:
-        """JetStream contract; see the module docstring."""
-        return _pad_to_bucket(
-            self.encode_ids(s),
-            bos_id=self.bos_id,
-            pad_id=self.pad_id,
-            is_bos=kwargs.pop("is_bos", self.add_bos),
-            prefill_lengths=kwargs.pop("prefill_lengths", None),
-            max_prefill_length=kwargs.pop("max_prefill_length", None),
-            jax_padding=kwargs.pop("jax_padding", True),
-        )
 
     def decode(self, token_ids: Iterable[int], **kwargs: Any) -> str:
         """Text of `token_ids`; specials are dropped unless `skip_special_tokens=False`."""
