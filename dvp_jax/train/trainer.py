@@ -137,7 +137,6 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         self.mesh = make_mesh(cfg.mesh)
         self.sharder = Sharder(self.mesh, TRAIN_RULES)
-        self.key = jax.random.key(cfg.train.seed)
 
         # ------------------------------------------------------------------ trainer model
         if cfg.train.prompts_per_step % jax.process_count():
@@ -253,7 +252,9 @@ class Trainer:
         self.engine.update_params(nnx.merge(self.graphdef, params))
 
     def _rollout_key(self, step: int, stream: int) -> jax.Array:
-        key = jax.random.fold_in(jax.random.fold_in(self.key, stream), step)
+        """fold_in(run key, stream, step, host): a pure function of the checkpointed key."""
+        key = jax.random.wrap_key_data(jax.device_get(self.state.rng))
+        key = jax.random.fold_in(jax.random.fold_in(key, stream), step)
         return jax.random.fold_in(key, jax.process_index())
 
     def evaluate(self, step: int) -> dict[str, float]:
