@@ -91,6 +91,7 @@ def get_config(method: str = "mis_dvp") -> ml_collections.ConfigDict:
     c.train.updates_per_batch = 1
     c.train.micro_batches = 64
     c.train.chunk_size = 8192  # vocabulary chunk of the pruned logprobs
+    c.train.remat = True  # 16k-token responses: recompute block activations in the backward
     c.train.seed = 0
 
     c.sft = ml_collections.ConfigDict(

@@ -23,12 +23,13 @@ slice there is no slower network for a separate data axis to hide.
 Activations are estimated, not traced (a full-size train step cannot be traced on CPU in
 seconds). Two variants, both per micro-batch, fp32 compute (the trainer policy), sequence
 T = max_prompt_len + max_new_tokens, rows split over data x fsdp, heads / d_ff over tensor:
-* planned: every decoder block rematerialised (only its [t, d] input saved) and a flash-style
-  attention that never materialises the [heads, T, T] scores; the working set of the one block
+* planned: every decoder block rematerialised (only its [t, d] input saved; `train.remat`, which
+  the paper config sets) and a flash-style attention that never materialises the [heads, T, T]
+  scores (not implemented yet: attention is plain einsum + softmax); the working set of the one block
   being recomputed (forward + backward) and of the chunked loss (`train.chunk_size` columns of
   fp32 logits, forward + recompute + gradient) comes on top;
-* current: the code as written today (no rematerialisation, attention scores and probabilities
-  materialised in fp32 and kept for the backward pass).
+* no remat: no rematerialisation, attention scores and probabilities materialised in fp32 and
+  kept for the backward pass (the code with `train.remat=False`).
 """
 
 from __future__ import annotations
@@ -242,7 +243,7 @@ def build_plan(cfg: ExperimentConfig, chips: int, chips_per_host: int, hbm_bytes
         "optimizer state (AdamW mu + nu)": opt_bytes,
         "gradients (accumulator + micro-batch)": grads,
         "activations, planned (block remat + flash attention)": act["planned"],
-        "activations, current code (no remat, T x T scores)": act["current"],
+        "activations, no remat (T x T scores kept)": act["current"],
         f"rollout params ({cfg.rollout.dtype})": totals["params_rollout"],
         f"KV cache ({slots} slots x {cache_len}, {jnp.dtype(kv.k.dtype).name})": kv_bytes,
         "decode records + pending logits": records,

@@ -13,10 +13,12 @@ def tiny_config(**overrides) -> ModelConfig:
     return ModelConfig.preset("tiny", **overrides)
 
 
-def tiny_model(seed: int = 0, policy=None, **overrides) -> Transformer:
+def tiny_model(seed: int = 0, policy=None, remat: bool = False, **overrides) -> Transformer:
     from dvp_jax.model import TRAIN_POLICY
 
-    return Transformer(tiny_config(**overrides), policy or TRAIN_POLICY, rngs=nnx.Rngs(seed))
+    return Transformer(
+        tiny_config(**overrides), policy or TRAIN_POLICY, rngs=nnx.Rngs(seed), remat=remat
+    )
 
 
 def padded_batch(rng: np.random.Generator, vocab: int, lengths, total: int):

@@ -102,3 +102,20 @@ def test_config_validation_and_presets():
     with pytest.raises(ValueError, match="dtype policy"):
         DTypePolicy.named("int4")
     assert KVCache.zeros(ModelConfig.preset("tiny"), 2, 8, jnp.bfloat16).k.shape == (2, 2, 8, 2, 8)
+
+
+def test_remat_gives_the_same_loss_and_gradients():
+    from flax import nnx
+
+    plain = tiny_model(seed=5)
+    remat = tiny_model(seed=5, remat=True)
+    tokens, positions, valid = padded_batch(np.random.default_rng(5), 64, [8, 5], 8)
+
+    def loss(model):
+        return jnp.mean(jax.nn.log_softmax(model(tokens, positions, valid))[..., 3])
+
+    l1, g1 = nnx.value_and_grad(loss)(plain)
+    l2, g2 = nnx.value_and_grad(loss)(remat)
+    np.testing.assert_allclose(l1, l2, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(nnx.state(g1)), jax.tree.leaves(nnx.state(g2)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

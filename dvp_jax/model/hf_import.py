@@ -111,7 +111,7 @@ def _safetensors_files(path: str) -> list[str]:
 
 
 def load_hf(path: str, policy: DTypePolicy = TRAIN_POLICY, sharder: Sharder = Sharder(),
-            cfg: ModelConfig | None = None) -> Transformer:
+            cfg: ModelConfig | None = None, remat: bool = False) -> Transformer:
     """Loads a Hugging Face Qwen3 directory into a (sharded) `Transformer`.
 
     Each tensor is read on the host, transformed to our layout, cast to the policy's parameter
@@ -122,7 +122,9 @@ def load_hf(path: str, policy: DTypePolicy = TRAIN_POLICY, sharder: Sharder = Sh
         config field that is unsupported.
     """
     cfg = cfg or load_hf_config(path)
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, policy, sharder, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(
+        lambda: Transformer(cfg, policy, sharder, rngs=nnx.Rngs(0), remat=remat)
+    )
     graphdef, abstract_state = nnx.split(abstract)
     shardings = state_shardings(abstract_state, sharder) if sharder.mesh is not None else None
     table = _key_map(cfg)

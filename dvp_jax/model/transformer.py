@@ -55,13 +55,16 @@ class Transformer(nnx.Module):
       policy: dtype policy (`TRAIN_POLICY` fp32, `ROLLOUT_POLICY` bf16).
       sharder: mesh + logical rules used for activation constraints (no-op without a mesh).
       rngs: parameter initialisation randomness.
+      remat: recompute each block's activations in the backward pass (full-sequence forward
+        only), trading compute for the memory of long training sequences.
     """
 
     def __init__(self, cfg: ModelConfig, policy: DTypePolicy = TRAIN_POLICY,
-                 sharder: Sharder = Sharder(), *, rngs: nnx.Rngs):
+                 sharder: Sharder = Sharder(), *, rngs: nnx.Rngs, remat: bool = False):
         self.cfg = cfg
         self.policy = policy
         self.sharder = sharder
+        self.remat = remat
         dt = policy.param_dtype
         self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std, dt)
         self.layers = nnx.List(
@@ -118,7 +121,10 @@ class Transformer(nnx.Module):
         x = self._embed(tokens)
         kvs = []
         for block in self.layers:
-            x, kv = block(x, positions, mask)
+            if self.remat:
+                x, kv = nnx.remat(lambda b, *args: b(*args))(block, x, positions, mask)
+            else:
+                x, kv = block(x, positions, mask)
             kvs.append(kv)
         return self.final_norm(x), kvs
 

@@ -110,6 +110,7 @@ class TrainConfig:
     micro_batches: int = 1  # gradient accumulation
     updates_per_batch: int = 1  # > 1 uses the decoupled PPO clip (loss.ppo_clip_eps)
     chunk_size: int = 8192  # vocabulary chunk of the pruned logprobs
+    remat: bool = False  # recompute block activations in the backward pass (long responses)
     seed: int = 0
 
     def __post_init__(self):

@@ -148,11 +148,12 @@ class Trainer:
         if cfg.init_hf_path:
             _check_same_architecture(cfg.model, load_hf_config(cfg.init_hf_path),
                                      cfg.init_hf_path)
-            model = load_hf(cfg.init_hf_path, TRAIN_POLICY, self.sharder, cfg=cfg.model)
+            model = load_hf(cfg.init_hf_path, TRAIN_POLICY, self.sharder, cfg=cfg.model,
+                            remat=cfg.train.remat)
         else:
             model = init_sharded(
                 lambda: Transformer(cfg.model, TRAIN_POLICY, self.sharder,
-                                    rngs=nnx.Rngs(cfg.train.seed)),
+                                    rngs=nnx.Rngs(cfg.train.seed), remat=cfg.train.remat),
                 self.sharder,
             )
         self.optimizer = make_optimizer(
