@@ -25,8 +25,8 @@ seconds). Two variants, both per micro-batch, fp32 compute (the trainer policy),
 T = max_prompt_len + max_new_tokens, rows split over data x fsdp, heads / d_ff over tensor:
 * planned: every decoder block rematerialised (only its [t, d] input saved; `train.remat`, which
   the paper config sets) and a flash-style attention that never materialises the [heads, T, T]
-  scores (not implemented yet: attention is plain einsum + softmax); the working set of the one block
-  being recomputed (forward + backward) and of the chunked loss (`train.chunk_size` columns of
+  scores (not implemented yet: attention is plain einsum + softmax); the working set of the one
+  block being recomputed (forward + backward) and of the chunked loss (`train.chunk_size` columns of
   fp32 logits, forward + recompute + gradient) comes on top;
 * no remat: no rematerialisation, attention scores and probabilities materialised in fp32 and
   kept for the backward pass (the code with `train.remat=False`).

@@ -1,0 +1,430 @@
+"""e003 rho ablation: DVP with log_rho in {-8, -10, -13, -16, off} at e002's mismatch level.
+
+Question: how do held-out accuracy, the excluded fraction (E5) and the pruned mass (E3) depend on
+  the min-p threshold rho, and does the bias of the pruned objective stay under its bound?
+Setup: as e002 (same shared warm start, bf16 rollout + logit noise `e002.NOISE`, 150 RL steps),
+  method dvp (pruning + no correction); "off" is `loss.prune=False` (= RLOO).
+The bias check (`bias_check`, run after training on each unit's final policy, in float32 on both
+  sides so that pruning is the only difference between the two distributions):
+  Let pi be the policy, pi_S its pruned version (E1-E2) and J(q) = E_{y ~ q}[R(y)] with rewards
+  R in [0, R_max] (exact match: R_max = 1). Per position TV(pi_S(.|s), pi(.|s)) = delta_S(s)
+  (E3), so by the chain rule of total variation
+      |J(pi) - J(pi_S)| <= R_max E_{pi_S}[1 - prod_t (1 - delta_t)] <= R_max E_{pi_S}[sum_t delta_t]
+                        <= R_max T max_t delta_t
+  (pruned mass x response length x reward bound; B1 <= B2 <= B3 below). Measured: for every
+  held-out prompt, G responses are sampled from pi_S and from pi with the *same* keys (the
+  sampler's Gumbel-max draw then picks the same token unless pi's choice is a pruned one, so the
+  two samples differ only where pruning changed the path: a paired, low-variance estimate of
+  Delta = J(pi) - J(pi_S) = mean(R_pi - R_pi_S), with its standard error). The check passes when
+  |Delta_hat| <= B2 + 2 SE (and reports B1, B2, B3, and P_pi(some token outside V_S) against
+  1 - E_{pi_S}[prod_t (1 - delta_t)], the identity behind B1). Each policy is checked at its own
+  rho; the "off" policy (no rho of its own) at every rho in `CHECK_RHOS` (which adds -2 and -4,
+  where the bias is large enough to measure, to show the bound is not vacuous).
+Command:
+  python experiments/e003_rho_ablation.py --root /tmp/dvp_jax_runs --parallel 2 \
+      --out experiments/results/e003
+  (= the shared warm start, then `DVP_INIT_HF=<init> python experiments/launch.py
+  experiments/e003_rho_ablation.py --parallel 2`, then the bias check and the table;
+  `--analyze_only` skips training).
+  Committed: 1 seed (`--seeds 2` or more for error bars; e002 already has 3 seeds of the -13
+  (dvp) and off (rloo) points at the same level).
+Hardware: 2 CPU cores shared with other jobs. Time: ~6.5 min for the 5 units (90-165 s each,
+  2 at a time), then ~1.5 min for the bias checks.
+Expected: see experiments/results/e003/results.md (written by the analysis).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _load(name, file):
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(_HERE, file))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+analyze = _load("dvp_experiments_analyze", "analyze.py")
+e002 = _load("dvp_experiments_e002", "e002_methods.py")
+
+CONFIG = "experiments/e002_methods.py"  # the same base config as e002
+CONFIG_ARG = "dvp"
+SUMMARY_KEYS = (
+    "start_eval_accuracy",
+    "eval_accuracy",
+    "ppl_gap",
+    "frac_responses_excluded",
+    "wall_time_s",
+)
+LOG_RHOS = (-8.0, -10.0, -13.0, -16.0, None)  # None: pruning off
+SEEDS = (0,)  # --seeds N for more; e002 has 3 seeds of the -13 (dvp) and off (rloo) points
+CHECK_RHOS = (-2.0, -4.0, -8.0, -10.0, -13.0, -16.0)
+
+
+def get_config(method: str = "dvp"):
+    return analyze.base_config(method)
+
+
+def get_sweep(seeds=None, smoke=None) -> list[dict]:
+    if seeds is None:
+        seeds = tuple(range(int(os.environ.get("DVP_E003_SEEDS", len(SEEDS)))))
+    smoke = os.environ.get("DVP_SMOKE") == "1" if smoke is None else smoke
+    noise = float(os.environ.get("DVP_E002_NOISE", e002.NOISE))
+    if smoke:
+        return [
+            {
+                "method": "dvp",
+                "loss.log_rho": -8.0,
+                "rollout.logit_noise": noise,
+                "train.seed": 0,
+                **e002.SMOKE,
+            }
+        ]
+    start = analyze.init_overrides()
+    units = []
+    for rho in LOG_RHOS:
+        rho_ov = {"loss.prune": False} if rho is None else {"loss.log_rho": rho}
+        for s in seeds:
+            units.append(
+                {
+                    "method": "dvp",
+                    **rho_ov,
+                    "train.seed": s,
+                    "data.seed": s,
+                    "rollout.logit_noise": noise,
+                    **e002.SIZES,
+                    **start,
+                }
+            )
+    return units
+
+
+# ------------------------------------------------------------------------------------------------
+# The bias check.
+# ------------------------------------------------------------------------------------------------
+def bias_check(
+    hf_dir: str, log_rhos, num_prompts: int = 256, samples: int = 8, seed: int = 0
+) -> list[dict]:
+    """Paired estimate of J(pi) - J(pi_S) against its bounds (module docstring), per rho."""
+    import jax
+    import numpy as np
+
+    from dvp_jax.data import rewards, tasks
+    from dvp_jax.model import TRAIN_POLICY
+    from dvp_jax.model.hf_import import load_hf
+    from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
+    from dvp_jax.rollout.offline import generate_rollouts
+    from dvp_jax.rollout.tokenizers import load_tokenizer
+    from dvp_jax.train.config import ExperimentConfig
+
+    tokenizer = load_tokenizer("char")
+    cfg = ExperimentConfig.from_config_dict(get_config("dvp"), tokenizer.vocab_size)
+    model = load_hf(hf_dir, TRAIN_POLICY, cfg=cfg.model)
+    engine = RolloutEngine(
+        cfg.model,
+        EngineConfig(
+            dtype="float32",
+            max_concurrent_decodes=64,
+            max_prefill_length=cfg.data.max_prompt_len,
+            prefill_buckets=(cfg.data.max_prompt_len,),
+            max_decode_length=cfg.rollout.max_new_tokens,
+            log_rho=-math.inf,
+        ),
+        tokenizer=tokenizer,
+        params=model,
+    )
+    task = tasks.ArithmeticTask(
+        seed=cfg.data.seed,
+        num_operands=cfg.data.num_operands,
+        max_operand=cfg.data.max_operand,
+        ops=tuple(cfg.data.ops),
+    )
+    examples = task.heldout_examples(num_prompts)
+    prompts = [ex.prompt for ex in examples]
+    answers = [ex.answer for ex in examples for _ in range(samples)]
+    key = jax.random.key(seed)
+
+    def sample(log_rho):
+        params = engine.config.sampling_params(log_rho=log_rho)
+        batch = generate_rollouts(
+            engine, prompts, samples, key, sampling=params, prompt_len=cfg.data.max_prompt_len
+        )
+        texts = []
+        for i in range(batch.num_rows):
+            ids = [int(t) for t in batch.response(i) if int(t) not in set(tokenizer.stop_tokens)]
+            texts.append(tokenizer.decode(ids))
+        return batch, rewards.compute_rewards("exact_match", texts, answers)
+
+    full, r_full = sample(-math.inf)
+    out = []
+    for rho in log_rhos:
+        pruned, r_pruned = sample(rho)
+        delta = np.where(pruned.response_mask, pruned.pruned_mass, 0.0)  # [N, T], E3 per token
+        keep = np.prod(1.0 - delta, axis=1)  # prod_t (1 - delta_t)
+        diff = r_full - r_pruned
+        # Same keys: the two samples differ only where pi's draw was a token outside V_S.
+        changed = np.any(full.tokens != pruned.tokens, axis=1)
+        r_max = 1.0
+        n = len(diff)
+        est = float(diff.mean())
+        se = float(diff.std(ddof=1) / math.sqrt(n)) if n > 1 else 0.0
+        b1 = r_max * float((1.0 - keep).mean())
+        b2 = r_max * float(delta.sum(axis=1).mean())
+        b3 = r_max * float(pruned.response_lengths.max()) * float(delta.max())
+        out.append(
+            {
+                "log_rho": rho,
+                "responses": n,
+                "J_pi": float(r_full.mean()),
+                "J_pi_S": float(r_pruned.mean()),
+                "delta_hat": est,
+                "se": se,
+                "B1_E[1-prod(1-delta)]": b1,
+                "B2_E[sum delta]": b2,
+                "B3_T_max_delta": b3,
+                "mean_pruned_mass_per_token": float(
+                    delta.sum() / max(pruned.response_mask.sum(), 1)
+                ),
+                "frac_paths_changed_by_pruning": float(changed.mean()),
+                "within_bound": bool(abs(est) <= b2 + 2 * se),
+                "chain_ok": bool(b1 <= b2 + 1e-12 and b2 <= b3 + 1e-12),
+            }
+        )
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Analysis.
+# ------------------------------------------------------------------------------------------------
+def _rho_of(run) -> float | None:
+    ov = run["overrides"]
+    return None if ov.get("loss.prune") is False else float(ov.get("loss.log_rho", -13.0))
+
+
+def _label(rho):
+    return "off" if rho is None else f"{rho:g}"
+
+
+def analyse(root: str, out: str, experiment: str = "e003_rho_ablation", check: bool = True) -> dict:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    runs = analyze.load_runs(root, experiment)
+    os.makedirs(out, exist_ok=True)
+    groups = {}
+    for r in runs:
+        groups.setdefault(_rho_of(r), []).append(r)
+    order = [rho for rho in LOG_RHOS if rho in groups]
+
+    checks = {}
+    if check:
+        for rho in order:
+            r0 = sorted(groups[rho], key=lambda r: r["name"])[0]  # one policy per rho (seed 0)
+            hf = os.path.join(r0["workdir"], "hf_export")
+            if not os.path.exists(hf):
+                continue
+            rhos = CHECK_RHOS if rho is None else (rho,)
+            checks[_label(rho)] = {"unit": r0["name"], "results": bias_check(hf, rhos)}
+            for c in checks[_label(rho)]["results"]:
+                print(
+                    f"[e003] policy rho={_label(rho)} checked at {c['log_rho']:g}: "
+                    f"Delta={c['delta_hat']:+.2e} ± {c['se']:.1e}, "
+                    f"B1={c['B1_E[1-prod(1-delta)]']:.2e}"
+                    f" B2={c['B2_E[sum delta]']:.2e} B3={c['B3_T_max_delta']:.2e} "
+                    f"within={c['within_bound']}",
+                    flush=True,
+                )
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for rho in order:
+        c = analyze.mean_curve(groups[rho], "eval_accuracy")
+        if c is not None:
+            axes[0].plot(c[0], c[1], marker="o", ms=3, label=f"log rho {_label(rho)}")
+        for ax, key in (
+            (axes[1], "frac_tokens_outside_train_safe"),
+            (axes[2], "pruned_mass_train_mean"),
+        ):
+            c = analyze.mean_curve(groups[rho], key, smooth=10)
+            if c is not None and rho is not None:
+                ax.plot(c[0], c[1], label=f"log rho {_label(rho)}")
+    axes[0].set(title="held-out accuracy avg@4", xlabel="RL step")
+    axes[1].set(title="sampled tokens outside trainer V_S (10-step mean)", xlabel="RL step")
+    axes[2].set(title="pruned mass delta_S, trainer (10-step mean)", xlabel="RL step")
+    axes[2].set_yscale("symlog", linthresh=1e-9)  # zero when nothing is pruned
+    axes[0].legend(fontsize=8)
+    axes[2].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "e003_rho.png"), dpi=100)
+    plt.close(fig)
+
+    if "off" in checks:
+        res = checks["off"]["results"]
+        fig, ax = plt.subplots(figsize=(6, 4.2))
+        x = [c["log_rho"] for c in res]
+        ax.errorbar(
+            x,
+            [abs(c["delta_hat"]) for c in res],
+            yerr=[2 * c["se"] for c in res],
+            marker="o",
+            capsize=3,
+            label="|J(pi) - J(pi_S)| measured (± 2 s.e.)",
+        )
+        ax.plot(
+            x,
+            [c["B1_E[1-prod(1-delta)]"] for c in res],
+            "s--",
+            label="B1 = R_max E[1 - prod(1 - delta_t)]",
+        )
+        ax.plot(x, [c["B2_E[sum delta]"] for c in res], "^--", label="B2 = R_max E[sum_t delta_t]")
+        ax.plot(x, [c["B3_T_max_delta"] for c in res], "v:", label="B3 = R_max T max delta")
+        ax.set(
+            yscale="symlog",
+            xlabel="log rho",
+            ylabel="objective bias",
+            title="pruned-objective bias vs its bound (RLOO-trained policy)",
+        )
+        ax.set_yscale("symlog", linthresh=1e-6)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "e003_bias_bound.png"), dpi=100)
+        plt.close(fig)
+
+    header = [
+        "log rho",
+        "seeds",
+        "start acc",
+        "final acc (mean ± std)",
+        "best acc",
+        "excluded (last 20)",
+        "tokens outside V_S",
+        "pruned mass train",
+        "pruned mass rollout",
+        "PPL gap",
+        "bias check at own rho: Δ̂ ± s.e. / B2",
+    ]
+    rows, table_json = [], {}
+    for rho in order:
+        rs = groups[rho]
+        final = np.array([r["summary"]["eval_accuracy"] for r in rs])
+        start = np.array([r["summary"]["start_eval_accuracy"] for r in rs])
+        best = np.array([max(analyze.series(r["rows"], "eval_accuracy").values()) for r in rs])
+        tail = {
+            k: float(np.mean([analyze.tail_mean(r["rows"], k) for r in rs]))
+            for k in (
+                "frac_responses_excluded",
+                "frac_tokens_outside_train_safe",
+                "pruned_mass_train_mean",
+                "pruned_mass_rollout_mean",
+                "ppl_gap",
+            )
+        }
+        chk = checks.get(_label(rho), {}).get("results", [])
+        own = [c for c in chk if rho is not None and c["log_rho"] == rho]
+        cell = (
+            (
+                f"{own[0]['delta_hat']:+.1e} ± {own[0]['se']:.0e} / {own[0]['B2_E[sum delta]']:.1e}"
+                f" ({'ok' if own[0]['within_bound'] else 'VIOLATED'})"
+            )
+            if own
+            else "-"
+        )
+        table_json[_label(rho)] = {
+            "final_acc": final.tolist(),
+            "start_acc": start.tolist(),
+            "best_acc": best.tolist(),
+            **tail,
+        }
+        rows.append(
+            [
+                _label(rho),
+                len(rs),
+                analyze.fmt(start.mean()),
+                analyze.fmt(final.mean(), final.std()),
+                analyze.fmt(best.mean()),
+                analyze.fmt(tail["frac_responses_excluded"], digits=4),
+                f"{tail['frac_tokens_outside_train_safe']:.1e}",
+                f"{tail['pruned_mass_train_mean']:.1e}",
+                f"{tail['pruned_mass_rollout_mean']:.1e}",
+                analyze.fmt(tail["ppl_gap"], digits=2),
+                cell,
+            ]
+        )
+    noise = sorted({r["overrides"].get("rollout.logit_noise") for r in runs})
+    md = f"# e003 results (dvp, rollout bf16 + logit noise {noise})\n\n" + analyze.markdown_table(
+        header, rows
+    )
+    if "off" in checks:
+        md += (
+            "\nBias check on the pruning-off (RLOO) policy at each rho (fp32 both sides, "
+            f"{checks['off']['results'][0]['responses']} paired responses):\n\n"
+        )
+        md += analyze.markdown_table(
+            [
+                "log rho",
+                "J(pi)",
+                "Δ̂ = J(pi) - J(pi_S)",
+                "s.e.",
+                "B1",
+                "B2",
+                "B3",
+                "paths changed",
+                "within B2 + 2 s.e.",
+            ],
+            [
+                [
+                    f"{c['log_rho']:g}",
+                    f"{c['J_pi']:.4f}",
+                    f"{c['delta_hat']:+.2e}",
+                    f"{c['se']:.1e}",
+                    f"{c['B1_E[1-prod(1-delta)]']:.2e}",
+                    f"{c['B2_E[sum delta]']:.2e}",
+                    f"{c['B3_T_max_delta']:.2e}",
+                    f"{c['frac_paths_changed_by_pruning']:.4f}",
+                    str(c["within_bound"]),
+                ]
+                for c in checks["off"]["results"]
+            ],
+        )
+    with open(os.path.join(out, "results.md"), "w") as fh:
+        fh.write(md)
+    with open(os.path.join(out, "results.json"), "w") as fh:
+        json.dump({"noise": noise, "rho": table_json, "bias_checks": checks}, fh, indent=1)
+    analyze.copy_small_outputs(runs, out, files=("summary.json",))
+    print(md)
+    return {"rho": table_json, "bias_checks": checks}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--root", default="/tmp/dvp_jax_runs")
+    p.add_argument("--out", default="experiments/results/e003")
+    p.add_argument("--parallel", type=int, default=2)
+    p.add_argument("--seeds", type=int, default=len(SEEDS))
+    p.add_argument("--only", default=None, help="comma-separated unit indices")
+    p.add_argument("--analyze_only", action="store_true")
+    p.add_argument("--no_check", action="store_true")
+    args = p.parse_args(argv)
+    os.environ["DVP_E003_SEEDS"] = str(args.seeds)
+    if not args.analyze_only:
+        only = None if args.only is None else [int(i) for i in args.only.split(",")]
+        analyze.run_sweep(os.path.abspath(__file__), args.root, args.parallel, only=only)
+    analyse(args.root, args.out, check=not args.no_check)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
