@@ -59,10 +59,10 @@ def get_config(method: str = "dvp") -> ml_collections.ConfigDict:
     c.data.style = "symbolic"
 
     c.train = ml_collections.ConfigDict()
-    c.train.steps = 200
+    c.train.steps = 250
     c.train.prompts_per_step = 16
     c.train.group_size = 8
-    c.train.learning_rate = 5e-4
+    c.train.learning_rate = 3e-4
     c.train.warmup_steps = 0
     c.train.weight_decay = 0.0
     c.train.grad_clip = 1.0
@@ -71,9 +71,10 @@ def get_config(method: str = "dvp") -> ml_collections.ConfigDict:
     c.train.chunk_size = 64
     c.train.seed = 0
 
-    c.sft = ml_collections.ConfigDict(dict(steps=600, batch_size=64, learning_rate=3e-3,
-                                           warmup_steps=50))
-    c.eval = ml_collections.ConfigDict(dict(every=25, num_prompts=128, k=4))
+    c.sft = ml_collections.ConfigDict(
+        dict(steps=600, batch_size=64, learning_rate=3e-3, warmup_steps=50)
+    )
+    c.eval = ml_collections.ConfigDict(dict(every=25, num_prompts=256, k=4))
     c.checkpoint = ml_collections.ConfigDict(dict(every=50, keep=3))
     c.log_every = 1
     c.plots = True

@@ -15,19 +15,24 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
-                                          lock_config=False)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Experiment config file.", lock_config=False
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, plots).")
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
-                                   "host:port of process 0 for multi-process runs.")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "host:port of process 0 for multi-process runs."
+)
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
-_DISTRIBUTED = flags.DEFINE_bool("distributed", False,
-                                 "Call jax.distributed.initialize() with auto-detection (TPU).")
-_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", None,
-                                    "Fake CPU devices per process (testing sharding on CPU).")
-_EXPORT_HF = flags.DEFINE_bool("export_hf", True,
-                               "Export the final policy as Hugging Face safetensors.")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "Call jax.distributed.initialize() with auto-detection (TPU)."
+)
+_CPU_DEVICES = flags.DEFINE_integer(
+    "cpu_devices", None, "Fake CPU devices per process (testing sharding on CPU)."
+)
+_EXPORT_HF = flags.DEFINE_bool(
+    "export_hf", True, "Export the final policy as Hugging Face safetensors."
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -43,20 +48,28 @@ class _QuietLibraries:
 
 def _init_jax():
     if _CPU_DEVICES.value:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={_CPU_DEVICES.value}")
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "")
+            + f" --xla_force_host_platform_device_count={_CPU_DEVICES.value}"
+        )
     import jax
 
     if _COORDINATOR.value or (_NUM_PROCESSES.value or 1) > 1:
         # Cross-process collectives on CPU need gloo; harmless on accelerators.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(_COORDINATOR.value, num_processes=_NUM_PROCESSES.value,
-                                   process_id=_PROCESS_ID.value)
+        jax.distributed.initialize(
+            _COORDINATOR.value, num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value
+        )
     elif _DISTRIBUTED.value:
         jax.distributed.initialize()
-    logging.info("JAX: process %d of %d, %d local / %d global devices (%s)",
-                 jax.process_index(), jax.process_count(), jax.local_device_count(),
-                 jax.device_count(), jax.devices()[0].platform)
+    logging.info(
+        "JAX: process %d of %d, %d local / %d global devices (%s)",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+        jax.devices()[0].platform,
+    )
 
 
 def main(argv):

@@ -73,14 +73,20 @@ def plot_run(workdir: str) -> list[str]:
     fig, ax = plt.subplots(figsize=(6, 4))
     _line(ax, rows, "ppl_gap", "pruned (objective)")
     _line(ax, rows, "full_ppl_gap", "unpruned")
-    ax.set(xlabel="RL step", ylabel="rollout PPL - training PPL", title="Rollout vs training PPL gap")
+    ax.set(
+        xlabel="RL step", ylabel="rollout PPL - training PPL", title="Rollout vs training PPL gap"
+    )
     ax.axhline(0, color="k", lw=0.5)
     ax.legend()
     save(fig, "ppl_gap.png")
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key in ("frac_responses_excluded", "frac_responses_masked", "frac_tokens_masked",
-                "frac_tokens_outside_train_safe"):
+    for key in (
+        "frac_responses_excluded",
+        "frac_responses_masked",
+        "frac_tokens_masked",
+        "frac_tokens_outside_train_safe",
+    ):
         _line(ax, rows, key)
     ax.set(xlabel="RL step", ylabel="fraction", title="Excluded / masked")
     ax.legend(fontsize=8)
@@ -94,8 +100,11 @@ def plot_run(workdir: str) -> list[str]:
         ax.plot(centers, bins["abs"], marker="o", label="mean |l_t|")
         ax.plot(centers, bins["signed"], marker="s", label="mean signed l_t")
         ax.axhline(0, color="k", lw=0.5)
-        ax.set(xlabel="1 - p (trainer probability of the sampled token)",
-               ylabel="l_t = log pi - log mu", title="Token log-ratio by (1 - p) bin")
+        ax.set(
+            xlabel="1 - p (trainer probability of the sampled token)",
+            ylabel="l_t = log pi - log mu",
+            title="Token log-ratio by (1 - p) bin",
+        )
         ax.legend()
         save(fig, "lt_by_p_bins.png")
     return paths

@@ -107,7 +107,9 @@ class Sharder:
     mesh: Mesh | None = None
     rules: Rules = TRAIN_RULES
 
-    def spec(self, names: Sequence[str | None], shape: Sequence[int] | None = None) -> PartitionSpec:
+    def spec(
+        self, names: Sequence[str | None], shape: Sequence[int] | None = None
+    ) -> PartitionSpec:
         table = dict(self.rules)
         used: set[str] = set()
         out = []
@@ -184,7 +186,9 @@ def reshard_state(state: nnx.State, sharder: Sharder, dtype: Any = None) -> nnx.
 
     def move(var, sh):
         value = var.get_value() if dtype is None else var.get_value().astype(dtype)
-        return var.replace(jax.device_put(value, sh.get_value()) if sh.get_value() is not None else value)
+        return var.replace(
+            jax.device_put(value, sh.get_value()) if sh.get_value() is not None else value
+        )
 
     return jax.tree.map(move, state, shardings, is_leaf=_is_var)
 

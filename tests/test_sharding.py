@@ -1,7 +1,6 @@
 """Sharding: logical rules, sharded init, (2, 2, 2) mesh forward == single device."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx

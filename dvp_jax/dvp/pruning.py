@@ -371,6 +371,7 @@ def chunked_pruned_logprobs(
         raise ValueError(f"need h [..., d] and w [d, V]; got h {h.shape}, w {w.shape}.")
     if y.shape != h.shape[:-1]:
         raise ValueError(f"y must have shape h.shape[:-1] = {h.shape[:-1]}, got {y.shape}.")
+
     def run(h, w, y):
         out = _chunked(
             h.reshape(-1, h.shape[-1]),

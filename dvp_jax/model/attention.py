@@ -56,8 +56,7 @@ def _masked_softmax_attention(q, k, v, mask, compute_dtype):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, policy: DTypePolicy, sharder: Sharder, *,
-                 rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, policy: DTypePolicy, sharder: Sharder, *, rngs: nnx.Rngs):
         d, n, k, h, std = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.init_std
         dt = policy.param_dtype
         self.q_proj = param(rngs, (d, n, h), ("embed", "q_heads", "head_dim"), std, dt)

@@ -65,8 +65,15 @@ class ModelConfig:
     init_std: float = 0.02
 
     def __post_init__(self):
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                     "d_ff"):
+        for name in (
+            "vocab_size",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "d_ff",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
@@ -112,8 +119,9 @@ class ModelConfig:
             "num_experts": lambda v: v not in (None, 0),
             "attention_bias": bool,
             "use_sliding_window": bool,
-            "rope_scaling": lambda v: v not in (None, {}) and (
-                not isinstance(v, dict) or v.get("rope_type", v.get("type")) != "default"
+            "rope_scaling": lambda v: (
+                v not in (None, {})
+                and (not isinstance(v, dict) or v.get("rope_type", v.get("type")) != "default")
             ),
         }
         for field, is_bad in unsupported.items():
@@ -130,8 +138,13 @@ class ModelConfig:
                 f"config.json field 'rope_parameters.rope_type'={rope_params['rope_type']!r} "
                 "is not supported (only 'default')"
             )
-        required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                    "intermediate_size"]
+        required = [
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+        ]
         for field in required:
             if field not in hf:
                 raise ValueError(f"config.json is missing required field {field!r}")
@@ -179,27 +192,65 @@ class ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     # Test size: every dimension divisible by the (2, 2, 2) test mesh.
     "tiny": ModelConfig(
-        vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
-        rope_theta=10_000.0, tie_embeddings=True, max_position_embeddings=256,
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        d_ff=64,
+        rope_theta=10_000.0,
+        tie_embeddings=True,
+        max_position_embeddings=256,
     ),
     "qwen3_0_6b": ModelConfig(
-        vocab_size=151_936, d_model=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128,
-        d_ff=3072, tie_embeddings=True,
+        vocab_size=151_936,
+        d_model=1024,
+        n_layers=28,
+        n_heads=16,
+        n_kv_heads=8,
+        head_dim=128,
+        d_ff=3072,
+        tie_embeddings=True,
     ),
     "qwen3_1_7b": ModelConfig(
-        vocab_size=151_936, d_model=2048, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128,
-        d_ff=6144, tie_embeddings=True,
+        vocab_size=151_936,
+        d_model=2048,
+        n_layers=28,
+        n_heads=16,
+        n_kv_heads=8,
+        head_dim=128,
+        d_ff=6144,
+        tie_embeddings=True,
     ),
     "qwen3_4b": ModelConfig(
-        vocab_size=151_936, d_model=2560, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128,
-        d_ff=9728, tie_embeddings=True,
+        vocab_size=151_936,
+        d_model=2560,
+        n_layers=36,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=128,
+        d_ff=9728,
+        tie_embeddings=True,
     ),
     "qwen3_8b": ModelConfig(
-        vocab_size=151_936, d_model=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128,
-        d_ff=12_288, tie_embeddings=False,
+        vocab_size=151_936,
+        d_model=4096,
+        n_layers=36,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=128,
+        d_ff=12_288,
+        tie_embeddings=False,
     ),
     "qwen3_14b": ModelConfig(
-        vocab_size=151_936, d_model=5120, n_layers=40, n_heads=40, n_kv_heads=8, head_dim=128,
-        d_ff=17_408, tie_embeddings=False,
+        vocab_size=151_936,
+        d_model=5120,
+        n_layers=40,
+        n_heads=40,
+        n_kv_heads=8,
+        head_dim=128,
+        d_ff=17_408,
+        tie_embeddings=False,
     ),
 }

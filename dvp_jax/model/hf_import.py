@@ -45,40 +45,67 @@ Transform = tuple[Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray], np.
 
 def _key_map(cfg: ModelConfig) -> dict[tuple, tuple[str, tuple[int, ...], Transform]]:
     """Our state path -> (HF key, HF shape, (hf_to_ours, ours_to_hf))."""
-    d, n, k, h, f, v = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
-                        cfg.vocab_size)
+    d, n, k, h, f, v = (
+        cfg.d_model,
+        cfg.n_heads,
+        cfg.n_kv_heads,
+        cfg.head_dim,
+        cfg.d_ff,
+        cfg.vocab_size,
+    )
     same: Transform = (lambda x: x, lambda x: x)
     linear: Transform = (lambda x: x.T, lambda x: x.T)
 
     def heads_in(num):  # HF [num*h, d] <-> ours [d, num, h]
-        return (lambda x: x.reshape(num, h, d).transpose(2, 0, 1),
-                lambda x: x.transpose(1, 2, 0).reshape(num * h, d))
+        return (
+            lambda x: x.reshape(num, h, d).transpose(2, 0, 1),
+            lambda x: x.transpose(1, 2, 0).reshape(num * h, d),
+        )
 
     heads_out: Transform = (  # HF [d, n*h] <-> ours [n, h, d]
         lambda x: x.T.reshape(n, h, d),
         lambda x: x.reshape(n * h, d).T,
     )
-    table = {("embed",): ("model.embed_tokens.weight", (v, d), same),
-             ("final_norm", "weight"): ("model.norm.weight", (d,), same)}
+    table = {
+        ("embed",): ("model.embed_tokens.weight", (v, d), same),
+        ("final_norm", "weight"): ("model.norm.weight", (d,), same),
+    }
     if not cfg.tie_embeddings:
         table[("lm_head",)] = ("lm_head.weight", (v, d), linear)
     for i in range(cfg.n_layers):
         hf = f"model.layers.{i}."
         ours = ("layers", i)
-        table.update({
-            ours + ("input_norm", "weight"): (hf + "input_layernorm.weight", (d,), same),
-            ours + ("post_attn_norm", "weight"): (
-                hf + "post_attention_layernorm.weight", (d,), same),
-            ours + ("attn", "q_proj"): (hf + "self_attn.q_proj.weight", (n * h, d), heads_in(n)),
-            ours + ("attn", "k_proj"): (hf + "self_attn.k_proj.weight", (k * h, d), heads_in(k)),
-            ours + ("attn", "v_proj"): (hf + "self_attn.v_proj.weight", (k * h, d), heads_in(k)),
-            ours + ("attn", "o_proj"): (hf + "self_attn.o_proj.weight", (d, n * h), heads_out),
-            ours + ("attn", "q_norm", "weight"): (hf + "self_attn.q_norm.weight", (h,), same),
-            ours + ("attn", "k_norm", "weight"): (hf + "self_attn.k_norm.weight", (h,), same),
-            ours + ("mlp", "gate"): (hf + "mlp.gate_proj.weight", (f, d), linear),
-            ours + ("mlp", "up"): (hf + "mlp.up_proj.weight", (f, d), linear),
-            ours + ("mlp", "down"): (hf + "mlp.down_proj.weight", (d, f), linear),
-        })
+        table.update(
+            {
+                ours + ("input_norm", "weight"): (hf + "input_layernorm.weight", (d,), same),
+                ours + ("post_attn_norm", "weight"): (
+                    hf + "post_attention_layernorm.weight",
+                    (d,),
+                    same,
+                ),
+                ours + ("attn", "q_proj"): (
+                    hf + "self_attn.q_proj.weight",
+                    (n * h, d),
+                    heads_in(n),
+                ),
+                ours + ("attn", "k_proj"): (
+                    hf + "self_attn.k_proj.weight",
+                    (k * h, d),
+                    heads_in(k),
+                ),
+                ours + ("attn", "v_proj"): (
+                    hf + "self_attn.v_proj.weight",
+                    (k * h, d),
+                    heads_in(k),
+                ),
+                ours + ("attn", "o_proj"): (hf + "self_attn.o_proj.weight", (d, n * h), heads_out),
+                ours + ("attn", "q_norm", "weight"): (hf + "self_attn.q_norm.weight", (h,), same),
+                ours + ("attn", "k_norm", "weight"): (hf + "self_attn.k_norm.weight", (h,), same),
+                ours + ("mlp", "gate"): (hf + "mlp.gate_proj.weight", (f, d), linear),
+                ours + ("mlp", "up"): (hf + "mlp.up_proj.weight", (f, d), linear),
+                ours + ("mlp", "down"): (hf + "mlp.down_proj.weight", (d, f), linear),
+            }
+        )
     return table
 
 
@@ -110,8 +137,13 @@ def _safetensors_files(path: str) -> list[str]:
     return [os.path.join(path, f) for f in found]
 
 
-def load_hf(path: str, policy: DTypePolicy = TRAIN_POLICY, sharder: Sharder = Sharder(),
-            cfg: ModelConfig | None = None, remat: bool = False) -> Transformer:
+def load_hf(
+    path: str,
+    policy: DTypePolicy = TRAIN_POLICY,
+    sharder: Sharder = Sharder(),
+    cfg: ModelConfig | None = None,
+    remat: bool = False,
+) -> Transformer:
     """Loads a Hugging Face Qwen3 directory into a (sharded) `Transformer`.
 
     Each tensor is read on the host, transformed to our layout, cast to the policy's parameter
@@ -136,13 +168,17 @@ def load_hf(path: str, policy: DTypePolicy = TRAIN_POLICY, sharder: Sharder = Sh
         for key in f.keys():
             handles[key] = f
     unexpected = [
-        key for key in handles
-        if key not in by_hf and not key.endswith(_IGNORED_SUFFIXES)
+        key
+        for key in handles
+        if key not in by_hf
+        and not key.endswith(_IGNORED_SUFFIXES)
         and not (cfg.tie_embeddings and key == "lm_head.weight")
     ]
     if unexpected:
-        raise ValueError(f"unexpected tensors in {path!r} (unsupported architecture?): "
-                         f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+        raise ValueError(
+            f"unexpected tensors in {path!r} (unsupported architecture?): "
+            f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
+        )
 
     flat_abstract = dict(nnx.to_flat_state(abstract_state))
     flat_shardings = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
@@ -162,14 +198,17 @@ def load_hf(path: str, policy: DTypePolicy = TRAIN_POLICY, sharder: Sharder = Sh
         if sharding is None:
             values[ours] = jax.numpy.asarray(arr)
         else:
-            values[ours] = jax.make_array_from_callback(arr.shape, sharding, lambda idx, a=arr: a[idx])
+            values[ours] = jax.make_array_from_callback(
+                arr.shape, sharding, lambda idx, a=arr: a[idx]
+            )
     for ours, var in nnx.to_flat_state(abstract_state):
         var.set_value(values[ours])
     return nnx.merge(graphdef, abstract_state)
 
 
-def save_hf(model: Transformer, path: str, dtype: Any = np.float32,
-            max_shard_bytes: int = 2 << 30) -> None:
+def save_hf(
+    model: Transformer, path: str, dtype: Any = np.float32, max_shard_bytes: int = 2 << 30
+) -> None:
     """Writes `model` as a Hugging Face Qwen3 directory (config.json + safetensors [+ index]).
 
     The directory is written under a temporary name and renamed at the end, so a crash never

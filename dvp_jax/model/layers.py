@@ -59,8 +59,16 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 class MLP(nnx.Module):
     """SwiGLU: down(silu(x @ gate) * (x @ up))."""
 
-    def __init__(self, d_model: int, d_ff: int, std: float, policy: DTypePolicy,
-                 sharder: Sharder, *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        std: float,
+        policy: DTypePolicy,
+        sharder: Sharder,
+        *,
+        rngs: nnx.Rngs,
+    ):
         dt = policy.param_dtype
         self.gate = param(rngs, (d_model, d_ff), ("embed", "mlp"), std, dt)
         self.up = param(rngs, (d_model, d_ff), ("embed", "mlp"), std, dt)

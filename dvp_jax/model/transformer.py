@@ -27,8 +27,7 @@ ACT = ("act_batch", "act_seq", "act_embed")
 class Block(nnx.Module):
     """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, policy: DTypePolicy, sharder: Sharder, *,
-                 rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, policy: DTypePolicy, sharder: Sharder, *, rngs: nnx.Rngs):
         self.input_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, policy)
         self.attn = Attention(cfg, policy, sharder, rngs=rngs)
         self.post_attn_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, policy)
@@ -59,14 +58,23 @@ class Transformer(nnx.Module):
         only), trading compute for the memory of long training sequences.
     """
 
-    def __init__(self, cfg: ModelConfig, policy: DTypePolicy = TRAIN_POLICY,
-                 sharder: Sharder = Sharder(), *, rngs: nnx.Rngs, remat: bool = False):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        policy: DTypePolicy = TRAIN_POLICY,
+        sharder: Sharder = Sharder(),
+        *,
+        rngs: nnx.Rngs,
+        remat: bool = False,
+    ):
         self.cfg = cfg
         self.policy = policy
         self.sharder = sharder
         self.remat = remat
         dt = policy.param_dtype
-        self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std, dt)
+        self.embed = param(
+            rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std, dt
+        )
         self.layers = nnx.List(
             [Block(cfg, policy, sharder, rngs=rngs) for _ in range(cfg.n_layers)]
         )
@@ -147,7 +155,9 @@ class Transformer(nnx.Module):
         cd = self.policy.cache_dtype
         k = jnp.stack([jnp.pad(k.astype(cd), pad) for k, _ in kvs])
         v = jnp.stack([jnp.pad(v.astype(cd), pad) for _, v in kvs])
-        cache = KVCache(self.sharder.constrain(k, CACHE_AXES), self.sharder.constrain(v, CACHE_AXES))
+        cache = KVCache(
+            self.sharder.constrain(k, CACHE_AXES), self.sharder.constrain(v, CACHE_AXES)
+        )
         return self.logits(last), cache
 
     def decode(self, tokens, positions, cache: KVCache):

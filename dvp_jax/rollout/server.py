@@ -219,7 +219,8 @@ def load_trainer_params(path: str, cfg: ModelConfig, policy: DTypePolicy, sharde
     shardings = nnx.to_pure_dict(state_shardings(abstract, sharder))
     target = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        nnx.to_pure_dict(abstract), shardings,
+        nnx.to_pure_dict(abstract),
+        shardings,
     )
     return nnx.state(nnx.merge(graphdef, restore_params(path, target)))
 
@@ -227,8 +228,10 @@ def load_trainer_params(path: str, cfg: ModelConfig, policy: DTypePolicy, sharde
 def _trainer_model_config(path: str) -> ModelConfig:
     if FLAGS.model_preset or FLAGS.model_config:
         return _model_config_from_flags()
-    candidates = [os.path.join(path, "model_config.json"),
-                  os.path.join(os.path.dirname(os.path.abspath(path)), "model_config.json")]
+    candidates = [
+        os.path.join(path, "model_config.json"),
+        os.path.join(os.path.dirname(os.path.abspath(path)), "model_config.json"),
+    ]
     for candidate in candidates:
         if os.path.exists(candidate):
             import json
@@ -256,8 +259,12 @@ def _model_config_from_flags() -> ModelConfig:
 
 def build_engine() -> RolloutEngine:
     """The engine described by the flags (see the module docstring)."""
-    sources = [FLAGS.hf_checkpoint, FLAGS.orbax_checkpoint, FLAGS.trainer_checkpoint,
-               FLAGS.random_init_preset]
+    sources = [
+        FLAGS.hf_checkpoint,
+        FLAGS.orbax_checkpoint,
+        FLAGS.trainer_checkpoint,
+        FLAGS.random_init_preset,
+    ]
     if sum(s is not None for s in sources) != 1:
         raise app.UsageError(
             "give exactly one of --hf_checkpoint, --orbax_checkpoint, --trainer_checkpoint, "

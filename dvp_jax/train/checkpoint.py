@@ -85,12 +85,18 @@ def abstract_like(state: TrainState, shardings: TrainState | None) -> TrainState
 def state_item_dir(path: str) -> str:
     """The `state` item of the latest step under a run workdir, a checkpoints dir or a step dir."""
     path = os.path.abspath(path)
-    root = os.path.join(path, "checkpoints") if os.path.isdir(
-        os.path.join(path, "checkpoints")) else path
+    root = (
+        os.path.join(path, "checkpoints")
+        if os.path.isdir(os.path.join(path, "checkpoints"))
+        else path
+    )
     if os.path.isdir(os.path.join(root, "state")):
         return os.path.join(root, "state")
-    steps = [int(d) for d in os.listdir(root)
-             if d.isdigit() and os.path.isdir(os.path.join(root, d, "state"))]
+    steps = [
+        int(d)
+        for d in os.listdir(root)
+        if d.isdigit() and os.path.isdir(os.path.join(root, d, "state"))
+    ]
     if not steps:
         raise FileNotFoundError(f"no trainer checkpoint (<step>/state) under {path!r}")
     return os.path.join(root, str(max(steps)), "state")
@@ -109,9 +115,9 @@ def restore_params(path: str, target: Any) -> Any:
     with ocp.PyTreeCheckpointer() as checkpointer:
         out = checkpointer.restore(
             item_dir,
-            args=ocp.args.PyTreeRestore(item={"params": target},
-                                        restore_args={"params": restore_args},
-                                        partial_restore=True),
+            args=ocp.args.PyTreeRestore(
+                item={"params": target}, restore_args={"params": restore_args}, partial_restore=True
+            ),
         )
     logging.info("restored policy params from %s", item_dir)
     return out["params"]

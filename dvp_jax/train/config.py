@@ -35,8 +35,10 @@ def _int(field: str, value: Any, lo: int | None = None) -> None:
 
 
 def _pos_float(field: str, value: Any, allow_zero: bool = False) -> None:
-    ok = isinstance(value, int | float) and math.isfinite(value) and (
-        value >= 0 if allow_zero else value > 0
+    ok = (
+        isinstance(value, int | float)
+        and math.isfinite(value)
+        and (value >= 0 if allow_zero else value > 0)
     )
     _check(ok, field, "a finite float " + (">= 0" if allow_zero else "> 0"), value)
 
@@ -53,8 +55,9 @@ class RolloutConfig:
     tensor_parallel: int = 1  # the engine's mesh: (1, 1, tensor_parallel) local devices
 
     def __post_init__(self):
-        _check(self.dtype in ROLLOUT_DTYPES, "rollout.dtype", f"one of {ROLLOUT_DTYPES}",
-               self.dtype)
+        _check(
+            self.dtype in ROLLOUT_DTYPES, "rollout.dtype", f"one of {ROLLOUT_DTYPES}", self.dtype
+        )
         _pos_float("rollout.logit_noise", self.logit_noise, allow_zero=True)
         _pos_float("rollout.temperature", self.temperature)
         _int("rollout.max_new_tokens", self.max_new_tokens, 1)
@@ -85,14 +88,19 @@ class DataConfig:
     def __post_init__(self):
         _check(self.task in TASKS, "data.task", f"one of {TASKS}", self.task)
         if self.task == "math":
-            _check(bool(self.path), "data.path", "a jsonl/parquet file path for task='math'",
-                   self.path)
+            _check(
+                bool(self.path), "data.path", "a jsonl/parquet file path for task='math'", self.path
+            )
         _int("data.max_prompt_len", self.max_prompt_len, 1)
         _int("data.num_operands", self.num_operands, 1)
         _int("data.min_operands", self.min_operands, 1)
         _int("data.max_operand", self.max_operand, 1)
-        _check(bool(self.ops) and set(self.ops) <= set("+-*"), "data.ops",
-               "a non-empty string of '+', '-', '*'", self.ops)
+        _check(
+            bool(self.ops) and set(self.ops) <= set("+-*"),
+            "data.ops",
+            "a non-empty string of '+', '-', '*'",
+            self.ops,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,8 +134,12 @@ class TrainConfig:
         _int("train.chunk_size", self.chunk_size, 1)
         _int("train.seed", self.seed, 0)
         batch = self.prompts_per_step * self.group_size
-        _check(batch % self.micro_batches == 0, "train.micro_batches",
-               f"a divisor of prompts_per_step * group_size = {batch}", self.micro_batches)
+        _check(
+            batch % self.micro_batches == 0,
+            "train.micro_batches",
+            f"a divisor of prompts_per_step * group_size = {batch}",
+            self.micro_batches,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +163,9 @@ class EvalConfig:
     every: int = 10  # 0: only at the start and the end of RL
     num_prompts: int = 128
     k: int = 4  # avg@k: k samples per held-out prompt
+    # Sample the evaluation with rollout.logit_noise too (False: the policy at rollout precision,
+    # noise being a mismatch knob of the experiments rather than part of the policy).
+    with_rollout_noise: bool = False
 
     def __post_init__(self):
         _int("eval.every", self.every, 0)
@@ -191,13 +206,27 @@ class ExperimentConfig:
 
     @classmethod
     def from_config_dict(cls, cd: ml_collections.ConfigDict, vocab_size: int) -> ExperimentConfig:
-        """Validates a ConfigDict once. `vocab_size` is the tokenizer's (for model.vocab_size=-1)."""
+        """Validates a ConfigDict once; `vocab_size` is the tokenizer's (model.vocab_size=-1)."""
         d = cd.to_dict() if isinstance(cd, ml_collections.ConfigDict) else dict(cd)
-        known = {"model", "mesh", "rollout", "loss", "method", "data", "train", "sft", "eval",
-                 "checkpoint", "log_every", "plots"}
+        known = {
+            "model",
+            "mesh",
+            "rollout",
+            "loss",
+            "method",
+            "data",
+            "train",
+            "sft",
+            "eval",
+            "checkpoint",
+            "log_every",
+            "plots",
+        }
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"config has unknown top-level fields {unknown}; allowed: {sorted(known)}")
+            raise ValueError(
+                f"config has unknown top-level fields {unknown}; allowed: {sorted(known)}"
+            )
 
         model_d = dict(d.get("model", {}))
         preset = model_d.pop("preset", "tiny")
@@ -206,23 +235,31 @@ class ExperimentConfig:
         if model_d.get("vocab_size", -1) in (-1, None):
             # Round the tokenizer's vocabulary up to a multiple of 8 so it shards evenly.
             model_d["vocab_size"] = -(-vocab_size // 8) * 8
-        _check(model_d["vocab_size"] >= vocab_size, "model.vocab_size",
-               f">= the tokenizer's vocabulary ({vocab_size})", model_d["vocab_size"])
+        _check(
+            model_d["vocab_size"] >= vocab_size,
+            "model.vocab_size",
+            f">= the tokenizer's vocabulary ({vocab_size})",
+            model_d["vocab_size"],
+        )
         # With model.hf_path the preset must describe the checkpoint; the trainer checks it
         # against the checkpoint's config.json when it loads the weights.
         model = _build("model", ModelConfig, model_d, base=MODEL_PRESETS[preset])
 
         method = d.get("method", "dvp")
         _check(method in LOSS_PRESETS, "method", f"one of {tuple(LOSS_PRESETS)}", method)
-        loss_d = {k: v for k, v in dict(d.get("loss", {})).items() if v is not None or k == "ppo_clip_eps"}
+        loss_d = {
+            k: v for k, v in dict(d.get("loss", {})).items() if v is not None or k == "ppo_clip_eps"
+        }
         loss_fields = {**LOSS_PRESETS[method], **loss_d}
         # Both sides prune with the same rule (E1) after the same temperature.
         loss_fields.setdefault("temperature", dict(d.get("rollout", {})).get("temperature", 1.0))
         loss = _build("loss", LossConfig, loss_fields)
         train = _build("train", TrainConfig, d.get("train", {}))
         if train.updates_per_batch > 1 and loss.ppo_clip_eps is None:
-            raise ValueError("config.loss.ppo_clip_eps must be set (e.g. 0.2) when "
-                             f"config.train.updates_per_batch={train.updates_per_batch} > 1")
+            raise ValueError(
+                "config.loss.ppo_clip_eps must be set (e.g. 0.2) when "
+                f"config.train.updates_per_batch={train.updates_per_batch} > 1"
+            )
         if train.updates_per_batch == 1 and loss.ppo_clip_eps is not None:
             raise ValueError("config.loss.ppo_clip_eps needs config.train.updates_per_batch > 1")
         cfg = cls(

@@ -34,8 +34,14 @@ class TrainState:
     rng: jax.Array
 
 
-def make_optimizer(learning_rate: float, warmup_steps: int, weight_decay: float, grad_clip: float,
-                   b1: float = 0.9, b2: float = 0.999) -> optax.GradientTransformation:
+def make_optimizer(
+    learning_rate: float,
+    warmup_steps: int,
+    weight_decay: float,
+    grad_clip: float,
+    b1: float = 0.9,
+    b2: float = 0.999,
+) -> optax.GradientTransformation:
     """AdamW with global-norm clipping and a linear warm-up to a constant rate.
 
     Wrapped in `optax.apply_if_finite`: a non-finite gradient leaves params and moments
@@ -43,8 +49,10 @@ def make_optimizer(learning_rate: float, warmup_steps: int, weight_decay: float,
     """
     if warmup_steps > 0:
         schedule = optax.join_schedules(
-            [optax.linear_schedule(0.0, learning_rate, warmup_steps),
-             optax.constant_schedule(learning_rate)],
+            [
+                optax.linear_schedule(0.0, learning_rate, warmup_steps),
+                optax.constant_schedule(learning_rate),
+            ],
             [warmup_steps],
         )
     else:
@@ -61,8 +69,9 @@ def skipped_updates(opt_state) -> jax.Array:
     return opt_state.total_notfinite
 
 
-def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation, seed: int,
-                     sharder: Sharder) -> tuple[nnx.GraphDef, TrainState, TrainState]:
+def init_train_state(
+    model: nnx.Module, optimizer: optax.GradientTransformation, seed: int, sharder: Sharder
+) -> tuple[nnx.GraphDef, TrainState, TrainState]:
     """Builds the train state from a (sharded) model.
 
     Returns:
@@ -91,7 +100,10 @@ def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation,
         params=param_sh,
         # Optimizer moments shard like the parameters they track; counters replicate.
         opt_state=optax.tree_map_params(
-            optimizer, lambda _, sh: sh, abstract.opt_state, param_sh,
+            optimizer,
+            lambda _, sh: sh,
+            abstract.opt_state,
+            param_sh,
             transform_non_params=lambda _: replicated,
         ),
         rng=replicated,

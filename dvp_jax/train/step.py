@@ -48,15 +48,28 @@ class RLBatch:
     logp_old: jax.Array
 
 
-def token_logprobs(params, graphdef, tokens, positions, valid, *, log_rho: float,
-                   temperature: float, chunk_size: int) -> TokenLogprobs:
+def token_logprobs(
+    params,
+    graphdef,
+    tokens,
+    positions,
+    valid,
+    *,
+    log_rho: float,
+    temperature: float,
+    chunk_size: int,
+) -> TokenLogprobs:
     """Trainer-side pruned logprobs of tokens[:, 1:] given tokens[:, :-1] (E1-E3), [B, T-1]."""
     model = nnx.merge(graphdef, params)
     hidden = model(tokens, positions, valid, return_hidden=True)[:, :-1]  # [B, T-1, d]
     b, t, d = hidden.shape
     out = chunked_pruned_logprobs(
-        hidden.reshape(b * t, d), model.unembedding(), tokens[:, 1:].reshape(b * t),
-        log_rho=log_rho, temperature=temperature, chunk_size=chunk_size,
+        hidden.reshape(b * t, d),
+        model.unembedding(),
+        tokens[:, 1:].reshape(b * t),
+        log_rho=log_rho,
+        temperature=temperature,
+        chunk_size=chunk_size,
     )
     return jax.tree.map(lambda x: x.reshape(b, t), out)
 
@@ -66,8 +79,16 @@ def _normaliser(metrics, loss_cfg: LossConfig):
     return metrics[key]
 
 
-def rl_step(state: TrainState, batch: RLBatch, *, graphdef, optimizer, loss_cfg: LossConfig,
-            chunk_size: int, micro_batches: int):
+def rl_step(
+    state: TrainState,
+    batch: RLBatch,
+    *,
+    graphdef,
+    optimizer,
+    loss_cfg: LossConfig,
+    chunk_size: int,
+    micro_batches: int,
+):
     """One DVP-RLOO optimizer step, accumulating gradients over `micro_batches`.
 
     Gradient accumulation is exact for both normalisations: each micro-batch contributes its
@@ -76,14 +97,24 @@ def rl_step(state: TrainState, batch: RLBatch, *, graphdef, optimizer, loss_cfg:
     """
     ppo = loss_cfg.ppo_clip_eps is not None
     logprob_fn = functools.partial(
-        token_logprobs, graphdef=graphdef, log_rho=loss_cfg.effective_log_rho,
-        temperature=loss_cfg.temperature, chunk_size=chunk_size,
+        token_logprobs,
+        graphdef=graphdef,
+        log_rho=loss_cfg.effective_log_rho,
+        temperature=loss_cfg.temperature,
+        chunk_size=chunk_size,
     )
 
     def micro_sum(params, mb: RLBatch):
         tl = logprob_fn(params, tokens=mb.tokens, positions=mb.positions, valid=mb.valid)
-        loss, metrics = dvp_loss(tl.logp, mb.logp_rollout, mb.advantages, mb.response_mask,
-                                 tl.in_safe, loss_cfg, mb.logp_old if ppo else None)
+        loss, metrics = dvp_loss(
+            tl.logp,
+            mb.logp_rollout,
+            mb.advantages,
+            mb.response_mask,
+            tl.in_safe,
+            loss_cfg,
+            mb.logp_old if ppo else None,
+        )
         z = jax.lax.stop_gradient(_normaliser(metrics, loss_cfg))
         return loss * z, (z, tl)
 
@@ -103,14 +134,26 @@ def rl_step(state: TrainState, batch: RLBatch, *, graphdef, optimizer, loss_cfg:
     tl = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), tls)  # [B, T-1]
 
     # Reported loss and loss metrics: the same objective on the whole batch (no model call).
-    loss, metrics = dvp_loss(tl.logp, batch.logp_rollout, batch.advantages, batch.response_mask,
-                             tl.in_safe, loss_cfg, batch.logp_old if ppo else None)
+    loss, metrics = dvp_loss(
+        tl.logp,
+        batch.logp_rollout,
+        batch.advantages,
+        batch.response_mask,
+        tl.in_safe,
+        loss_cfg,
+        batch.logp_old if ppo else None,
+    )
     metrics |= diagnostics.mismatch_diagnostics(
-        logp_train=tl.logp, logp_rollout=batch.logp_rollout, response_mask=batch.response_mask,
+        logp_train=tl.logp,
+        logp_rollout=batch.logp_rollout,
+        response_mask=batch.response_mask,
         in_safe_train=tl.in_safe if loss_cfg.pruning else None,
-        logp_full_train=tl.logp_full, logp_full_rollout=batch.logp_full_rollout,
-        pruned_mass_train=tl.pruned_mass, safe_size_train=tl.safe_size,
-        pruned_mass_rollout=batch.pruned_mass_rollout, safe_size_rollout=batch.safe_size_rollout,
+        logp_full_train=tl.logp_full,
+        logp_full_rollout=batch.logp_full_rollout,
+        pruned_mass_train=tl.pruned_mass,
+        safe_size_train=tl.safe_size,
+        pruned_mass_rollout=batch.pruned_mass_rollout,
+        safe_size_rollout=batch.safe_size_rollout,
     )
     new_state, step_metrics = _apply(state, grads, optimizer)
     metrics |= step_metrics
@@ -144,8 +187,16 @@ def sft_step(state: TrainState, batch, *, graphdef, optimizer, chunk_size: int):
     mask = loss_mask[:, 1:].astype(jnp.float32)
 
     def loss_fn(params):
-        tl = token_logprobs(params, graphdef, tokens, positions, valid,
-                            log_rho=None, temperature=1.0, chunk_size=chunk_size)
+        tl = token_logprobs(
+            params,
+            graphdef,
+            tokens,
+            positions,
+            valid,
+            log_rho=None,
+            temperature=1.0,
+            chunk_size=chunk_size,
+        )
         return -jnp.sum(tl.logp_full * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
@@ -167,5 +218,9 @@ def jit_step(fn, state_shardings, batch_sh, sharder: Sharder):
     """Jits a step with explicit in/out shardings and the train state donated."""
     if sharder.mesh is None:
         return jax.jit(fn, donate_argnums=0)
-    return jax.jit(fn, in_shardings=(state_shardings, batch_sh),
-                   out_shardings=(state_shardings, sharder.replicated()), donate_argnums=0)
+    return jax.jit(
+        fn,
+        in_shardings=(state_shardings, batch_sh),
+        out_shardings=(state_shardings, sharder.replicated()),
+        donate_argnums=0,
+    )

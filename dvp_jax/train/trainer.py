@@ -60,8 +60,12 @@ class _Preemption:
 def _task(cfg: ExperimentConfig) -> tasks.ArithmeticTask:
     d = cfg.data
     return tasks.ArithmeticTask(
-        seed=d.seed, num_operands=d.num_operands, min_operands=d.min_operands,
-        max_operand=d.max_operand, ops=tuple(d.ops), style=d.style,
+        seed=d.seed,
+        num_operands=d.num_operands,
+        min_operands=d.min_operands,
+        max_operand=d.max_operand,
+        ops=tuple(d.ops),
+        style=d.style,
     )
 
 
@@ -83,13 +87,29 @@ def _response_texts(tokenizer, batch: RolloutBatch) -> list[str]:
 
 
 def _check_same_architecture(ours, theirs, path: str) -> None:
-    fields = ["vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
-              "rope_theta", "rms_norm_eps", "tie_embeddings"]
-    diff = [f"{f}: config {getattr(ours, f)!r} vs checkpoint {getattr(theirs, f)!r}"
-            for f in fields if getattr(ours, f) != getattr(theirs, f)]
+    fields = [
+        "vocab_size",
+        "d_model",
+        "n_layers",
+        "n_heads",
+        "n_kv_heads",
+        "head_dim",
+        "d_ff",
+        "rope_theta",
+        "rms_norm_eps",
+        "tie_embeddings",
+    ]
+    diff = [
+        f"{f}: config {getattr(ours, f)!r} vs checkpoint {getattr(theirs, f)!r}"
+        for f in fields
+        if getattr(ours, f) != getattr(theirs, f)
+    ]
     if diff:
-        raise ValueError(f"config.model does not match the checkpoint {path!r}: "
-                         + "; ".join(diff) + " (set config.model.preset / fields to match)")
+        raise ValueError(
+            f"config.model does not match the checkpoint {path!r}: "
+            + "; ".join(diff)
+            + " (set config.model.preset / fields to match)"
+        )
 
 
 def rl_batch_from_rollouts(batch: RolloutBatch, advantages: np.ndarray) -> step_lib.RLBatch:
@@ -119,9 +139,7 @@ def _to_global(tree, shardings):
     """Host-local numpy arrays -> global jax Arrays (each process contributes its rows)."""
     if shardings is None:
         return jax.tree.map(jnp.asarray, tree)
-    return jax.tree.map(
-        lambda x, s: jax.make_array_from_process_local_data(s, x), tree, shardings
-    )
+    return jax.tree.map(lambda x, s: jax.make_array_from_process_local_data(s, x), tree, shardings)
 
 
 class Trainer:
@@ -146,19 +164,28 @@ class Trainer:
             )
         self.prompts_per_host = cfg.train.prompts_per_step // jax.process_count()
         if cfg.init_hf_path:
-            _check_same_architecture(cfg.model, load_hf_config(cfg.init_hf_path),
-                                     cfg.init_hf_path)
-            model = load_hf(cfg.init_hf_path, TRAIN_POLICY, self.sharder, cfg=cfg.model,
-                            remat=cfg.train.remat)
+            _check_same_architecture(cfg.model, load_hf_config(cfg.init_hf_path), cfg.init_hf_path)
+            model = load_hf(
+                cfg.init_hf_path, TRAIN_POLICY, self.sharder, cfg=cfg.model, remat=cfg.train.remat
+            )
         else:
             model = init_sharded(
-                lambda: Transformer(cfg.model, TRAIN_POLICY, self.sharder,
-                                    rngs=nnx.Rngs(cfg.train.seed), remat=cfg.train.remat),
+                lambda: Transformer(
+                    cfg.model,
+                    TRAIN_POLICY,
+                    self.sharder,
+                    rngs=nnx.Rngs(cfg.train.seed),
+                    remat=cfg.train.remat,
+                ),
                 self.sharder,
             )
         self.optimizer = make_optimizer(
-            cfg.train.learning_rate, cfg.train.warmup_steps, cfg.train.weight_decay,
-            cfg.train.grad_clip, cfg.train.b1, cfg.train.b2,
+            cfg.train.learning_rate,
+            cfg.train.warmup_steps,
+            cfg.train.weight_decay,
+            cfg.train.grad_clip,
+            cfg.train.b1,
+            cfg.train.b2,
         )
         self.graphdef, self.state, self.state_sh = init_train_state(
             model, self.optimizer, cfg.train.seed, self.sharder
@@ -181,8 +208,10 @@ class Trainer:
             ),
             tokenizer=self.tokenizer,
             params=model,
-            mesh=make_mesh(MeshConfig(1, 1, cfg.rollout.tensor_parallel),
-                           jax.local_devices()[: cfg.rollout.tensor_parallel]),
+            mesh=make_mesh(
+                MeshConfig(1, 1, cfg.rollout.tensor_parallel),
+                jax.local_devices()[: cfg.rollout.tensor_parallel],
+            ),
         )
 
         # ------------------------------------------------------------------ data
@@ -193,8 +222,11 @@ class Trainer:
             self.task = None
             source = cfg.data.path
         self.data = pipeline.make_prompt_iterator(
-            source, self.tokenizer, batch_size=self.prompts_per_host,
-            max_prompt_len=cfg.data.max_prompt_len, seed=cfg.data.seed,
+            source,
+            self.tokenizer,
+            batch_size=self.prompts_per_host,
+            max_prompt_len=cfg.data.max_prompt_len,
+            seed=cfg.data.seed,
             chat_format=cfg.data.chat_format,
         )
         if self.data.report is not None:
@@ -205,8 +237,13 @@ class Trainer:
         self._rl_step = None  # built on the first batch (its shapes fix the shardings)
         self._logprob_fn = jax.jit(
             lambda params, b: step_lib.token_logprobs(
-                params, self.graphdef, b.tokens, b.positions, b.valid,
-                log_rho=cfg.loss.effective_log_rho, temperature=cfg.loss.temperature,
+                params,
+                self.graphdef,
+                b.tokens,
+                b.positions,
+                b.valid,
+                log_rho=cfg.loss.effective_log_rho,
+                temperature=cfg.loss.temperature,
                 chunk_size=cfg.train.chunk_size,
             )
         )
@@ -230,7 +267,8 @@ class Trainer:
             return self.task.heldout_examples(self.cfg.eval.num_prompts)
         if self.cfg.data.eval_path:
             examples, report = tasks.load_math_dataset(
-                self.cfg.data.eval_path, self.tokenizer,
+                self.cfg.data.eval_path,
+                self.tokenizer,
                 max_prompt_tokens=self.cfg.data.max_prompt_len,
                 chat_format=self.cfg.data.chat_format,
             )
@@ -259,19 +297,31 @@ class Trainer:
         return jax.random.fold_in(key, jax.process_index())
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Held-out accuracy avg@k: k sampled responses per held-out prompt, mean reward."""
+        """Held-out accuracy avg@k: k sampled responses per held-out prompt, mean reward.
+
+        Samples with the rollout engine (its precision and min-p rule), without the
+        experimental logit noise unless `eval.with_rollout_noise`.
+        """
         if not self.heldout:
             return {}
         k = self.cfg.eval.k
         batch = generate_rollouts(
-            self.engine, [ex.prompt for ex in self.heldout], k,
-            self._rollout_key(step, _EVAL_STREAM), prompt_len=self.cfg.data.max_prompt_len,
+            self.engine,
+            [ex.prompt for ex in self.heldout],
+            k,
+            self._rollout_key(step, _EVAL_STREAM),
+            prompt_len=self.cfg.data.max_prompt_len,
+            sampling=None
+            if self.cfg.eval.with_rollout_noise
+            else self.engine.config.sampling_params(noise_std=0.0),
         )
         texts = _response_texts(self.tokenizer, batch)
         answers = [ex.answer for ex in self.heldout for _ in range(k)]
         r = rewards.compute_rewards(_reward_kind(self.cfg), texts, answers)
-        return {"eval_accuracy": float(np.mean(r)),
-                "eval_pass_at_k": float(np.mean(r.reshape(-1, k).max(axis=1)))}
+        return {
+            "eval_accuracy": float(np.mean(r)),
+            "eval_pass_at_k": float(np.mean(r.reshape(-1, k).max(axis=1))),
+        }
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         self.writer.write_scalars(step, metrics)
@@ -303,31 +353,46 @@ class Trainer:
         logging.info("supervised warm-up: %d steps of batch %d", sft.steps, sft.batch_size)
         optimizer = make_optimizer(sft.learning_rate, sft.warmup_steps, 0.0, 1.0)
         _, sft_state, sft_sh = init_train_state(
-            nnx.merge(self.graphdef, self.state.params), optimizer, self.cfg.train.seed,
+            nnx.merge(self.graphdef, self.state.params),
+            optimizer,
+            self.cfg.train.seed,
             self.sharder,
         )
         max_len = self.cfg.data.max_prompt_len + self.cfg.rollout.max_new_tokens
         fn = jax.jit(
-            lambda s, b: step_lib.sft_step(s, b, graphdef=self.graphdef, optimizer=optimizer,
-                                           chunk_size=self.cfg.train.chunk_size),
+            lambda s, b: step_lib.sft_step(
+                s,
+                b,
+                graphdef=self.graphdef,
+                optimizer=optimizer,
+                chunk_size=self.cfg.train.chunk_size,
+            ),
             donate_argnums=0,
         )
         start = time.time()
         for i in range(sft.steps):
-            b = pipeline.sft_batch_for_step(self.task, self.tokenizer, step=i,
-                                            batch_size=sft.batch_size, max_len=max_len)
+            b = pipeline.sft_batch_for_step(
+                self.task, self.tokenizer, step=i, batch_size=sft.batch_size, max_len=max_len
+            )
             sft_state, metrics = fn(sft_state, (b.tokens, b.loss_mask, b.lengths))
             if (i + 1) % max(1, sft.steps // 10) == 0 or i + 1 == sft.steps:
                 loss = float(metrics["sft_loss"])
                 rate = (i + 1) / (time.time() - start)
-                logging.info("sft %d/%d | loss %.4f | %.1f steps/s | ETA %.0fs", i + 1,
-                             sft.steps, loss, rate, (sft.steps - i - 1) / rate)
+                logging.info(
+                    "sft %d/%d | loss %.4f | %.1f steps/s | ETA %.0fs",
+                    i + 1,
+                    sft.steps,
+                    loss,
+                    rate,
+                    (sft.steps - i - 1) / rate,
+                )
                 self._log(-sft.steps + i + 1, {"sft_loss": loss, "phase_sft": 1.0})
         # RL starts from the warmed-up weights with a fresh optimizer.
         del sft_sh
         self.state = jax.jit(
-            lambda p, s: TrainState(step=s.step, params=p, opt_state=self.optimizer.init(p),
-                                    rng=s.rng),
+            lambda p, s: TrainState(
+                step=s.step, params=p, opt_state=self.optimizer.init(p), rng=s.rng
+            ),
             out_shardings=self.state_sh,
         )(sft_state.params, self.state)
 
@@ -340,8 +405,11 @@ class Trainer:
         prompts = next(self.data)
         token_lists = [prompts.tokens[i, : prompts.lengths[i]] for i in range(len(prompts.lengths))]
         rollouts = generate_rollouts(
-            self.engine, token_lists, cfg.train.group_size,
-            self._rollout_key(step, _ROLLOUT_STREAM), prompt_len=cfg.data.max_prompt_len,
+            self.engine,
+            token_lists,
+            cfg.train.group_size,
+            self._rollout_key(step, _ROLLOUT_STREAM),
+            prompt_len=cfg.data.max_prompt_len,
         )
         t_rollout = time.time() - t0
 
@@ -382,7 +450,8 @@ class Trainer:
 
                 pid = jax.process_index()
                 old = multihost_utils.process_allgather(old, tiled=True)[
-                    pid * rows : (pid + 1) * rows]
+                    pid * rows : (pid + 1) * rows
+                ]
             host_batch.logp_old = np.asarray(jax.device_get(old), np.float32)
         per = rows // u
         all_metrics = []
@@ -392,11 +461,17 @@ class Trainer:
             if self._rl_step is None:
                 self._rl_step = step_lib.jit_step(
                     lambda s, b: step_lib.rl_step(
-                        s, b, graphdef=self.graphdef, optimizer=self.optimizer,
-                        loss_cfg=cfg.loss, chunk_size=cfg.train.chunk_size,
+                        s,
+                        b,
+                        graphdef=self.graphdef,
+                        optimizer=self.optimizer,
+                        loss_cfg=cfg.loss,
+                        chunk_size=cfg.train.chunk_size,
                         micro_batches=cfg.train.micro_batches,
                     ),
-                    self.state_sh, self._batch_sh(mb), self.sharder,
+                    self.state_sh,
+                    self._batch_sh(mb),
+                    self.sharder,
                 )
             self.state, metrics = self._rl_step(self.state, batch)
             all_metrics.append(_host_float_metrics(metrics))
@@ -406,8 +481,9 @@ class Trainer:
         if self.mesh is None:
             return None
         global_batch = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((x.shape[0] * jax.process_count(),) + x.shape[1:],
-                                           x.dtype),
+            lambda x: jax.ShapeDtypeStruct(
+                (x.shape[0] * jax.process_count(),) + x.shape[1:], x.dtype
+            ),
             host_batch,
         )
         return step_lib.batch_shardings(global_batch, self.sharder)
@@ -449,17 +525,26 @@ class Trainer:
                 rate = done / (time.time() - t_loop)
                 logging.info(
                     "step %d/%d | reward %.3f | loss %.4f | ppl_gap %.4f | excluded %.3f | "
-                    "%.2f steps/s | ETA %.0fs", step, cfg.train.steps, metrics["reward_mean"],
-                    metrics["loss"], metrics.get("ppl_gap", math.nan),
-                    metrics.get("frac_responses_excluded", math.nan), rate,
+                    "%.2f steps/s | ETA %.0fs",
+                    step,
+                    cfg.train.steps,
+                    metrics["reward_mean"],
+                    metrics["loss"],
+                    metrics.get("ppl_gap", math.nan),
+                    metrics.get("frac_responses_excluded", math.nan),
+                    rate,
                     (cfg.train.steps - step) / max(rate, 1e-9),
                 )
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or \
-                    step == cfg.train.steps or self.preemption.requested:
+            if (
+                (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
+                or step == cfg.train.steps
+                or self.preemption.requested
+            ):
                 self._save(step, extra)
             if self.preemption.requested:
-                logging.warning("preempted: checkpoint saved at step %d; rerun the same "
-                                "command to resume", step)
+                logging.warning(
+                    "preempted: checkpoint saved at step %d; rerun the same command to resume", step
+                )
                 return {"preempted_at": step}
 
         final_eval = self.evaluate(cfg.train.steps)
@@ -472,13 +557,22 @@ class Trainer:
             "eval_accuracy": final_eval.get("eval_accuracy"),
             "eval_pass_at_k": final_eval.get("eval_pass_at_k"),
             "wall_time_s": time.time() - start_time,
-            "skipped_updates": float(jax.device_get(
-                self.state.opt_state.total_notfinite)),
-            "data_malformed_rows": (self.data.report.num_malformed
-                                    if self.data.report is not None else 0),
+            "skipped_updates": float(jax.device_get(self.state.opt_state.total_notfinite)),
+            "data_malformed_rows": (
+                self.data.report.num_malformed if self.data.report is not None else 0
+            ),
         }
-        summary.update(self._tail_means(["ppl_gap", "log_ppl_diff", "reward_mean",
-                                          "frac_responses_excluded", "frac_outside_train_safe"]))
+        summary.update(
+            self._tail_means(
+                [
+                    "ppl_gap",
+                    "log_ppl_diff",
+                    "reward_mean",
+                    "frac_responses_excluded",
+                    "frac_outside_train_safe",
+                ]
+            )
+        )
         if self.is_lead:
             with open(os.path.join(self.workdir, "summary.json"), "w") as fh:
                 json.dump(summary, fh, indent=2)
@@ -491,8 +585,11 @@ class Trainer:
         with open(self.metrics_path) as fh:
             rows = [json.loads(line) for line in fh if line.strip()]
         rows = [r for r in rows if r["step"] > 0 and "loss" in r][-last:]
-        return {f"final_{k}": float(np.mean([r[k] for r in rows if k in r]))
-                for k in keys if any(k in r for r in rows)}
+        return {
+            f"final_{k}": float(np.mean([r[k] for r in rows if k in r]))
+            for k in keys
+            if any(k in r for r in rows)
+        }
 
     def close(self):
         self.checkpointer.close()
