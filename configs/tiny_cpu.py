@@ -5,8 +5,9 @@ Command:
   (or `make demo`). Method: `--config.method=rloo|tis|mis|dvp|mis_dvp`, or the config argument
   `--config configs/tiny_cpu.py:mis_dvp`.
 Hardware: 2 CPU cores, no accelerator.
-Expected: a supervised warm-up gives the random model partial accuracy on 2-operand +/- problems;
-  RL then raises held-out avg@k accuracy (see the README for the measured figures and time).
+Expected: the 600-step supervised warm-up takes the random model to ~32% held-out avg@4 on
+  2-operand +/- problems (operands 0..49); 250 DVP-RLOO steps with bf16 rollouts raise it to
+  ~48% (measured: 31.7% -> 48.5%, rollout/training PPL gap ~0.02, 101 s wall for `make demo`).
 """
 
 import ml_collections
