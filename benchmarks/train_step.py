@@ -67,29 +67,6 @@ def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / _median_time(lambda: dot(a, b), repeats)
 
 
-def _batch(cfg: ModelConfig, rows: int, length: int, prompt: int):
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, cfg.vocab_size, (rows, length)).astype(np.int32)
-    resp = np.zeros((rows, length - 1), bool)
-    resp[:, prompt - 1 :] = True
-    lp = np.where(resp, -rng.uniform(0.1, 3, (rows, length - 1)), 0).astype(np.float32)
-    return jax.tree.map(
-        jnp.asarray,
-        step_lib.RLBatch(
-            tokens=tokens,
-            positions=np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)).copy(),
-            valid=np.ones((rows, length), bool),
-            response_mask=resp,
-            logp_rollout=lp,
-            logp_full_rollout=lp,
-            pruned_mass_rollout=np.zeros_like(lp),
-            safe_size_rollout=np.ones_like(lp),
-            advantages=rng.normal(size=rows).astype(np.float32),
-            logp_old=np.zeros_like(lp),
-        ),
-    )
-
-
 def train_flops_per_token(cfg: ModelConfig, n_params: int, length: int) -> float:
     """6 N (matmul params, fwd + bwd) + causal attention 6 * L * T * n_heads * head_dim."""
     attn = 6 * cfg.n_layers * length * cfg.n_heads * cfg.head_dim  # QK^T and PV, /2 causal, x3
@@ -122,7 +99,9 @@ def measure(name: str, rows: int, length: int, repeats: int, peak: float) -> dic
 
     out = {}
     for scale in (1, 2):
-        batch = _batch(cfg, rows * scale, length, prompt=length // 4)
+        batch = jax.tree.map(
+            jnp.asarray, step_lib.synthetic_batch(cfg.vocab_size, rows * scale, length, length // 4)
+        )
         jax.block_until_ready(run(batch))  # compile + warm up
         out[scale] = _median_time(functools.partial(run, batch), repeats)
     tokens = rows * length

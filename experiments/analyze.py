@@ -242,30 +242,11 @@ def copy_small_outputs(runs: list[dict], dest: str, files=("summary.json", "metr
 # ------------------------------------------------------------------------------------------------
 # Post-hoc evaluation of a unit's exported policy (hf_export) without the rollout mismatch.
 # ------------------------------------------------------------------------------------------------
-def clean_accuracy(
-    hf_dir: str, num_prompts: int = 256, k: int = 4, seed: int = 1234, dtype: str = "bfloat16"
-) -> float:
-    """Held-out avg@k of a policy sampled by a noise-free engine (bf16, full vocabulary).
-
-    The trainer's own eval samples with the unit's rollout engine (logit noise included), which
-    measures the rollout, not the learned policy. Every unit is scored here on the same prompts
-    with the same keys (common random numbers).
-    """
-    import jax
-    import numpy as np
-
-    from dvp_jax.data import rewards, tasks
-    from dvp_jax.model import TRAIN_POLICY
-    from dvp_jax.model.hf_import import load_hf
+def eval_engine(cfg, model, dtype: str, tokenizer):
+    """An unpruned rollout engine of `dtype` for `model`, shaped for `cfg`'s task (64 slots)."""
     from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
-    from dvp_jax.rollout.offline import generate_rollouts
-    from dvp_jax.rollout.tokenizers import load_tokenizer
-    from dvp_jax.train.config import ExperimentConfig
 
-    tokenizer = load_tokenizer("char")
-    cfg = ExperimentConfig.from_config_dict(base_config("rloo"), tokenizer.vocab_size)
-    model = load_hf(hf_dir, TRAIN_POLICY, cfg=cfg.model)
-    engine = RolloutEngine(
+    return RolloutEngine(
         cfg.model,
         EngineConfig(
             dtype=dtype,
@@ -278,12 +259,32 @@ def clean_accuracy(
         tokenizer=tokenizer,
         params=model,
     )
-    task = tasks.ArithmeticTask(
-        seed=cfg.data.seed,
-        num_operands=cfg.data.num_operands,
-        max_operand=cfg.data.max_operand,
-        ops=tuple(cfg.data.ops),
-    )
+
+
+def clean_accuracy(
+    hf_dir: str, num_prompts: int = 256, k: int = 4, seed: int = 1234, dtype: str = "bfloat16"
+) -> float:
+    """Held-out avg@k of a policy sampled by a noise-free engine (bf16, full vocabulary).
+
+    The trainer's own eval samples with the unit's rollout engine (logit noise included), which
+    measures the rollout, not the learned policy. Every unit is scored here on the same prompts
+    with the same keys (common random numbers).
+    """
+    import jax
+    import numpy as np
+
+    from dvp_jax.data import rewards
+    from dvp_jax.model import TRAIN_POLICY
+    from dvp_jax.model.hf_import import load_hf
+    from dvp_jax.rollout.offline import generate_rollouts
+    from dvp_jax.rollout.tokenizers import load_tokenizer
+    from dvp_jax.train.config import ExperimentConfig
+
+    tokenizer = load_tokenizer("char")
+    cfg = ExperimentConfig.from_config_dict(base_config("rloo"), tokenizer.vocab_size)
+    model = load_hf(hf_dir, TRAIN_POLICY, cfg=cfg.model)
+    engine = eval_engine(cfg, model, dtype, tokenizer)
+    task = cfg.data.arithmetic_task()
     examples = task.heldout_examples(num_prompts)
     batch = generate_rollouts(
         engine,

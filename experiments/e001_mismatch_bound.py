@@ -55,7 +55,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from dvp_jax.data import pipeline, tasks  # noqa: E402
+from dvp_jax.data import pipeline  # noqa: E402
 from dvp_jax.dvp import diagnostics  # noqa: E402
 from dvp_jax.model import TRAIN_POLICY, Transformer  # noqa: E402
 from dvp_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
@@ -420,12 +420,7 @@ def run(
     cfg = tiny_config(sft_steps)
     tokenizer = load_tokenizer("char")
     model = warm_model(cfg, init_hf)
-    task = tasks.ArithmeticTask(
-        seed=cfg.data.seed,
-        num_operands=cfg.data.num_operands,
-        max_operand=cfg.data.max_operand,
-        ops=tuple(cfg.data.ops),
-    )
+    task = cfg.data.arithmetic_task()
     examples = task.heldout_examples(num_seqs)
     max_len = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     sb = pipeline.sft_batch(examples, tokenizer, max_len=max_len)

@@ -120,10 +120,9 @@ def bias_check(
     import jax
     import numpy as np
 
-    from dvp_jax.data import rewards, tasks
+    from dvp_jax.data import rewards
     from dvp_jax.model import TRAIN_POLICY
     from dvp_jax.model.hf_import import load_hf
-    from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
     from dvp_jax.rollout.offline import generate_rollouts
     from dvp_jax.rollout.tokenizers import load_tokenizer
     from dvp_jax.train.config import ExperimentConfig
@@ -131,25 +130,8 @@ def bias_check(
     tokenizer = load_tokenizer("char")
     cfg = ExperimentConfig.from_config_dict(get_config("dvp"), tokenizer.vocab_size)
     model = load_hf(hf_dir, TRAIN_POLICY, cfg=cfg.model)
-    engine = RolloutEngine(
-        cfg.model,
-        EngineConfig(
-            dtype="float32",
-            max_concurrent_decodes=64,
-            max_prefill_length=cfg.data.max_prompt_len,
-            prefill_buckets=(cfg.data.max_prompt_len,),
-            max_decode_length=cfg.rollout.max_new_tokens,
-            log_rho=-math.inf,
-        ),
-        tokenizer=tokenizer,
-        params=model,
-    )
-    task = tasks.ArithmeticTask(
-        seed=cfg.data.seed,
-        num_operands=cfg.data.num_operands,
-        max_operand=cfg.data.max_operand,
-        ops=tuple(cfg.data.ops),
-    )
+    engine = analyze.eval_engine(cfg, model, "float32", tokenizer)
+    task = cfg.data.arithmetic_task()
     examples = task.heldout_examples(num_prompts)
     prompts = [ex.prompt for ex in examples]
     answers = [ex.answer for ex in examples for _ in range(samples)]

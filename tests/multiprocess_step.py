@@ -41,23 +41,8 @@ optimizer = make_optimizer(1e-2, 0, 0.0, 1.0)
 graphdef, state, state_sh = init_train_state(model, optimizer, 0, sharder)
 
 # The same synthetic global batch in every process; each contributes its own rows.
-rng = np.random.default_rng(0)
 B, T, P = 16, 12, 5
-tokens = rng.integers(3, cfg.vocab_size, size=(B, T)).astype(np.int32)
-response = np.zeros((B, T - 1), bool)
-response[:, P - 1 :] = True
-global_batch = step_lib.RLBatch(
-    tokens=tokens,
-    positions=np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
-    valid=np.ones((B, T), bool),
-    response_mask=response,
-    logp_rollout=np.where(response, -rng.uniform(0.5, 5.0, (B, T - 1)), 0).astype(np.float32),
-    logp_full_rollout=np.where(response, -rng.uniform(0.5, 5.0, (B, T - 1)), 0).astype(np.float32),
-    pruned_mass_rollout=np.zeros((B, T - 1), np.float32),
-    safe_size_rollout=np.full((B, T - 1), cfg.vocab_size, np.float32),
-    advantages=rng.normal(size=(B,)).astype(np.float32),
-    logp_old=np.zeros((B, T - 1), np.float32),
-)
+global_batch = step_lib.synthetic_batch(cfg.vocab_size, B, T, P)
 rows = B // num_processes
 local = jax.tree.map(lambda x: x[process_id * rows : (process_id + 1) * rows], global_batch)
 batch_sh = step_lib.batch_shardings(global_batch, sharder)

@@ -12,24 +12,8 @@ from dvp_jax.train.state import init_train_state, make_optimizer
 from tests.helpers import tiny_model
 
 
-def _batch(rows=8, length=10, prompt=4, seed=0):
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(3, 64, (rows, length)).astype(np.int32)
-    resp = np.zeros((rows, length - 1), bool)
-    resp[:, prompt - 1 :] = True
-    lp = np.where(resp, -rng.uniform(0.5, 4.0, (rows, length - 1)), 0).astype(np.float32)
-    return step_lib.RLBatch(
-        tokens=tokens,
-        positions=np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)).copy(),
-        valid=np.ones((rows, length), bool),
-        response_mask=resp,
-        logp_rollout=lp,
-        logp_full_rollout=lp,
-        pruned_mass_rollout=np.zeros_like(lp),
-        safe_size_rollout=np.ones_like(lp),
-        advantages=rng.normal(size=rows).astype(np.float32),
-        logp_old=np.zeros_like(lp),
-    )
+def _batch(rows=8, seed=0):
+    return step_lib.synthetic_batch(64, rows, 10, 4, seed)
 
 
 def _step(micro_batches=1, optimizer=None):

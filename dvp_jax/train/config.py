@@ -102,6 +102,20 @@ class DataConfig:
             self.ops,
         )
 
+    def arithmetic_task(self):
+        """The generated task these knobs describe (the same problems and held-out split
+        everywhere: trainer, experiments, evaluation scripts)."""
+        from dvp_jax.data.tasks import ArithmeticTask
+
+        return ArithmeticTask(
+            seed=self.seed,
+            num_operands=self.num_operands,
+            min_operands=self.min_operands,
+            max_operand=self.max_operand,
+            ops=tuple(self.ops),
+            style=self.style,
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:

@@ -12,6 +12,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -46,6 +47,33 @@ class RLBatch:
     safe_size_rollout: jax.Array
     advantages: jax.Array
     logp_old: jax.Array
+
+
+def synthetic_batch(
+    vocab_size: int, rows: int, length: int, prompt_len: int, seed: int = 0
+) -> RLBatch:
+    """A random host RLBatch (numpy) of fixed shapes, for benchmarks and tests.
+
+    Every row has `prompt_len` prompt tokens then response tokens to the end; behaviour
+    logprobs are uniform in [-4, -0.5] on response positions; advantages are standard normal.
+    """
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(3, vocab_size, (rows, length)).astype(np.int32)
+    response = np.zeros((rows, length - 1), bool)
+    response[:, prompt_len - 1 :] = True
+    logp = np.where(response, -rng.uniform(0.5, 4.0, (rows, length - 1)), 0).astype(np.float32)
+    return RLBatch(
+        tokens=tokens,
+        positions=np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)).copy(),
+        valid=np.ones((rows, length), bool),
+        response_mask=response,
+        logp_rollout=logp,
+        logp_full_rollout=logp.copy(),
+        pruned_mass_rollout=np.zeros_like(logp),
+        safe_size_rollout=np.full_like(logp, float(vocab_size)),
+        advantages=rng.normal(size=rows).astype(np.float32),
+        logp_old=np.zeros_like(logp),
+    )
 
 
 def token_logprobs(

@@ -57,18 +57,6 @@ class _Preemption:
         self.requested = True
 
 
-def _task(cfg: ExperimentConfig) -> tasks.ArithmeticTask:
-    d = cfg.data
-    return tasks.ArithmeticTask(
-        seed=d.seed,
-        num_operands=d.num_operands,
-        min_operands=d.min_operands,
-        max_operand=d.max_operand,
-        ops=tuple(d.ops),
-        style=d.style,
-    )
-
-
 def _reward_kind(cfg: ExperimentConfig) -> str:
     return "exact_match" if cfg.data.task == "arithmetic" else "math_verify"
 
@@ -216,7 +204,7 @@ class Trainer:
 
         # ------------------------------------------------------------------ data
         if cfg.data.task == "arithmetic":
-            self.task = _task(cfg)
+            self.task = cfg.data.arithmetic_task()
             source = self.task
         else:
             self.task = None
