@@ -80,16 +80,10 @@ P_EDGES = (0.0, 1e-4, 1e-3, 1e-2, 0.05, 0.2, 0.5, 0.8, 0.95, 0.99, 1.0 + 1e-9)
 # ------------------------------------------------------------------------------------------------
 def tiny_config(sft_steps: int):
     """configs/tiny_cpu.py as validated dataclasses (the warm-up recipe of the demo)."""
-    import importlib.util
-
+    from dvp_jax.pyfile import load_file
     from dvp_jax.train.config import ExperimentConfig
 
-    spec = importlib.util.spec_from_file_location(
-        "dvp_tiny_cpu", os.path.join(REPO, "configs", "tiny_cpu.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cd = module.get_config("dvp")
+    cd = load_file(os.path.join(REPO, "configs", "tiny_cpu.py")).get_config("dvp")
     cd.sft.steps = sft_steps
     cd.train.steps = 0
     cd.plots = False

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -58,6 +57,7 @@ if REPO not in sys.path:  # run as a script from anywhere
 from dvp_jax.model import Transformer  # noqa: E402
 from dvp_jax.model.attention import CACHE_AXES, KVCache  # noqa: E402
 from dvp_jax.model.config import DTypePolicy  # noqa: E402
+from dvp_jax.pyfile import load_file  # noqa: E402
 from dvp_jax.sharding import MESH_AXES, ROLLOUT_RULES, TRAIN_RULES, Sharder  # noqa: E402
 from dvp_jax.train.config import ExperimentConfig  # noqa: E402
 from dvp_jax.train.state import make_optimizer  # noqa: E402
@@ -305,9 +305,7 @@ def format_plan(plan: dict) -> str:
 def load_config(spec: str, overrides: list[str]):
     """`path[:arg]` -> ConfigDict, with `key=value` overrides (values parsed as Python literals)."""
     path, _, arg = spec.partition(":")
-    module_spec = importlib.util.spec_from_file_location("scale_plan_config", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    module = load_file(path)
     cd = module.get_config(arg) if arg else module.get_config()
     for item in overrides:
         key, _, raw = item.partition("=")

@@ -14,6 +14,7 @@ import textwrap
 
 import pytest
 
+from dvp_jax.pyfile import load_file
 from dvp_jax.rollout.tokenizers import CharTokenizer
 from dvp_jax.train.config import ExperimentConfig
 
@@ -21,15 +22,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HF_VOCAB = 151_936
 
 
-def _load(relpath: str, name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, relpath))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses need the module registered
-    spec.loader.exec_module(module)
-    return module
-
-
-launch = _load("experiments/launch.py", "dvp_launch")
+launch = load_file(os.path.join(REPO, "experiments/launch.py"))
 E000 = os.path.join(REPO, "experiments", "e000_smoke.py")
 
 
@@ -261,7 +254,7 @@ def test_tpu_mode_needs_a_zone(capsys):
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("method", ["rloo", "tis", "mis", "dvp", "mis_dvp"])
 def test_paper_config_validates_with_the_papers_settings(method):
-    module = _load("configs/paper_qwen3_14b.py", "paper_config")
+    module = load_file(os.path.join(REPO, "configs/paper_qwen3_14b.py"))
     cfg = ExperimentConfig.from_config_dict(module.get_config(method), HF_VOCAB)
     assert cfg.method == method
     assert (
@@ -276,7 +269,7 @@ def test_paper_config_validates_with_the_papers_settings(method):
 
 
 def test_gpu_mid_config_validates():
-    module = _load("configs/gpu_mid.py", "gpu_mid_config")
+    module = load_file(os.path.join(REPO, "configs/gpu_mid.py"))
     for method in ("rloo", "mis_dvp"):
         cfg = ExperimentConfig.from_config_dict(
             module.get_config(method), CharTokenizer().vocab_size
@@ -288,7 +281,7 @@ def test_gpu_mid_config_validates():
 # Scale plan.
 # ------------------------------------------------------------------------------------------------
 def test_scale_plan_shards_the_paper_config_on_v5p_64(tmp_path, capsys):
-    scale_plan = _load("experiments/scale_plan.py", "dvp_scale_plan")
+    scale_plan = load_file(os.path.join(REPO, "experiments/scale_plan.py"))
     out = tmp_path / "plan.json"
     assert scale_plan.main(["--out", str(out)]) == 0
     assert "KV cache" in capsys.readouterr().out

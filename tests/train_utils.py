@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
+
+from dvp_jax.pyfile import load_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_CONFIG = os.path.join(REPO, "configs", "tiny_cpu.py")
@@ -30,10 +31,7 @@ TEST_OVERRIDES = {
 
 
 def tiny_config_dict(**overrides):
-    spec = importlib.util.spec_from_file_location("tiny_cpu", TINY_CONFIG)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    c = module.get_config()
+    c = load_file(TINY_CONFIG).get_config()
     for dotted, value in {**TEST_OVERRIDES, **overrides}.items():
         node = c
         *parents, leaf = dotted.split(".")
