@@ -168,7 +168,7 @@ def test_server_loads_hf_and_orbax_checkpoints(tmp_path):
     import json
 
     from dvp_jax.sharding import Sharder
-    from dvp_jax.train.checkpoint import Checkpointer
+    from dvp_jax.checkpoint import Checkpointer
     from dvp_jax.train.state import init_train_state, make_optimizer
 
     _, train_state, _ = init_train_state(master, make_optimizer(1e-3, 0, 0.0, 1.0), 0, Sharder())

@@ -31,16 +31,20 @@ class DTypePolicy:
 
     @classmethod
     def named(cls, name: str) -> DTypePolicy:
-        """`float32` (the trainer), `bfloat16` (the rollout) or `bfloat16_fp8kv`."""
-        if name in ("float32", "fp32"):
-            return cls(jnp.float32, jnp.float32, jnp.float32)
-        if name in ("bfloat16", "bf16"):
-            return cls(jnp.bfloat16, jnp.bfloat16, jnp.bfloat16)
-        if name in ("bfloat16_fp8kv", "fp8kv"):
-            return cls(jnp.bfloat16, jnp.bfloat16, jnp.float8_e4m3fn)
-        raise ValueError(
-            f"unknown dtype policy {name!r}; allowed: 'float32', 'bfloat16', 'bfloat16_fp8kv'"
-        )
+        """The policy called `name`, one of `PRECISIONS`."""
+        if name not in _POLICIES:
+            raise ValueError(f"unknown dtype policy {name!r}; allowed: {PRECISIONS}")
+        return cls(*_POLICIES[name])
+
+
+# The precision names, the one list every config and engine option refers to:
+# (param, compute, KV cache) dtypes. float32 is the trainer; the others are rollout precisions.
+_POLICIES = {
+    "float32": (jnp.float32, jnp.float32, jnp.float32),
+    "bfloat16": (jnp.bfloat16, jnp.bfloat16, jnp.bfloat16),
+    "bfloat16_fp8kv": (jnp.bfloat16, jnp.bfloat16, jnp.float8_e4m3fn),
+}
+PRECISIONS = tuple(_POLICIES)
 
 
 TRAIN_POLICY = DTypePolicy.named("float32")

@@ -42,7 +42,7 @@ from jax.sharding import NamedSharding
 from jetstream.engine import engine_api, tokenizer_pb2
 
 from dvp_jax.model.attention import CACHE_AXES, KVCache
-from dvp_jax.model.config import DTypePolicy, ModelConfig
+from dvp_jax.model.config import PRECISIONS, DTypePolicy, ModelConfig
 from dvp_jax.model.transformer import Transformer
 from dvp_jax.rollout import sampling
 from dvp_jax.rollout.tokenizers import load_tokenizer
@@ -54,9 +54,6 @@ from dvp_jax.sharding import (
     make_mesh,
     state_shardings,
 )
-
-DTYPES = ("float32", "bfloat16", "bfloat16_fp8kv")
-
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -93,8 +90,8 @@ class EngineConfig:
     stop_tokens: tuple[int, ...] | None = None
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.dtype not in PRECISIONS:
+            raise ValueError(f"EngineConfig.dtype must be one of {PRECISIONS}, got {self.dtype!r}")
         for name in ("max_concurrent_decodes", "max_prefill_length", "max_decode_length"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

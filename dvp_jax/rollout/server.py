@@ -212,7 +212,7 @@ def load_orbax_params(path: str, cfg: ModelConfig, policy: DTypePolicy, sharder:
 
 def load_trainer_params(path: str, cfg: ModelConfig, policy: DTypePolicy, sharder: Sharder):
     """The policy params of a trainer checkpoint, read straight into the rollout dtype/layout."""
-    from dvp_jax.train.checkpoint import restore_params
+    from dvp_jax.checkpoint import restore_params
 
     make = lambda: Transformer(cfg, policy, sharder, rngs=nnx.Rngs(0))
     graphdef, abstract = nnx.split(nnx.eval_shape(make))

@@ -17,10 +17,9 @@ import ml_collections
 from dvp_jax.dvp.losses import PRESETS as LOSS_PRESETS
 from dvp_jax.dvp.losses import LossConfig
 from dvp_jax.model.config import PRESETS as MODEL_PRESETS
-from dvp_jax.model.config import DTypePolicy, ModelConfig
+from dvp_jax.model.config import PRECISIONS, DTypePolicy, ModelConfig
 from dvp_jax.sharding import MeshConfig
 
-ROLLOUT_DTYPES = ("float32", "bfloat16", "bfloat16_fp8kv")
 TASKS = ("arithmetic", "math")
 
 
@@ -56,7 +55,7 @@ class RolloutConfig:
 
     def __post_init__(self):
         _check(
-            self.dtype in ROLLOUT_DTYPES, "rollout.dtype", f"one of {ROLLOUT_DTYPES}", self.dtype
+            self.dtype in PRECISIONS, "rollout.dtype", f"one of {PRECISIONS}", self.dtype
         )
         _pos_float("rollout.logit_noise", self.logit_noise, allow_zero=True)
         _pos_float("rollout.temperature", self.temperature)

@@ -33,7 +33,7 @@ from dvp_jax.rollout.offline import RolloutBatch, generate_rollouts
 from dvp_jax.rollout.tokenizers import load_tokenizer
 from dvp_jax.sharding import TRAIN_RULES, MeshConfig, Sharder, init_sharded, make_mesh
 from dvp_jax.train import step as step_lib
-from dvp_jax.train.checkpoint import Checkpointer, abstract_like
+from dvp_jax.checkpoint import Checkpointer, abstract_like
 from dvp_jax.train.config import ExperimentConfig
 from dvp_jax.train.state import TrainState, init_train_state, make_optimizer
 

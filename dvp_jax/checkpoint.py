@@ -1,4 +1,7 @@
-"""Orbax checkpoints of the train state and the data iterator.
+"""Orbax checkpoints of the train state and the data iterator, and reading a run's policy params.
+
+Used by the trainer (save / resume) and by the rollout server (serve a run's latest params);
+it sits at the package top so neither imports the other.
 
 One `CheckpointManager` per workdir (`<workdir>/checkpoints`), keeping the last K steps. Each
 checkpoint holds two items: `state` (the `TrainState` pytree: params, optimizer, step, RNG) and
@@ -17,8 +20,6 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from dvp_jax.train.state import TrainState
-
 
 class Checkpointer:
     def __init__(self, workdir: str, keep: int):
@@ -33,7 +34,7 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, state: TrainState, data_state: dict[str, Any], extra: dict) -> None:
+    def save(self, step: int, state: Any, data_state: dict[str, Any], extra: dict) -> None:
         """Saves step `step` (overwrites nothing: an existing step is skipped)."""
         if step in self.manager.all_steps():
             return
@@ -48,7 +49,7 @@ class Checkpointer:
         self.manager.wait_until_finished()
         logging.info("saved checkpoint %d to %s", step, self.directory)
 
-    def restore(self, abstract_state: TrainState, step: int | None = None):
+    def restore(self, abstract_state: Any, step: int | None = None):
         """Restores (state, data_state, extra) at `step` (default: latest) into the given layout.
 
         Args:
@@ -71,7 +72,7 @@ class Checkpointer:
         self.manager.close()
 
 
-def abstract_like(state: TrainState, shardings: TrainState | None) -> TrainState:
+def abstract_like(state: Any, shardings: Any | None) -> Any:
     """ShapeDtypeStructs of `state` with the given shardings (or each array's own)."""
     if shardings is None:
         return jax.tree.map(
