@@ -77,16 +77,39 @@ def test_export_reimport_round_trip_and_transformers_loads_it(tmp_path, tie):
 
 
 def test_sharded_export_with_index(tmp_path):
+    from safetensors import safe_open
+    from transformers import Qwen3ForCausalLM
+
     _, path = hf_qwen3(tmp_path, tie=False, seed=2)
     model = load_hf(path)
     out = str(tmp_path / "sharded")
-    save_hf(model, out, max_shard_bytes=20_000)
+    max_shard_bytes = 20_000  # Every tensor of this model is smaller: no shard may exceed it.
+    save_hf(model, out, max_shard_bytes=max_shard_bytes)
     files = os.listdir(out)
-    assert "model.safetensors.index.json" in files
-    assert sum(f.endswith(".safetensors") for f in files) > 1
+    assert "model.safetensors" not in files
+    with open(os.path.join(out, "model.safetensors.index.json")) as fh:
+        index = json.load(fh)
+    shards = sorted(f for f in files if f.endswith(".safetensors"))
+    assert len(shards) > 1
+    n = len(shards)
+    assert shards == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert sorted(set(index["weight_map"].values())) == shards
+    total = 0
+    for shard in shards:
+        with safe_open(os.path.join(out, shard), framework="numpy") as f:
+            sizes = [f.get_tensor(k).nbytes for k in f.keys()]
+            assert {index["weight_map"][k] for k in f.keys()} == {shard}
+        assert sum(sizes) <= max_shard_bytes, shard
+        total += sum(sizes)
+    assert index["metadata"]["total_size"] == total
     again = load_hf(out)
     tokens, mask = _padded_inputs()
     np.testing.assert_array_equal(_ours(model, tokens, mask), _ours(again, tokens, mask))
+    hf_again = Qwen3ForCausalLM.from_pretrained(out).eval()
+    real = mask.astype(bool)
+    assert (
+        np.abs(_ours(model, tokens, mask) - _theirs(hf_again, tokens, mask))[real].max() <= HF_ATOL
+    )
 
 
 def _params(model):

@@ -145,7 +145,8 @@ def test_server_end_to_end(tmp_path):
 
 def test_server_loads_hf_and_orbax_checkpoints(tmp_path):
     """--hf_checkpoint, --orbax_checkpoint (StandardCheckpointer of the fp32 nnx.State) and
-    --trainer_checkpoint (a trainer run dir) all land in the rollout dtype with the same values."""
+    --trainer_checkpoint (a trainer run dir) all land in the rollout dtype with the same values;
+    an HF export serves with the tokenizer files written next to it."""
     import jax.numpy as jnp
     import numpy as np
     import orbax.checkpoint as ocp
@@ -154,9 +155,11 @@ def test_server_loads_hf_and_orbax_checkpoints(tmp_path):
     from dvp_jax.model import TRAIN_POLICY, ModelConfig, Transformer
     from dvp_jax.model.hf_import import save_hf
     from dvp_jax.rollout import server
+    from dvp_jax.rollout.tokenizers import CharTokenizer, HFTokenizer
 
     master = Transformer(ModelConfig.preset("tiny"), TRAIN_POLICY, rngs=nnx.Rngs(3))
     save_hf(master, str(tmp_path / "hf"))
+    CharTokenizer().save_hf(tmp_path / "hf")
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(str(tmp_path / "orbax"), nnx.state(master))
     expected = {
@@ -167,8 +170,8 @@ def test_server_loads_hf_and_orbax_checkpoints(tmp_path):
     # AdamW state) and the run's model_config.json; the server reads the params alone.
     import json
 
-    from dvp_jax.sharding import Sharder
     from dvp_jax.checkpoint import Checkpointer
+    from dvp_jax.sharding import Sharder
     from dvp_jax.train.state import init_train_state, make_optimizer
 
     _, train_state, _ = init_train_state(master, make_optimizer(1e-3, 0, 0.0, 1.0), 0, Sharder())
@@ -178,7 +181,7 @@ def test_server_loads_hf_and_orbax_checkpoints(tmp_path):
     ckpt.close()
     (run / "model_config.json").write_text(json.dumps(master.cfg.to_hf()))
     sources = {
-        "hf": [f"--hf_checkpoint={tmp_path / 'hf'}"],
+        "hf": [f"--hf_checkpoint={tmp_path / 'hf'}", f"--tokenizer={tmp_path / 'hf'}"],
         "orbax": [f"--orbax_checkpoint={tmp_path / 'orbax'}", "--model_preset=tiny"],
         "trainer": [f"--trainer_checkpoint={run}"],
     }
@@ -188,6 +191,11 @@ def test_server_loads_hf_and_orbax_checkpoints(tmp_path):
             engine = server.build_engine()
         finally:
             server.FLAGS.unparse_flags()
+        if name == "hf":
+            tok, char = engine.tokenizer, CharTokenizer()
+            assert isinstance(tok, HFTokenizer)
+            assert (tok.bos_id, tok.eos_id, tok.pad_id) == (char.bos_id, char.eos_id, char.pad_id)
+            assert tok.encode_ids("12+34=46") == char.encode_ids("12+34=46")
         for path, var in nnx.to_flat_state(engine.params):
             value = var.get_value()
             assert value.dtype == jnp.bfloat16, (name, path)

@@ -172,3 +172,80 @@ def test_load_tokenizer(hf_dir):
     assert isinstance(load_tokenizer(str(hf_dir)), HFTokenizer)
     tok = CharTokenizer()
     assert load_tokenizer(tok) is tok
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face export: transformers loads our model and our tokenizer from one directory.
+# ----------------------------------------------------------------------------------------------
+
+# Our fp32 logits vs transformers' fp32 logits of the exported model: different summation order;
+# differences are ~1e-7 (tests/test_hf_import.py), the stated tolerance is 1e-4.
+HF_ATOL = 1e-4
+CHAR_TEXTS = ["what is 12 plus 34? the answer is 46.", "(7*8-3)/2 = x, y: z! it's\n ok"]
+HF_TEXTS = CORPUS[:4] + ["unseen words 987 ∑ ok", "  leading spaces . and ( odd ) spacing ?"]
+
+
+def _export_case(kind, hf_dir, tmp_path):
+    """(tokenizer, sample texts) for each way a tokenizer can handle BOS."""
+    if kind == "char":
+        return CharTokenizer(), CHAR_TEXTS
+    if kind == "hf_bos":  # BOS from tokenizer_config.json, prepended.
+        return HFTokenizer(hf_dir), HF_TEXTS
+    if kind == "hf_bos_not_added":  # A BOS token exists but encode does not prepend it.
+        return HFTokenizer(hf_dir, add_bos=False), HF_TEXTS
+    # A bare tokenizer.json (the Qwen convention): no BOS, pad = EOS, an extra stop token.
+    (tmp_path / "bare.json").write_text((hf_dir / "tokenizer.json").read_text())
+    return HFTokenizer(tmp_path / "bare.json", stop_tokens=["<|im_end|>"]), HF_TEXTS
+
+
+@pytest.mark.parametrize("kind", ["char", "hf_bos", "hf_bos_not_added", "hf_bare"])
+def test_save_hf_transformers_loads_tokenizer_and_model(kind, hf_dir, tmp_path):
+    import tokenizers
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dvp_jax.model.hf_import import save_hf
+    from tests.helpers import tiny_model
+
+    tok, texts = _export_case(kind, hf_dir, tmp_path)
+    model = tiny_model(seed=5, vocab_size=-(-tok.vocab_size // 64) * 64)
+    out = tmp_path / "export"
+    save_hf(model, str(out))
+    tok.save_hf(out)
+
+    theirs = AutoTokenizer.from_pretrained(out)
+    assert (theirs.eos_token_id, theirs.pad_token_id) == (tok.eos_id, tok.pad_id)
+    if tok.add_bos:
+        assert theirs.bos_token_id == tok.bos_id
+    again = HFTokenizer(out)  # Our own loader reads the export back to the same tokenizer.
+    assert (again.eos_id, again.pad_id, again.bos_id, again.add_bos) == (
+        tok.eos_id,
+        tok.pad_id,
+        tok.bos_id,
+        tok.add_bos,
+    )
+    file = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))  # What older readers see.
+    for text in texts:
+        padded, n = tok.encode(text, jax_padding=False)
+        ours = np.asarray(padded[:n]).tolist()
+        assert ours == ([tok.bos_id] if tok.add_bos else []) + tok.encode_ids(text)
+        assert theirs(text)["input_ids"] == ours, text
+        assert theirs(text, add_special_tokens=False)["input_ids"] == tok.encode_ids(text)
+        assert file.encode(text).ids == ours, text
+        assert again.encode_ids(text) == tok.encode_ids(text)
+        with_stops = ours + [tok.eos_id, tok.pad_id]
+        assert theirs.decode(with_stops, skip_special_tokens=True) == text
+        assert tok.decode(with_stops) == text
+
+    # The exported model on transformers' ids (right-padded batch) gives our logits on our ids.
+    hf_model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf_model).__name__ == "Qwen3ForCausalLM"
+    batch = theirs(texts, padding=True, return_tensors="np")
+    tokens, valid = batch["input_ids"], batch["attention_mask"].astype(bool)
+    with torch.no_grad():
+        hf_logits = hf_model(
+            input_ids=torch.tensor(tokens), attention_mask=torch.tensor(valid.astype(np.int64))
+        ).logits.numpy()
+    positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
+    our_logits = np.asarray(model(tokens.astype(np.int32), positions, valid))
+    np.testing.assert_allclose(our_logits[valid], hf_logits[valid], rtol=0, atol=HF_ATOL)

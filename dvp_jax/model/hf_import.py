@@ -2,7 +2,8 @@
 
 Reads a local model directory (`config.json` plus one `model.safetensors` or several shards with
 `model.safetensors.index.json`) into sharded parameters, and writes parameters back in the same
-layout so that `transformers` can load them. Nothing is downloaded.
+layout so that `transformers` can load them (shards split by `huggingface_hub`, files written by
+`safetensors`; the tokenizer files come from the tokenizer's own `save_hf`). Nothing is downloaded.
 
 Layout differences are only transposes and head reshapes:
 
@@ -32,6 +33,8 @@ import jax
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from huggingface_hub import constants as hf_constants
+from huggingface_hub import split_state_dict_into_shards_factory
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -123,12 +126,12 @@ def load_hf_config(path: str) -> ModelConfig:
 
 
 def _safetensors_files(path: str) -> list[str]:
-    index = os.path.join(path, "model.safetensors.index.json")
+    index = os.path.join(path, hf_constants.SAFETENSORS_INDEX_FILE)
     if os.path.exists(index):
         with open(index) as fh:
             files = sorted(set(json.load(fh)["weight_map"].values()))
         return [os.path.join(path, f) for f in files]
-    single = os.path.join(path, "model.safetensors")
+    single = os.path.join(path, hf_constants.SAFETENSORS_SINGLE_FILE)
     if os.path.exists(single):
         return [single]
     found = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
@@ -211,8 +214,17 @@ def save_hf(
 ) -> None:
     """Writes `model` as a Hugging Face Qwen3 directory (config.json + safetensors [+ index]).
 
-    The directory is written under a temporary name and renamed at the end, so a crash never
-    leaves a half-written checkpoint at `path`.
+    The directory is written under a temporary name and renamed at the end (replacing any
+    existing `path`), so a crash never leaves a half-written checkpoint at `path`. The tokenizer
+    files are written afterwards by the tokenizer itself: `tokenizer.save_hf(path)`
+    (`dvp_jax.rollout.tokenizers`); then `transformers` loads both model and tokenizer.
+
+    Args:
+      model: the model to export.
+      path: output directory.
+      dtype: dtype of the stored tensors (float32, or `ml_dtypes.bfloat16`).
+      max_shard_bytes: largest shard; a larger model is split into several
+        `model-0000i-of-0000n.safetensors` files listed in `model.safetensors.index.json`.
     """
     cfg = model.cfg
     flat = dict(nnx.to_flat_state(nnx.state(model)))
@@ -227,26 +239,22 @@ def save_hf(
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
     os.makedirs(tmp)
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for key in sorted(tensors):
-        if size and size + tensors[key].nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = tensors[key]
-        size += tensors[key].nbytes
-    metadata = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(tmp, "model.safetensors"), metadata=metadata)
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(tmp, name), metadata=metadata)
-            weight_map.update({k: name for k in shard})
-        total = sum(t.nbytes for t in tensors.values())
-        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as fh:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
+    # huggingface_hub's splitter groups tensors (in key order) into shards of at most
+    # `max_shard_bytes` and names them as transformers expects (model-0000i-of-0000n.safetensors);
+    # the index is written as its documentation shows for non-torch frameworks.
+    split = split_state_dict_into_shards_factory(
+        dict(sorted(tensors.items())),
+        get_storage_size=lambda a: a.nbytes,
+        filename_pattern=hf_constants.SAFETENSORS_WEIGHTS_FILE_PATTERN,
+        max_shard_size=max_shard_bytes,
+    )
+    for filename, keys in split.filename_to_tensors.items():
+        shard = {key: tensors[key] for key in keys}
+        save_file(shard, os.path.join(tmp, filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        with open(os.path.join(tmp, hf_constants.SAFETENSORS_INDEX_FILE), "w") as fh:
+            json.dump(index, fh, indent=2)
     hf_config = cfg.to_hf()
     hf_config["torch_dtype"] = "bfloat16" if dtype == ml_dtypes.bfloat16 else "float32"
     with open(os.path.join(tmp, "config.json"), "w") as fh:

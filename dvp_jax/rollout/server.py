@@ -46,7 +46,7 @@ from flax import nnx
 from google.protobuf.message import DecodeError
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
 
-from dvp_jax.model.config import DTypePolicy, ModelConfig
+from dvp_jax.model.config import PRECISIONS, DTypePolicy, ModelConfig
 from dvp_jax.model.transformer import Transformer
 from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
 from dvp_jax.rollout.tokenizers import DEFAULT_PREFILL_LENGTHS
@@ -85,7 +85,7 @@ flags.DEFINE_string("model_preset", None, "ModelConfig preset for --orbax_checkp
 flags.DEFINE_string("model_config", None, "HF config.json for --orbax_checkpoint.")
 flags.DEFINE_string("random_init_preset", None, "Random weights of this ModelConfig preset.")
 flags.DEFINE_string("tokenizer", "char", "'char' or a local tokenizer.json file/directory.")
-flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16", "bfloat16_fp8kv"], "Precision.")
+flags.DEFINE_enum("dtype", "bfloat16", list(PRECISIONS), "Rollout precision (EngineConfig.dtype).")
 flags.DEFINE_float("noise_std", 0.0, "Gaussian logit noise before pruning (0: off).")
 flags.DEFINE_integer("max_concurrent_decodes", 8, "Decode slots.")
 flags.DEFINE_integer("max_prefill_length", 64, "Longest prompt (BOS included); a power of 2 >= 16.")

@@ -9,8 +9,9 @@ pipeline:
   The order is part of the checkpoint format: never reorder, only append.
 - `HFTokenizer(path, eos=None, pad=None, bos=None, add_bos=None, stop_tokens=())`: a Hugging Face
   `tokenizer.json` read from a local file or directory with the `tokenizers` library (never the
-  hub). Special tokens come from the arguments, else from a `tokenizer_config.json` next to the
-  file, else (eos only) from a short list of well-known names (`_KNOWN_EOS`).
+  hub). Special tokens (and `add_bos`) come from the arguments, else from a
+  `tokenizer_config.json` next to the file, else (eos only) from a short list of well-known names
+  (`_KNOWN_EOS`).
 - `load_tokenizer(spec, **kwargs)`: `"char"` -> `CharTokenizer()`, anything else is a path for
   `HFTokenizer`; an existing tokenizer instance is returned unchanged.
 
@@ -28,6 +29,10 @@ API shared by both (JetStream's, plus two helpers the pipeline uses):
 - `encode_ids(s) -> list[int]`: the plain ids, no BOS, no padding.
 - `pad_id`, `eos_id`, `bos_id`, `stop_tokens` (eos, pad and any extra stop tokens), `vocab_size`,
   `add_bos` (whether `encode` prepends BOS by default).
+- `save_hf(directory)`: writes `tokenizer.json` and `tokenizer_config.json` so that
+  `transformers.AutoTokenizer.from_pretrained(directory)` (e.g. on a `hf_import.save_hf` export)
+  encodes text to the ids of `encode` (unpadded: BOS iff `add_bos`), decodes like `decode`, and
+  `HFTokenizer(directory)` reads back the same ids and special tokens.
 
 Note for callers running JetStream's orchestrator: `encode` raises `ValueError` on text it cannot
 tokenise (characters outside `CharTokenizer`'s vocabulary, over-long prompts); validate requests
@@ -87,7 +92,11 @@ def _pad_to_bucket(
 
 
 class _BucketTokenizer(tokenizer_api.Tokenizer):
-    """JetStream's `encode` for both tokenizers: subclasses provide `encode_ids`."""
+    """JetStream's `encode` and the Hugging Face export for both tokenizers.
+
+    Subclasses provide `encode_ids`, `_hf_backend` (a `tokenizers.Tokenizer` with the same ids)
+    and `_bos_token` (the BOS string, or None when there is none).
+    """
 
     def encode(self, s: str, **kwargs: Any) -> tuple[jnp.ndarray | np.ndarray, int]:
         """JetStream contract; see the module docstring."""
@@ -100,6 +109,53 @@ class _BucketTokenizer(tokenizer_api.Tokenizer):
             max_prefill_length=kwargs.pop("max_prefill_length", None),
             jax_padding=kwargs.pop("jax_padding", True),
         )
+
+    def _hf_backend(self):
+        """A fresh `tokenizers.Tokenizer` with this tokenizer's ids, decoder and special tokens."""
+        raise NotImplementedError
+
+    def _bos_token(self) -> str | None:
+        """The BOS token string, or None when there is none."""
+        raise NotImplementedError
+
+    def save_hf(self, directory: str | os.PathLike) -> None:
+        """Writes `tokenizer.json` and `tokenizer_config.json` into `directory` (made if missing).
+
+        `transformers.AutoTokenizer.from_pretrained(directory)` then gives a fast tokenizer whose
+        `tokenizer(text).input_ids` are this tokenizer's ids (BOS first iff `add_bos`, no
+        padding) and whose `decode` matches ours; `HFTokenizer(directory)` reads back the same
+        ids, EOS, pad, BOS and `add_bos`. Extra `stop_tokens` are not stored (pass them again).
+        Call it after `hf_import.save_hf(model, directory)`, which replaces the directory.
+        """
+        from tokenizers import processors  # Local import: only the export needs the library.
+
+        tok = self._hf_backend()
+        bos = self._bos_token()
+        # BOS iff add_bos, nothing else: the template transformers (v5) itself builds from
+        # `add_bos_token` / `add_eos_token`, stored in tokenizer.json too for versions that don't.
+        if self.add_bos:
+            single, pair = f"{bos}:0 $A:0", f"{bos}:0 $A:0 {bos}:1 $B:1"
+            specials = [(bos, self.bos_id)]
+        else:
+            single, pair, specials = "$A:0", "$A:0 $B:1", []
+        tok.post_processor = processors.TemplateProcessing(
+            single=single, pair=pair, special_tokens=specials
+        )
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": bos,
+            "eos_token": tok.id_to_token(self.eos_id),
+            "pad_token": tok.id_to_token(self.pad_id),
+            "add_bos_token": self.add_bos,
+            "add_eos_token": False,
+            # transformers' default clean-up rewrites " ." as "." and so on: not our decode.
+            "clean_up_tokenization_spaces": False,
+        }
+        directory = os.fspath(directory)
+        os.makedirs(directory, exist_ok=True)
+        tok.save(os.path.join(directory, "tokenizer.json"))
+        with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, ensure_ascii=False)
 
 
 class CharTokenizer(_BucketTokenizer):
@@ -129,6 +185,21 @@ class CharTokenizer(_BucketTokenizer):
     @property
     def stop_tokens(self) -> set[int]:
         return {self.eos_id, self.pad_id}
+
+    def _hf_backend(self):
+        """Character-level `tokenizers.Tokenizer` with our ids: a BPE model with no merges splits
+        text into characters, `Fuse` joins them back without spaces. Unlike `encode_ids` it drops
+        (rather than rejects) characters outside the vocabulary."""
+        from tokenizers import AddedToken, Tokenizer, decoders, models
+
+        vocab = {token: i for i, token in enumerate(self._itos)}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.decoder = decoders.Fuse()
+        tok.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL_TOKENS])
+        return tok
+
+    def _bos_token(self) -> str:
+        return BOS
 
     def encode_ids(self, s: str) -> list[int]:
         """Plain ids of `s` (no BOS, no padding); `ValueError` naming any unknown character."""
@@ -165,7 +236,8 @@ class HFTokenizer(_BucketTokenizer):
       eos, pad, bos: token strings or ids; override the file. `pad` defaults to EOS when neither
         gives one. Without any BOS token, `bos_id` is EOS (the Qwen convention) and `add_bos` is
         False.
-      add_bos: whether `encode` prepends BOS by default (default: True iff a BOS token is known).
+      add_bos: whether `encode` prepends BOS by default. Default: False without a BOS token,
+        else `tokenizer_config.json`'s `add_bos_token` if it sets one, else True.
       stop_tokens: extra stop tokens (strings or ids), e.g. `<|im_end|>` for chat models.
     """
 
@@ -215,7 +287,11 @@ class HFTokenizer(_BucketTokenizer):
         self._pad = self._eos if pad is None else self._to_id(pad, "pad")
         bos = bos if bos is not None else from_config("bos_token")
         self._bos = None if bos is None else self._to_id(bos, "bos")
-        self.add_bos = (self._bos is not None) if add_bos is None else bool(add_bos)
+        if add_bos is None and self._bos is not None:
+            # transformers' `add_bos_token` (written by `save_hf`); absent: prepend the BOS.
+            add_bos = config.get("add_bos_token")
+            add_bos = add_bos if isinstance(add_bos, bool) else True
+        self.add_bos = bool(add_bos)
         if self.add_bos and self._bos is None:
             raise ValueError(f"{file}: add_bos=True but no BOS token is known; pass bos=...")
         self._stop = {self._eos, self._pad} | {self._to_id(t, "stop_tokens") for t in stop_tokens}
@@ -231,6 +307,15 @@ class HFTokenizer(_BucketTokenizer):
         if token_id is None:
             raise ValueError(f"{name} token {token!r} is not in the vocabulary of {self.path}")
         return token_id
+
+    def _hf_backend(self):
+        """A copy of our `tokenizers.Tokenizer` (vocabulary, normaliser, decoder unchanged)."""
+        import tokenizers
+
+        return tokenizers.Tokenizer.from_str(self._tok.to_str())
+
+    def _bos_token(self) -> str | None:
+        return None if self._bos is None else self._tok.id_to_token(self._bos)
 
     @property
     def vocab_size(self) -> int:
