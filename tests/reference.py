@@ -1,4 +1,4 @@
-"""Float64 NumPy references of DESIGN.md E1-E10, written from the equations, not from the JAX code.
+"""Float64 NumPy references of docs/design.md E1-E10, written from the equations, not the JAX code.
 
 Deliberately plain: Python loops over rows, responses and tokens, sets instead of masks, -inf
 where the equations say -inf. Slow, so only for the small shapes of the tests.
@@ -100,7 +100,7 @@ def grpo(rewards_pg, eps=1e-6) -> np.ndarray:
 
 def dvp_loss(
     logp_obj,
-    logp_rollout,
+    behaviour_logp,
     advantages,
     response_mask,
     in_safe,
@@ -111,28 +111,38 @@ def dvp_loss(
     normalisation="token_mean",
     logp_weights=None,
     ppo_eps=None,
-    logp_old=None,
+    old_logp=None,
+    old_in_safe=None,
 ) -> dict:
     """E5-E9 by loops. `logp_obj` enters the objective; weights use `logp_weights` (default
     `logp_obj`; the stop-gradient of E6), so finite differences in `logp_obj` give the gradient.
 
     With `ppo_eps`, returns the decoupled PPO-clip surrogate
-    -(1/Z) sum w min(r A, clip(r, 1-eps, 1+eps) A), r = exp(logp_obj - logp_old), with weights
-    from logp_old (behaviour correction pi_old / mu).
+    -(1/Z) sum w min(r A, clip(r, 1-eps, 1+eps) A), r = exp(logp_obj - old_logp), with weights
+    from old_logp (behaviour correction pi_old / mu). With pruning, a response is excluded (E5)
+    when a sampled token is outside the trainer safe set (`in_safe`) or, when `old_in_safe` is
+    given, outside the old policy's (pi_S_old(y) = 0, so pi_old / mu = 0).
+
+    Returns the loss, the counts, and `weights`: the applied E7 weights, one per kept token
+    (none, token_*) or one per kept response (seq_*).
     """
     logp_obj = np.asarray(logp_obj, np.float64)
     lp_w = logp_obj if logp_weights is None else np.asarray(logp_weights, np.float64)
     if ppo_eps is not None:
-        lp_w = np.asarray(logp_old, np.float64)
+        lp_w = np.asarray(old_logp, np.float64)
     b_count, t_count = logp_obj.shape
     total, z_tokens, z_seqs = 0.0, 0, 0
     excluded = masked_seqs = masked_tokens = 0
+    applied = []
     for i in range(b_count):
         tokens = [t for t in range(t_count) if response_mask[i][t]]
-        if prune and any(not in_safe[i][t] for t in tokens):
+        outside = [t for t in tokens if not in_safe[i][t]]
+        if old_in_safe is not None:
+            outside += [t for t in tokens if not old_in_safe[i][t]]
+        if prune and outside:
             excluded += 1  # E5: token ratio 0 -> whole response contributes nothing
             continue
-        ratio = {t: lp_w[i, t] - logp_rollout[i][t] for t in tokens}  # E6
+        ratio = {t: lp_w[i, t] - behaviour_logp[i][t] for t in tokens}  # E6
         big_l = sum(ratio.values())
         weights = {}
         for t in tokens:  # E7
@@ -154,6 +164,10 @@ def dvp_loss(
                 raise ValueError(correction)
         if correction == "seq_mis" and tokens and math.exp(big_l) > cap:
             masked_seqs += 1
+        if correction.startswith("seq"):
+            applied += list(weights.values())[:1]
+        else:
+            applied += list(weights.values())
         a = float(advantages[i])
         for t, w in weights.items():  # E9 numerator
             if ppo_eps is None:
@@ -172,6 +186,7 @@ def dvp_loss(
         "excluded": excluded,
         "masked_seqs": masked_seqs,
         "masked_tokens": masked_tokens,
+        "weights": applied,
     }
 
 
@@ -193,15 +208,15 @@ def loss_grad(logp_obj, *args, step=1e-6, **kwargs) -> np.ndarray:
 # ----------------------------------------------------------------------------- diagnostics
 
 
-def mismatch_metrics(logp_train, logp_rollout, mask) -> dict[str, float]:
+def mismatch_metrics(logp, behaviour_logp, mask) -> dict[str, float]:
     """verl-style ppl / kl / chi^2 metrics by loops (see diagnostics.mismatch_metrics)."""
     seqs, tokens = [], []
     for i in range(len(mask)):
         ts = [t for t in range(len(mask[i])) if mask[i][t]]
         if not ts:
             continue
-        lt = [float(logp_train[i][t]) for t in ts]
-        lr = [float(logp_rollout[i][t]) for t in ts]
+        lt = [float(logp[i][t]) for t in ts]
+        lr = [float(behaviour_logp[i][t]) for t in ts]
         diffs = [a - b for a, b in zip(lt, lr, strict=True)]
         seqs.append((np.mean(lt), np.mean(lr), sum(diffs)))
         tokens += diffs

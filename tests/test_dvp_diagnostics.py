@@ -81,16 +81,16 @@ def test_mismatch_diagnostics_from_logits_end_to_end():
     roll = pruning.pruned_token_logprobs(logits_r, y, -3.0)
     diagnose = jax.jit(
         lambda: diagnostics.mismatch_diagnostics(
-            logp_train=train.logp,
-            logp_rollout=roll.logp,
+            logp=train.logp,
+            behaviour_logp=roll.logp,
             response_mask=mask,
-            in_safe_train=train.in_safe,
-            logp_full_train=train.logp_full,
-            logp_full_rollout=roll.logp_full,
-            pruned_mass_train=train.pruned_mass,
-            safe_size_train=train.safe_size,
-            pruned_mass_rollout=roll.pruned_mass,
-            safe_size_rollout=roll.safe_size,
+            in_safe=train.in_safe,
+            logp_full=train.logp_full,
+            behaviour_logp_full=roll.logp_full,
+            pruned_mass=train.pruned_mass,
+            safe_size=train.safe_size,
+            behaviour_pruned_mass=roll.pruned_mass,
+            behaviour_safe_size=roll.safe_size,
             num_bins=4,
         )
     )
@@ -100,7 +100,16 @@ def test_mismatch_diagnostics_from_logits_end_to_end():
         for stat in ("pruned_mass", "safe_size"):
             assert f"{stat}_{side}_mean" in got and f"{stat}_{side}_max" in got
     outside = (~np.asarray(train.in_safe) & mask).sum() / mask.sum()
+    assert outside > 0  # the case exercises E5
     np.testing.assert_allclose(got["frac_tokens_outside_train_safe"], outside, rtol=1e-6)
+    # Each side's E3 / |V_S| statistics come from its own arrays (train <- plain names,
+    # rollout <- behaviour_*).
+    for side, tl in (("train", train), ("rollout", roll)):
+        m = np.asarray(mask)
+        for stat in ("pruned_mass", "safe_size"):
+            x = np.asarray(getattr(tl, stat))[m]
+            np.testing.assert_allclose(got[f"{stat}_{side}_mean"], x.mean(), rtol=1e-5)
+            np.testing.assert_allclose(got[f"{stat}_{side}_max"], x.max(), rtol=1e-6)
     kept = mask & ~np.any(mask & ~np.asarray(train.in_safe), axis=1, keepdims=True)
     expect = ref.mismatch_metrics(train.logp, roll.logp, kept)
     for k, v in expect.items():
@@ -109,6 +118,20 @@ def test_mismatch_diagnostics_from_logits_end_to_end():
     for k, v in expect.items():
         np.testing.assert_allclose(got["full_" + k], v, rtol=1e-5, atol=1e-6, err_msg=k)
     assert sum(got[f"lt_bin{k}_count"] for k in range(4)) == mask.sum()
+
+
+def test_frac_tokens_outside_train_safe_is_always_reported():
+    # 2 responses, 5 response tokens, 1 outside the trainer safe set (the padding one is ignored).
+    mask = jnp.array([[True, True, True], [True, True, False]])
+    in_safe = jnp.array([[True, True, True], [True, False, False]])
+    got = diagnostics.pruning_metrics(mask, in_safe=in_safe)
+    assert got == {"frac_tokens_outside_train_safe": pytest.approx(1 / 5)}
+    # Pruning off (no in_safe: the safe set is the whole vocabulary): present and 0, so every
+    # method's run logs it.
+    assert diagnostics.pruning_metrics(mask) == {"frac_tokens_outside_train_safe": 0.0}
+    lp = jnp.full((2, 3), -1.0)
+    diag = diagnostics.mismatch_diagnostics(logp=lp, behaviour_logp=lp, response_mask=mask)
+    assert diag["frac_tokens_outside_train_safe"] == 0.0
 
 
 @pytest.mark.parametrize("eps", [1e-4, 1e-2, 0.3, 2.0])

@@ -1,9 +1,13 @@
 """The DVP-RLOO loss (E5-E9), its config and presets.
 
-Tolerances: loss values 1e-5 relative (fp32 vs the float64 loop reference; 1e-6 absolute near 0);
-gradients in logp_train 1e-5 relative against the reference's central finite differences (the
-loss is linear in logp_train with stop-gradient weights, so differences are exact up to rounding),
-1e-4 for the PPO surrogate and for the end-to-end chunked path (composed).
+Tolerances: loss values and importance-weight statistics 1e-5 relative (fp32 vs the float64 loop
+reference; 1e-6 absolute near 0); gradients in logp 1e-5 relative against the reference's central
+finite differences (the loss is linear in logp with stop-gradient weights, so differences are
+exact up to rounding), 1e-4 for the PPO surrogate and for the end-to-end chunked path (composed).
+
+The reference cases run in two regimes: "near" (log-ratio noise 0.3, weights close to 1) and
+"cap" (noise 1.0), where tokens and whole responses have exp l > C = 2 and others below, so every
+truncation (TIS) and every mask (MIS) of E7 is exercised; the test asserts that the data does.
 """
 
 import dataclasses
@@ -16,31 +20,53 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dvp_jax.dvp import advantages, losses, pruning
+from dvp_jax.dvp import advantages, diagnostics, losses, pruning
 from dvp_jax.dvp.losses import LossConfig, dvp_loss
 from tests import reference as ref
 
 B, T = 6, 5
 
 
+NOISE = {"near": 0.3, "cap": 1.0}  # std of the log-ratio l_t in the reference batches
+LOG_CAP = math.log(2.0)
+
+
 def _batch(seed=0, b=B, t=T, noise=0.3, outside_rate=0.1):
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, t + 1, size=b)
     mask = np.arange(t)[None, :] < lengths[:, None]
-    logp_rollout = -rng.exponential(1.0, size=(b, t))
-    logp_train = logp_rollout + rng.normal(0.0, noise, size=(b, t))
+    behaviour_logp = -rng.exponential(1.0, size=(b, t))
+    logp = behaviour_logp + rng.normal(0.0, noise, size=(b, t))
     in_safe = rng.random((b, t)) > outside_rate
-    logp_train = np.where(in_safe, logp_train, pruning.LOGP_FLOOR)  # as the trainer produces
+    logp = np.where(in_safe, logp, pruning.LOGP_FLOOR)  # as the trainer produces
     adv = rng.normal(size=b)
     f = lambda x: x.astype(np.float32)
-    return f(logp_train), f(logp_rollout), f(adv), mask, in_safe
+    return f(logp), f(behaviour_logp), f(adv), mask, in_safe
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
-def _loss_and_grad(cfg, lp, lr, adv, mask, in_safe, logp_old=None):
-    fn = lambda lp: dvp_loss(lp, lr, adv, mask, in_safe, cfg, logp_old)
+def _loss_and_grad(cfg, lp, lr, adv, mask, in_safe, old_logp=None, old_in_safe=None):
+    fn = lambda lp: dvp_loss(lp, lr, adv, mask, in_safe, cfg, old_logp, old_in_safe)
     (loss, metrics), grad = jax.value_and_grad(fn, has_aux=True)(lp)
     return loss, metrics, grad
+
+
+def _assert_cap_reached(weight_logp, lr, mask, included):
+    """The batch's E6 log-ratios on included responses cross log C both ways, per token and
+    per response (so truncation and masking change the result)."""
+    l_tok = np.where(mask & included[:, None], weight_logp - lr, np.nan)
+    l_seq = np.nansum(l_tok, axis=1)[included]
+    assert np.sum(l_tok > LOG_CAP) >= 2 and np.sum(l_tok <= LOG_CAP) >= 2
+    assert np.sum(l_seq > LOG_CAP) >= 2 and np.sum(l_seq <= LOG_CAP) >= 2
+
+
+def _assert_weight_stats(metrics, weights):
+    """is_weight_* against the reference's applied weights (float64)."""
+    w = np.asarray(weights, np.float64)
+    assert len(w) > 0
+    ess = w.sum() ** 2 / (len(w) * np.sum(w * w))
+    got = [metrics[k] for k in ("is_weight_mean", "is_weight_max", "is_weight_ess")]
+    np.testing.assert_allclose(got, [w.mean(), w.max(), ess], rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------- config
@@ -90,13 +116,18 @@ def test_presets():
 # ----------------------------------------------------------------------------- reference
 
 
+@pytest.mark.parametrize("regime", ["near", "cap"])
 @pytest.mark.parametrize("correction", losses.CORRECTIONS)
 @pytest.mark.parametrize("normalisation", losses.NORMALISATIONS)
 @pytest.mark.parametrize("prune", [True, False])
-def test_matches_reference(correction, normalisation, prune):
-    lp, lr, adv, mask, in_safe = _batch(seed=1, b=8, t=6)
+def test_matches_reference(correction, normalisation, prune, regime):
+    b = 10
+    lp, lr, adv, mask, in_safe = _batch(seed=1, b=b, t=6, noise=NOISE[regime])
     if not prune:  # the unpruned trainer has no floors
         lp = np.where(in_safe, lp, lr - 0.1).astype(np.float32)
+    if regime == "cap":
+        included = ~np.any(mask & ~in_safe, axis=1) if prune else np.ones(b, bool)
+        _assert_cap_reached(lp, lr, mask, included)
     cfg = LossConfig(prune=prune, correction=correction, normalisation=normalisation)
     loss, metrics, grad = _loss_and_grad(cfg, lp, lr, adv, mask, in_safe)
     kw = dict(prune=prune, correction=correction, normalisation=normalisation, cap=2.0)
@@ -106,32 +137,108 @@ def test_matches_reference(correction, normalisation, prune):
     np.testing.assert_allclose(grad, expect_grad, rtol=1e-5, atol=1e-7)
     assert metrics["kept_tokens"] == expect["kept_tokens"]
     assert metrics["kept_responses"] == expect["kept_responses"]
-    assert metrics["frac_responses_excluded"] * B == pytest.approx(expect["excluded"] * B / 8)
-    if correction == "seq_mis":
-        assert metrics["frac_responses_masked"] * 8 == pytest.approx(expect["masked_seqs"])
-    if correction == "token_mis":
-        assert metrics["frac_tokens_masked"] * mask.sum() == pytest.approx(expect["masked_tokens"])
+    assert metrics["frac_responses_excluded"] * b == pytest.approx(expect["excluded"])
+    assert metrics["frac_responses_masked"] * b == pytest.approx(expect["masked_seqs"])
+    assert metrics["frac_tokens_masked"] * mask.sum() == pytest.approx(expect["masked_tokens"])
+    _assert_weight_stats(metrics, expect["weights"])
+    if regime == "cap":  # the data reaches C: what each correction must do there
+        if correction in ("token_tis", "seq_tis"):
+            assert metrics["is_weight_max"] == pytest.approx(2.0, rel=1e-6)
+        if correction == "token_mis":
+            assert expect["masked_tokens"] > 0
+        if correction == "seq_mis":
+            assert expect["masked_seqs"] > 0
+        assert "frac_tokens_outside_train_safe" not in metrics  # diagnostics' job, not the loss's
 
 
-@pytest.mark.parametrize("correction", ["token_tis", "seq_mis"])
+@pytest.mark.parametrize("correction", losses.CORRECTIONS)
 def test_ppo_gradient_matches_decoupled_clip_surrogate(correction):
-    lp, lr, adv, mask, in_safe = _batch(seed=2, b=12, t=6)
-    rng = np.random.default_rng(3)
-    logp_old = np.where(in_safe, lp + rng.normal(0, 0.4, lp.shape), lp).astype(np.float32)
+    # Cap regime for the behaviour weights pi_old / mu; old and current safe sets differ on some
+    # tokens (both ways), and a response is excluded when a token is outside either one.
+    b = 12
+    lp, lr, adv, mask, in_safe = _batch(seed=6, b=b, t=6, noise=NOISE["cap"])
+    rng = np.random.default_rng(7)
+    old_in_safe = in_safe.copy()
+    i = np.flatnonzero(~np.any(mask & ~in_safe, axis=1))[0]
+    old_in_safe[i, 0] = False  # response i is excluded by the old safe set only
+    old_in_safe[tuple(np.argwhere(mask & ~in_safe)[0])] = True  # outside the current one only
+    finite = np.where(in_safe, lp, lr)  # a finite trainer value where the current one is a floor
+    old_logp = np.where(old_in_safe, finite + rng.normal(0, 0.4, lp.shape), pruning.LOGP_FLOOR)
+    old_logp = old_logp.astype(np.float32)
+    included = ~np.any(mask & ~(in_safe & old_in_safe), axis=1)
+    _assert_cap_reached(old_logp, lr, mask, included)
     cfg = LossConfig(correction=correction, ppo_clip_eps=0.1)
-    loss, metrics, grad = _loss_and_grad(cfg, lp, lr, adv, mask, in_safe, logp_old)
-    kw = dict(prune=True, correction=correction, ppo_eps=0.1, logp_old=logp_old)
-    expect = ref.loss_grad(lp, lr, adv, mask, in_safe, **kw)
-    np.testing.assert_allclose(grad, expect, rtol=1e-4, atol=1e-7)
+    _, metrics, grad = _loss_and_grad(cfg, lp, lr, adv, mask, in_safe, old_logp, old_in_safe)
+    kw = dict(prune=True, correction=correction, ppo_eps=0.1)
+    kw |= dict(old_logp=old_logp, old_in_safe=old_in_safe)
+    expect = ref.dvp_loss(lp, lr, adv, mask, in_safe, **kw)
+    # Only the gradient is the surrogate's (the value is E9's with stop-gradient factors r_t).
+    expect_grad = ref.loss_grad(lp, lr, adv, mask, in_safe, **kw)
+    np.testing.assert_allclose(grad, expect_grad, rtol=1e-4, atol=1e-7)
+    assert metrics["kept_tokens"] == expect["kept_tokens"]
+    assert metrics["frac_responses_excluded"] * b == pytest.approx(expect["excluded"])
+    assert expect["excluded"] == np.sum(~included)
+    _assert_weight_stats(metrics, expect["weights"])
     assert 0 < metrics["ppo_clip_frac"] < 1
     # First optimizer step (pi_old = pi): the value and gradient are E9's.
     cfg0 = LossConfig(correction=correction)
     loss0, _, grad0 = _loss_and_grad(cfg0, lp, lr, adv, mask, in_safe)
-    loss1, _, grad1 = _loss_and_grad(cfg, lp, lr, adv, mask, in_safe, lp)
+    loss1, _, grad1 = _loss_and_grad(cfg, lp, lr, adv, mask, in_safe, lp, in_safe)
     np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
     np.testing.assert_allclose(grad1, grad0, rtol=1e-6)
-    with pytest.raises(ValueError, match="logp_old"):
-        dvp_loss(lp, lr, adv, mask, in_safe, cfg)
+
+
+def test_old_logp_and_old_in_safe_must_come_together():
+    lp, lr, adv, mask, in_safe = _batch(seed=2)
+    ppo = LossConfig(ppo_clip_eps=0.1)
+    with pytest.raises(ValueError, match="old_logp"):
+        dvp_loss(lp, lr, adv, mask, in_safe, ppo)
+    with pytest.raises(ValueError, match="old_logp"):
+        dvp_loss(lp, lr, adv, mask, in_safe, LossConfig(), lp)
+    with pytest.raises(ValueError, match="old_in_safe"):  # pruning on: old floors need a mask
+        dvp_loss(lp, lr, adv, mask, in_safe, ppo, lp)
+    with pytest.raises(ValueError, match="old_in_safe"):
+        dvp_loss(lp, lr, adv, mask, in_safe, LossConfig(), None, in_safe)
+    # Pruning off: no floors on either side, old_in_safe is not needed.
+    unpruned = LossConfig(prune=False, ppo_clip_eps=0.1)
+    lp_full = np.where(in_safe, lp, lr).astype(np.float32)
+    loss, _ = dvp_loss(lp_full, lr, adv, mask, in_safe, unpruned, lp_full)
+    assert np.isfinite(loss)
+
+
+def test_token_outside_the_old_safe_set_excludes_the_response_by_hand():
+    """Regression: a sampled token inside the current safe set but outside the old policy's.
+
+    Response 0 (the issue's 3-token case): log pi_S = (-0.5, -1.0, -0.25), all inside the
+    current V_S; the old policy had token 2 outside its V_S, so log pi_S_old(y_2) is the floor
+    -1e9 and pi_old / mu = 0 there; A_0 = -1. Before the fix the response was kept, the PPO
+    log-ratio clamped at +20 and d loss / d log pi_S(y_2) = exp(20) / 3 = 1.6e8. Now it is
+    excluded (E5 on the old safe set): zero gradient, out of Z.
+    Response 1: 2 tokens inside both sets, log mu_S = log pi_S_old = log pi_S - 0.05 (so l_t =
+    0 with correction none, r_t = exp(0.05) = 1.0512711 < 1 + eps = 1.2: not clipped); A_1 = 1.5.
+    Z = 2 kept tokens; d loss / d log pi_S = -(1/2) * 1.5 * 1.0512711 = -0.7884533 on each;
+    loss = -(1/2) * 1.5 * 1.0512711 * (-0.3 - 0.7) = 0.7884533.
+    """
+    lp = jnp.array([[-0.5, -1.0, -0.25], [-0.3, -0.7, 0.0]])
+    old_logp = jnp.array([[-0.5, -1.0, pruning.LOGP_FLOOR], [-0.35, -0.75, 0.0]])
+    lr = jnp.array([[-0.5, -1.0, -0.25], [-0.35, -0.75, 0.0]])
+    mask = jnp.array([[True, True, True], [True, True, False]])
+    in_safe = jnp.ones((2, 3), bool)
+    old_in_safe = jnp.array([[True, True, False], [True, True, True]])
+    adv = jnp.array([-1.0, 1.5])
+    cfg = LossConfig.preset("dvp", ppo_clip_eps=0.2)
+    loss, metrics, grad = _loss_and_grad(cfg, lp, lr, adv, mask, in_safe, old_logp, old_in_safe)
+    r = math.exp(0.05)
+    np.testing.assert_allclose(grad, [[0.0] * 3, [-0.75 * r, -0.75 * r, 0.0]], rtol=1e-6)
+    np.testing.assert_allclose(loss, 0.75 * r, rtol=1e-6)
+    assert metrics["frac_responses_excluded"] == 0.5
+    assert metrics["kept_tokens"] == 2
+    # The issue's batch alone: the response is excluded, nothing is left (loss 0, gradient 0).
+    loss, metrics, grad = _loss_and_grad(
+        cfg, lp[:1], lr[:1], adv[:1], mask[:1], in_safe[:1], old_logp[:1], old_in_safe[:1]
+    )
+    np.testing.assert_array_equal(grad, 0.0)
+    assert loss == 0.0 and metrics["kept_tokens"] == 0
 
 
 # ----------------------------------------------------------------------------- by hand
@@ -154,7 +261,12 @@ def test_response_with_a_token_outside_the_safe_set_is_excluded_by_hand():
     np.testing.assert_allclose(grad, [[-2 / 3] * 3, [0.0] * 3], rtol=1e-6)
     assert metrics["frac_responses_excluded"] == 0.5
     assert metrics["kept_tokens"] == 3
-    np.testing.assert_allclose(metrics["frac_tokens_outside_train_safe"], 1 / 5)
+    # The count of outside tokens is a diagnostic, computed once in `diagnostics`.
+    assert "frac_tokens_outside_train_safe" not in metrics
+    diag = diagnostics.mismatch_diagnostics(
+        logp=lp, behaviour_logp=lr, response_mask=mask, in_safe=in_safe
+    )
+    np.testing.assert_allclose(diag["frac_tokens_outside_train_safe"], 1 / 5)
     # The same batch with pruning off (rloo) ignores in_safe: response 1 counts (with a finite
     # log-prob in place of the -inf a pruned trainer would not produce).
     lp_full = lp.at[1, 1].set(-3.0)
@@ -225,7 +337,7 @@ def test_padding_never_changes_loss_or_gradients(correction, normalisation):
     lp, lr, adv, mask, in_safe = _batch(seed=6)
     cfg = LossConfig(correction=correction, normalisation=normalisation, ppo_clip_eps=0.2)
     old = (lp + 0.05).astype(np.float32)
-    loss, metrics, grad = _loss_and_grad(cfg, lp, lr, adv, mask, in_safe, old)
+    loss, metrics, grad = _loss_and_grad(cfg, lp, lr, adv, mask, in_safe, old, in_safe)
 
     def pad(x, value):  # 3 more positions per response and one all-padding response
         x = np.concatenate([x, np.full((B, 3), value, x.dtype)], axis=1)
@@ -242,6 +354,7 @@ def test_padding_never_changes_loss_or_gradients(correction, normalisation):
             pad(mask, False),
             pad(in_safe, i % 2 == 0),
             pad(old, other),
+            pad(in_safe, i % 2 == 1),
         )
         np.testing.assert_array_equal(got_loss, loss)
         np.testing.assert_array_equal(got_grad[:B, :T], grad)

@@ -1,7 +1,7 @@
 """DVP-RLOO loss core: pruning (E1-E3), advantages (E8), losses (E5-E9), diagnostics (E10).
 
 All functions are pure functions of arrays; the caller jits. Equation numbers refer to
-DESIGN.md section 2.
+docs/design.md section 2.
 """
 
 from dvp_jax.dvp import advantages, diagnostics, losses, pruning

@@ -1,4 +1,4 @@
-"""Mismatch diagnostics (DESIGN.md section 2, "Diagnostics") and the E10 bound check.
+"""Mismatch diagnostics (docs/design.md section 2, "Diagnostics") and the E10 bound check.
 
 Pure functions of arrays returning flat dicts of scalars (plus `BoundReport` for E10). Where the
 metric names are listed:
@@ -6,7 +6,7 @@ metric names are listed:
 * `mismatch_metrics`: rollout_ppl, training_ppl, ppl_gap, log_ppl_diff, kl_k1, kl_k3,
   chi2_token, chi2_seq (verl's definitions; see the function).
 * `pruning_metrics`: pruned_mass_{train,rollout}_{mean,max}, safe_size_{train,rollout}_{mean,max},
-  frac_tokens_outside_train_safe.
+  frac_tokens_outside_train_safe (the one place it is computed; `losses.dvp_loss` does not).
 * `exclusion_metrics` (called by `losses.dvp_loss`): frac_responses_excluded,
   frac_responses_masked, frac_tokens_masked.
 * `is_weight_stats` (called by `losses.dvp_loss`): is_weight_mean, is_weight_max, is_weight_ess.
@@ -52,7 +52,7 @@ def _masked_max(x: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def mismatch_metrics(
-    logp_train: jax.Array, logp_rollout: jax.Array, mask: jax.Array, prefix: str = ""
+    logp: jax.Array, behaviour_logp: jax.Array, mask: jax.Array, prefix: str = ""
 ) -> dict[str, jax.Array]:
     """Trainer/rollout log-probability mismatch metrics on the E6 log-ratios (verl definitions).
 
@@ -67,8 +67,8 @@ def mismatch_metrics(
     responses are over responses with at least one masked-in token.
 
     Args:
-      logp_train: `[B, T]` trainer log-probs of the sampled tokens.
-      logp_rollout: `[B, T]` rollout (behaviour) log-probs of the same tokens.
+      logp: `[B, T]` trainer log-probs of the sampled tokens.
+      behaviour_logp: `[B, T]` rollout (behaviour) log-probs of the same tokens.
       mask: `[B, T]` tokens to use (must exclude any position whose log-prob is a floor).
       prefix: prepended to every key.
 
@@ -76,8 +76,8 @@ def mismatch_metrics(
       Dict of float32 scalars.
     """
     mask = mask.astype(bool)
-    lt = jnp.where(mask, _f32(logp_train), 0.0)
-    lr = jnp.where(mask, _f32(logp_rollout), 0.0)
+    lt = jnp.where(mask, _f32(logp), 0.0)
+    lr = jnp.where(mask, _f32(behaviour_logp), 0.0)
     count = jnp.sum(mask, axis=-1)  # [B]
     seq = count > 0
     mt = jnp.sum(lt, axis=-1) / jnp.maximum(count, 1)
@@ -106,21 +106,27 @@ def mismatch_metrics(
 def pruning_metrics(
     response_mask: jax.Array,
     *,
-    pruned_mass_train: jax.Array | None = None,
-    safe_size_train: jax.Array | None = None,
-    pruned_mass_rollout: jax.Array | None = None,
-    safe_size_rollout: jax.Array | None = None,
-    in_safe_train: jax.Array | None = None,
+    pruned_mass: jax.Array | None = None,
+    safe_size: jax.Array | None = None,
+    behaviour_pruned_mass: jax.Array | None = None,
+    behaviour_safe_size: jax.Array | None = None,
+    in_safe: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """Mean/max pruned mass delta_S (E3) and safe-set size |V_S| (E1) on each side.
 
-    Also frac_tokens_outside_train_safe: the fraction of sampled response tokens outside the
-    trainer's safe set (E5). Every argument but the mask is optional; its metrics are omitted.
+    Keys: pruned_mass_train_* / safe_size_train_* from `pruned_mass` / `safe_size` (trainer),
+    pruned_mass_rollout_* / safe_size_rollout_* from the `behaviour_*` arrays (rollout); each
+    of these is omitted when its argument is None.
+
+    Always frac_tokens_outside_train_safe: the fraction of sampled response tokens outside the
+    trainer's safe set (E5); `in_safe` None means all inside (no pruning: V_S is the whole
+    vocabulary), so the metric is 0 and present in every run whatever the method.
 
     Args:
       response_mask: `[B, T]` response tokens.
-      pruned_mass_train, safe_size_train, pruned_mass_rollout, safe_size_rollout: `[B, T]`.
-      in_safe_train: `[B, T]` bool, sampled token inside the trainer's V_S.
+      pruned_mass, safe_size: `[B, T]` trainer delta_S and |V_S| at the sampled positions.
+      behaviour_pruned_mass, behaviour_safe_size: `[B, T]` the same recorded by the rollout.
+      in_safe: `[B, T]` bool, sampled token inside the trainer's V_S.
 
     Returns:
       Dict of float32 scalars.
@@ -128,17 +134,17 @@ def pruning_metrics(
     mask = response_mask.astype(bool)
     out = {}
     named = {
-        "pruned_mass_train": pruned_mass_train,
-        "safe_size_train": safe_size_train,
-        "pruned_mass_rollout": pruned_mass_rollout,
-        "safe_size_rollout": safe_size_rollout,
+        "pruned_mass_train": pruned_mass,
+        "safe_size_train": safe_size,
+        "pruned_mass_rollout": behaviour_pruned_mass,
+        "safe_size_rollout": behaviour_safe_size,
     }
     for name, x in named.items():
         if x is not None:
             out[name + "_mean"] = masked_mean(x, mask)
             out[name + "_max"] = _masked_max(x, mask)
-    if in_safe_train is not None:
-        out["frac_tokens_outside_train_safe"] = masked_mean(~in_safe_train.astype(bool), mask)
+    outside = jnp.zeros_like(mask) if in_safe is None else ~in_safe.astype(bool)
+    out["frac_tokens_outside_train_safe"] = masked_mean(outside, mask)
     return out
 
 
@@ -194,7 +200,7 @@ def is_weight_stats(weights: jax.Array, mask: jax.Array) -> dict[str, jax.Array]
 
 
 def lt_by_p_bins(
-    log_ratio: jax.Array, p_train: jax.Array, mask: jax.Array, num_bins: int = 10
+    log_ratio: jax.Array, p: jax.Array, mask: jax.Array, num_bins: int = 10
 ) -> dict[str, jax.Array]:
     """Token log-ratio l_t binned by 1 - p (the (1 - p) evidence behind E10).
 
@@ -203,7 +209,7 @@ def lt_by_p_bins(
 
     Args:
       log_ratio: `[B, T]` l_t = log pi(y_t) - log mu(y_t).
-      p_train: `[B, T]` trainer probability of the sampled token.
+      p: `[B, T]` trainer probability of the sampled token.
       mask: `[B, T]` tokens to use.
       num_bins: K (static).
 
@@ -211,7 +217,7 @@ def lt_by_p_bins(
       lt_bin{k}_mean_signed, lt_bin{k}_mean_abs, lt_bin{k}_count for k < K.
     """
     mask = mask.astype(bool)
-    one_minus_p = jnp.clip(1.0 - jnp.where(mask, _f32(p_train), 1.0), 0.0, 1.0)
+    one_minus_p = jnp.clip(1.0 - jnp.where(mask, _f32(p), 1.0), 0.0, 1.0)
     k = jnp.minimum((one_minus_p * num_bins).astype(jnp.int32), num_bins - 1)
     ratio = jnp.where(mask, _f32(log_ratio), 0.0)
     # [B, T, K] one-hot bin membership; K is small.
@@ -230,59 +236,61 @@ def lt_by_p_bins(
 
 def mismatch_diagnostics(
     *,
-    logp_train: jax.Array,
-    logp_rollout: jax.Array,
+    logp: jax.Array,
+    behaviour_logp: jax.Array,
     response_mask: jax.Array,
-    in_safe_train: jax.Array | None = None,
-    logp_full_train: jax.Array | None = None,
-    logp_full_rollout: jax.Array | None = None,
-    pruned_mass_train: jax.Array | None = None,
-    safe_size_train: jax.Array | None = None,
-    pruned_mass_rollout: jax.Array | None = None,
-    safe_size_rollout: jax.Array | None = None,
+    in_safe: jax.Array | None = None,
+    logp_full: jax.Array | None = None,
+    behaviour_logp_full: jax.Array | None = None,
+    pruned_mass: jax.Array | None = None,
+    safe_size: jax.Array | None = None,
+    behaviour_pruned_mass: jax.Array | None = None,
+    behaviour_safe_size: jax.Array | None = None,
     num_bins: int = 10,
 ) -> dict[str, jax.Array]:
-    """All config-independent diagnostics of one batch (DESIGN.md section 2).
+    """All config-independent diagnostics of one batch (docs/design.md section 2).
 
     * `mismatch_metrics` on the pruned log-probs (E2/E4, what the objective sees), over the
       responses kept by E5 (those with no sampled token outside the trainer safe set);
     * the same with keys prefixed `full_` on the unpruned log-probs, over all response tokens,
-      when both `logp_full_*` are given;
-    * `pruning_metrics`;
-    * `lt_by_p_bins` of l_t = log pi(y) - log mu(y) against p = pi(y), unpruned when the
-      `logp_full_*` are given (the setting of E10), else pruned over the E5-kept tokens.
+      when both `logp_full` and `behaviour_logp_full` are given;
+    * `pruning_metrics` (always including frac_tokens_outside_train_safe, 0 when `in_safe` is
+      None);
+    * `lt_by_p_bins` of l_t = log pi(y) - log mu(y) against p = pi(y), unpruned when the full
+      log-probs are given (the setting of E10), else pruned over the E5-kept tokens.
 
     Args:
-      logp_train: `[B, T]` log pi_S(y_t) (floor outside the trainer safe set).
-      logp_rollout: `[B, T]` log mu_S(y_t) recorded by the rollout (E4).
+      logp: `[B, T]` log pi_S(y_t) (floor outside the trainer safe set).
+      behaviour_logp: `[B, T]` log mu_S(y_t) recorded by the rollout (E4).
       response_mask: `[B, T]` response tokens.
-      in_safe_train: `[B, T]` bool, y_t inside the trainer safe set (None: all inside).
-      logp_full_train, logp_full_rollout: `[B, T]` unpruned log pi(y_t), log mu(y_t).
-      pruned_mass_train, safe_size_train, pruned_mass_rollout, safe_size_rollout: `[B, T]`.
+      in_safe: `[B, T]` bool, y_t inside the trainer safe set (None: all inside).
+      logp_full, behaviour_logp_full: `[B, T]` unpruned log pi(y_t), log mu(y_t).
+      pruned_mass, safe_size: `[B, T]` trainer delta_S (E3) and |V_S| (E1).
+      behaviour_pruned_mass, behaviour_safe_size: `[B, T]` the rollout's delta_S and |V_S|.
       num_bins: number of (1 - p) bins (static).
 
     Returns:
       Flat dict of float32 scalars.
     """
     mask = response_mask.astype(bool)
-    inside = jnp.ones_like(mask) if in_safe_train is None else in_safe_train.astype(bool)
+    inside = jnp.ones_like(mask) if in_safe is None else in_safe.astype(bool)
     kept = mask & ~jnp.any(mask & ~inside, axis=-1, keepdims=True)  # E5-kept responses
-    out = mismatch_metrics(logp_train, logp_rollout, kept)
-    have_full = logp_full_train is not None and logp_full_rollout is not None
+    out = mismatch_metrics(logp, behaviour_logp, kept)
+    have_full = logp_full is not None and behaviour_logp_full is not None
     if have_full:
-        out |= mismatch_metrics(logp_full_train, logp_full_rollout, mask, prefix="full_")
+        out |= mismatch_metrics(logp_full, behaviour_logp_full, mask, prefix="full_")
     out |= pruning_metrics(
         mask,
-        pruned_mass_train=pruned_mass_train,
-        safe_size_train=safe_size_train,
-        pruned_mass_rollout=pruned_mass_rollout,
-        safe_size_rollout=safe_size_rollout,
-        in_safe_train=in_safe_train,
+        pruned_mass=pruned_mass,
+        safe_size=safe_size,
+        behaviour_pruned_mass=behaviour_pruned_mass,
+        behaviour_safe_size=behaviour_safe_size,
+        in_safe=in_safe,
     )
     if have_full:
-        lt, lr, bin_mask = _f32(logp_full_train), _f32(logp_full_rollout), mask
+        lt, lr, bin_mask = _f32(logp_full), _f32(behaviour_logp_full), mask
     else:
-        lt, lr, bin_mask = _f32(logp_train), _f32(logp_rollout), kept
+        lt, lr, bin_mask = _f32(logp), _f32(behaviour_logp), kept
     lt = jnp.where(bin_mask, lt, 0.0)
     lr = jnp.where(bin_mask, lr, 0.0)
     out |= lt_by_p_bins(lt - lr, jnp.exp(lt), bin_mask, num_bins)
@@ -326,8 +334,8 @@ def _one_minus_softmax(z: jax.Array) -> jax.Array:
 
 
 def mismatch_bound(
-    logits_rollout: jax.Array,
-    logits_train: jax.Array,
+    behaviour_logits: jax.Array,
+    logits: jax.Array,
     y: jax.Array | None = None,
     *,
     temperature: float = 1.0,
@@ -345,8 +353,8 @@ def mismatch_bound(
     `rel_tol * eps` for that rounding.
 
     Args:
-      logits_rollout: `[..., V]` z' (e.g. the bf16 forward, upcast to float32).
-      logits_train: `[..., V]` z (e.g. the fp32 forward).
+      behaviour_logits: `[..., V]` z' (e.g. the bf16 forward, upcast to float32).
+      logits: `[..., V]` z (e.g. the fp32 forward).
       y: optional `[...]` token ids; when given, per-token arrays are for those tokens only.
       temperature: tau > 0.
       factor: the bound's constant; 2 is E10 (tests pass 1 to check a wrong bound is caught).
@@ -355,8 +363,8 @@ def mismatch_bound(
     Returns:
       `BoundReport`.
     """
-    z = _f32(logits_train) / temperature
-    zr = _f32(logits_rollout) / temperature
+    z = _f32(logits) / temperature
+    zr = _f32(behaviour_logits) / temperature
     d = zr - z  # [..., V]
     eps = jnp.max(jnp.abs(d), axis=-1)  # [...]
     p = jax.nn.softmax(z, axis=-1)

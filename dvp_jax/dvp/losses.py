@@ -1,7 +1,7 @@
 """The DVP-RLOO policy-gradient loss (E5-E9) and its configuration.
 
 `dvp_loss` is a pure function of arrays; the caller jits it and differentiates it with respect
-to whatever produced `logp_train` (normally `pruning.chunked_pruned_logprobs`). Every weight
+to whatever produced `logp` (normally `pruning.chunked_pruned_logprobs`). Every weight
 (E6, E7) and the advantage are stop-gradient constants, so the gradient is
   -(1/Z) sum_i sum_t w_it A_i grad log pi_S(y_it | s_it)                                    (E9)
 """
@@ -91,7 +91,7 @@ class LossConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides) -> LossConfig:
-        """The paper's methods (DESIGN.md section 2), optionally with field overrides.
+        """The paper's methods (docs/design.md section 2), optionally with field overrides.
 
         rloo = no pruning + none; tis = no pruning + token_tis; mis = no pruning + seq_mis;
         dvp = pruning + none (with E5 exclusion); mis_dvp = pruning + seq_mis.
@@ -111,75 +111,97 @@ PRESETS: dict[str, dict] = {
 
 
 def dvp_loss(
-    logp_train: jax.Array,
-    logp_rollout: jax.Array,
+    logp: jax.Array,
+    behaviour_logp: jax.Array,
     advantages: jax.Array,
     response_mask: jax.Array,
-    in_safe_train: jax.Array | None,
+    in_safe: jax.Array | None,
     cfg: LossConfig,
-    logp_old: jax.Array | None = None,
+    old_logp: jax.Array | None = None,
+    old_in_safe: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """DVP-RLOO loss (E5-E9) of a batch of B responses padded to T tokens.
 
-    E5: a response with any sampled token outside the trainer safe set (`in_safe_train` False on
-    a response token, only when `cfg.pruning`) has token ratio 0: it is excluded from numerator
-    and normaliser. E6: l_t = log pi_S(y_t) - log mu_S(y_t), L = sum_t l_t, stop-gradient.
+    E5: a response with any sampled token outside the trainer safe set (`in_safe` False on a
+    response token, only when `cfg.pruning`) has token ratio 0: it is excluded from numerator and
+    normaliser. With decoupled PPO the same holds for the old policy's safe set (`old_in_safe`):
+    pi_S_old(y_t) = 0 makes the behaviour correction pi_old / mu_S zero, so a response is
+    excluded when a sampled token is outside either safe set.
+    E6: l_t = log pi_S(y_t) - log mu_S(y_t), L = sum_t l_t, stop-gradient.
     E7 with C = `cfg.cap` (compared in the log domain, l <= log C  <=>  exp l <= C):
       none: w = 1; token_tis: w_t = min(exp l_t, C); token_mis: w_t = exp l_t, token masked if
       exp l_t > C; seq_tis: w = min(exp L, C); seq_mis: w = exp L, response masked if exp L > C.
     E9: loss = -(1/Z) sum_i sum_t w_it A_i log pi_S(y_it), sums over kept tokens;
       Z = kept tokens (`token_mean`) or kept responses (`seq_mean_token_sum`); masked tokens and
       responses leave Z; Z = 0 gives loss 0.
-    Decoupled PPO (`cfg.ppo_clip_eps` = eps, needs `logp_old` = log pi_S_old from before the
+    Decoupled PPO (`cfg.ppo_clip_eps` = eps, needs `old_logp` = log pi_S_old from before the
     first optimizer step on this batch): l_t uses pi_old instead of pi (behaviour correction
     pi_old / mu_S), and each token term is multiplied by the stop-gradient factor r_t =
     exp(log pi_S - log pi_S_old), set to 0 where PPO's clip is active (A > 0 and r > 1 + eps, or
     A < 0 and r < 1 - eps). Its gradient equals that of the decoupled PPO-clip surrogate
     w min(r A, clip(r, 1 - eps, 1 + eps) A); the value equals E9 when r = 1 (the first step).
 
-    Masked positions (`response_mask` False) and floors/-inf of out-of-safe-set tokens are
-    replaced with `jnp.where` before any arithmetic: they never change the loss or its gradient.
+    Masked positions (`response_mask` False) and floors/-inf of out-of-safe-set tokens (on
+    either side of the PPO ratio) are replaced with `jnp.where` before any arithmetic: they never
+    change the loss or its gradient. The fraction of sampled tokens outside the trainer safe set
+    is a diagnostic (`diagnostics.pruning_metrics`), not emitted here.
 
     Args:
-      logp_train: `[B, T]` log pi_S(y_t) from the trainer (differentiable; E2).
-      logp_rollout: `[B, T]` log mu_S(y_t) recorded by the rollout (E4).
+      logp: `[B, T]` log pi_S(y_t) from the trainer (differentiable; E2).
+      behaviour_logp: `[B, T]` log mu_S(y_t) recorded by the rollout (E4).
       advantages: `[B]` per-response advantage A_i (E8), broadcast over tokens.
       response_mask: `[B, T]` bool, True on response tokens.
-      in_safe_train: `[B, T]` bool, y_t in the trainer's V_S; None means all inside. Ignored when
+      in_safe: `[B, T]` bool, y_t in the trainer's V_S; None means all inside. Ignored when
         pruning is off.
       cfg: `LossConfig`.
-      logp_old: `[B, T]` log pi_S_old(y_t), required iff `cfg.ppo_clip_eps` is set.
+      old_logp: `[B, T]` log pi_S_old(y_t), required iff `cfg.ppo_clip_eps` is set.
+      old_in_safe: `[B, T]` bool, y_t in the old policy's V_S; required when `old_logp` is given
+        and pruning is on, ignored when pruning is off, not allowed without `old_logp`.
 
     Returns:
       `(loss, metrics)`: float32 scalar and a dict of float32 scalars (see `diagnostics` for
       frac_* and is_weight_*; plus loss, kept_tokens, kept_responses, ppo_clip_frac).
+
+    Raises:
+      ValueError: `old_logp` given without `cfg.ppo_clip_eps` or the reverse; `old_in_safe`
+        missing with `old_logp` under pruning, or given without `old_logp`; bad shapes.
     """
-    if (cfg.ppo_clip_eps is None) != (logp_old is None):
+    if (cfg.ppo_clip_eps is None) != (old_logp is None):
         raise ValueError(
-            "logp_old must be given exactly when LossConfig.ppo_clip_eps is set "
-            f"(ppo_clip_eps={cfg.ppo_clip_eps}, logp_old given: {logp_old is not None})."
+            "old_logp must be given exactly when LossConfig.ppo_clip_eps is set "
+            f"(ppo_clip_eps={cfg.ppo_clip_eps}, old_logp given: {old_logp is not None})."
         )
-    if logp_train.ndim != 2 or advantages.shape != logp_train.shape[:1]:
+    if old_logp is None and old_in_safe is not None:
+        raise ValueError("old_in_safe was given without old_logp; pass both or neither.")
+    if old_logp is not None and cfg.pruning and old_in_safe is None:
         raise ValueError(
-            f"need logp_train [B, T] and advantages [B]; got {logp_train.shape}, "
-            f"{advantages.shape}."
+            "old_in_safe (y_t inside the old policy's safe set) is required with old_logp when "
+            "pruning is on (LossConfig.prune=True, log_rho > -inf): old_logp holds a floor "
+            "where it is False and those responses must be excluded (E5)."
+        )
+    if logp.ndim != 2 or advantages.shape != logp.shape[:1]:
+        raise ValueError(
+            f"need logp [B, T] and advantages [B]; got {logp.shape}, {advantages.shape}."
         )
     f32 = jnp.float32
     mask = response_mask.astype(bool)  # [B, T]
 
-    # ----- E5: exclusion of responses with a sampled token outside the trainer safe set -----
-    if cfg.pruning and in_safe_train is not None:
-        outside = mask & ~in_safe_train.astype(bool)
-    else:
-        outside = jnp.zeros_like(mask)
-    excluded = jnp.any(outside, axis=-1)  # [B]
+    # ----- E5: exclusion of responses with a sampled token outside a trainer safe set -----
+    # (the current policy's, and with decoupled PPO also the old policy's)
+    inside = jnp.ones_like(mask)
+    if cfg.pruning:
+        if in_safe is not None:
+            inside = inside & in_safe.astype(bool)
+        if old_in_safe is not None:
+            inside = inside & old_in_safe.astype(bool)
+    excluded = jnp.any(mask & ~inside, axis=-1)  # [B]
     tok = mask & ~excluded[:, None]  # [B, T] tokens of included responses, all inside V_S
 
     # ----- E6: stop-gradient log-ratios on included tokens only (no floor/-inf beyond here) ----
-    lp = jnp.where(tok, logp_train.astype(f32), 0.0)
-    lmu = jnp.where(tok, logp_rollout.astype(f32), 0.0)
-    if logp_old is not None:
-        lold = jnp.where(tok, logp_old.astype(f32), 0.0)
+    lp = jnp.where(tok, logp.astype(f32), 0.0)
+    lmu = jnp.where(tok, behaviour_logp.astype(f32), 0.0)
+    if old_logp is not None:
+        lold = jnp.where(tok, old_logp.astype(f32), 0.0)
         lref = lold
     else:
         lref = lp
@@ -228,7 +250,6 @@ def dvp_loss(
     metrics["loss"] = loss
     metrics["kept_tokens"] = jnp.sum(keep).astype(f32)
     metrics["kept_responses"] = jnp.sum(kept_responses).astype(f32)
-    metrics["frac_tokens_outside_train_safe"] = diagnostics.masked_mean(outside, mask)
     metrics |= diagnostics.exclusion_metrics(mask, excluded, seq_masked, token_masked)
     if cfg.correction.startswith("seq"):
         # One weight per response: w is constant over a kept response's tokens, 0 elsewhere.
