@@ -33,9 +33,11 @@ from absl import app, flags
 # keeps the baseline stable; set before torch is imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from dvp_jax.model.config import PRECISIONS  # noqa: E402 (after the OpenMP setting)
+
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("size", "bench", ["tiny", "bench"], "Model size (see the docstring).")
-flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16", "bfloat16_fp8kv"], "Engine dtype.")
+flags.DEFINE_enum("dtype", "bfloat16", list(PRECISIONS), "Engine dtype.")
 flags.DEFINE_integer("batch", 16, "Prompts (= decode slots).")
 flags.DEFINE_integer("new_tokens", 128, "Tokens generated per prompt.")
 flags.DEFINE_integer("prompt_len", 16, "Prompt length in tokens.")

@@ -1,6 +1,6 @@
 """Train-step throughput of the jitted DVP-RLOO step on this machine's CPU.
 
-Prints one JSON line: for the tiny and a ~50M-parameter config, tokens/s of `rl_step`
+Prints one JSON line: for the tiny and a ~50M-parameter config, tokens/s of `rl_update`
 (forward + chunked pruned logprobs + loss + backward + AdamW), CPU MFU against a measured
 `jnp.dot` peak, and the time ratio when the tokens per step double (expect <= 2.2x).
 
@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
+import sys
 import time
 
 import jax
@@ -24,6 +26,10 @@ from dvp_jax.model import ModelConfig, Transformer
 from dvp_jax.sharding import Sharder, count_params
 from dvp_jax.train import step as step_lib
 from dvp_jax.train.state import init_train_state, make_optimizer
+
+# The random batch builder is shared with the tests (test data stays out of the library).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.train_utils import synthetic_batch  # noqa: E402
 
 CONFIGS = {
     "tiny": ModelConfig(
@@ -80,7 +86,7 @@ def measure(name: str, rows: int, length: int, repeats: int, peak: float) -> dic
     optimizer = make_optimizer(1e-4, 0, 0.0, 1.0)
     graphdef, state, _ = init_train_state(model, optimizer, 0, Sharder())
     fn = jax.jit(
-        lambda s, b: step_lib.rl_step(
+        lambda s, b: step_lib.rl_update(
             s,
             b,
             graphdef=graphdef,
@@ -100,7 +106,7 @@ def measure(name: str, rows: int, length: int, repeats: int, peak: float) -> dic
     out = {}
     for scale in (1, 2):
         batch = jax.tree.map(
-            jnp.asarray, step_lib.synthetic_batch(cfg.vocab_size, rows * scale, length, length // 4)
+            jnp.asarray, synthetic_batch(cfg.vocab_size, rows * scale, length, length // 4)
         )
         jax.block_until_ready(run(batch))  # compile + warm up
         out[scale] = _median_time(functools.partial(run, batch), repeats)

@@ -14,17 +14,15 @@ Expected (not yet measured; fill in from the first run): the supervised warm-up 
   under an hour on an H100 (3,000 SFT steps + 200 RL steps), not measured.
 """
 
-import ml_collections
+from dvp_jax.train.config import default_config
 
 
-def get_config(method: str = "dvp") -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.method = method or "dvp"  # rloo | tis | mis | dvp | mis_dvp (DESIGN.md section 2)
+def get_config(method: str = "dvp"):
+    """Every field defaults as in `dvp_jax.train.config`; only what differs is set here."""
+    c = default_config(method)
 
-    # ~76M parameters: 12 x (attention 1.6M + SwiGLU 4.7M), character vocabulary (tied).
-    c.model = ml_collections.ConfigDict()
-    c.model.preset = "tiny"  # base for the fields not set here (RoPE theta 1e4, tied embeddings)
-    c.model.vocab_size = -1  # -1: the tokenizer's vocabulary rounded up to a multiple of 8
+    # ~76M parameters: 12 x (attention 1.6M + SwiGLU 4.7M), character vocabulary (tied). The
+    # "tiny" preset supplies the fields not set here (RoPE theta 1e4, tied embeddings).
     c.model.d_model = 768
     c.model.n_layers = 12
     c.model.n_heads = 12
@@ -33,53 +31,26 @@ def get_config(method: str = "dvp") -> ml_collections.ConfigDict:
     c.model.d_ff = 2048
     c.model.max_position_embeddings = 64
 
-    c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
+    c.rollout.max_decode_length = 8  # answers are at most 5 characters + EOS
+    c.rollout.max_concurrent_decodes = 1024  # the whole rollout batch (64 prompts x G=16) at once
 
-    c.rollout = ml_collections.ConfigDict()
-    c.rollout.dtype = "bfloat16"  # float32 | bfloat16 | bfloat16_fp8kv
-    c.rollout.logit_noise = 0.0
-    c.rollout.temperature = 1.0
-    c.rollout.max_new_tokens = 8  # answers are at most 5 characters + EOS
-    c.rollout.num_slots = 1024  # the whole rollout batch (64 prompts x G=16) at once
-
-    c.loss = ml_collections.ConfigDict()
-    c.loss.log_rho = -13.0
-    c.loss.cap = 2.0
-    c.loss.normalisation = "token_mean"
-    c.loss.correction = ml_collections.config_dict.placeholder(str)
-    c.loss.prune = ml_collections.config_dict.placeholder(bool)
-    c.loss.ppo_clip_eps = ml_collections.config_dict.placeholder(float)
-
-    c.data = ml_collections.ConfigDict()
-    c.data.task = "arithmetic"
-    c.data.path = ""
-    c.data.tokenizer = "char"
-    c.data.max_prompt_len = 16  # "999+999-999=" plus BOS is 13 characters
-    c.data.seed = 0
+    # "999+999-999=" plus BOS is 13 characters: the default max_prompt_len 16 holds it.
     c.data.num_operands = 3
-    c.data.min_operands = 2
     c.data.max_operand = 999
-    c.data.ops = "+-"
-    c.data.style = "symbolic"
 
-    c.train = ml_collections.ConfigDict()
     c.train.steps = 200
     c.train.prompts_per_step = 64
     c.train.group_size = 16
     c.train.learning_rate = 2e-5
     c.train.warmup_steps = 10
-    c.train.weight_decay = 0.0
-    c.train.grad_clip = 1.0
-    c.train.micro_batches = 1
-    c.train.updates_per_batch = 1
     c.train.chunk_size = 64
-    c.train.seed = 0
 
-    c.sft = ml_collections.ConfigDict(
-        dict(steps=3000, batch_size=256, learning_rate=1e-3, warmup_steps=200)
-    )
-    c.eval = ml_collections.ConfigDict(dict(every=20, num_prompts=512, k=8))
-    c.checkpoint = ml_collections.ConfigDict(dict(every=50, keep=3))
-    c.log_every = 1
-    c.plots = True
+    c.sft.steps = 3000
+    c.sft.batch_size = 256
+    c.sft.learning_rate = 1e-3
+    c.sft.warmup_steps = 200
+    c.eval.every = 20
+    c.eval.num_prompts = 512
+    c.eval.k = 8
+    c.checkpoint.every = 50
     return c

@@ -1,4 +1,4 @@
-"""The paper's setting (DESIGN.md section 1): MIS+DVP-RLOO on Qwen3-14B-Base, DAPO-Math, AIME25.
+"""The paper's setting (docs/design.md section 1): MIS+DVP-RLOO, Qwen3-14B-Base, DAPO, AIME25.
 
 Command (on every worker of the slice; `experiments/launch.py --tpu` writes these commands):
   python -m dvp_jax.main --config configs/paper_qwen3_14b.py:mis_dvp --workdir gs://BUCKET/dvp14b \
@@ -16,11 +16,11 @@ Hardware: one Cloud TPU v5p-64 slice: 2x4x4 topology, 32 chips (64 TensorCores, 
 Expected (the paper's claims, not yet reproduced here): the rollout/training PPL gap stays flat
   under DVP while it drifts up under plain RLOO, and MIS+DVP's AIME25 avg@16 beats the best
   unpruned RLOO score by 26.55% (relative). Time: not measured.
-Settings not stated in DESIGN.md (learning rate, warm-up, weight decay, step count, prompt length)
+Settings not stated in the paper (learning rate, warm-up, weight decay, step count, prompt length)
   follow verl's DAPO recipe and are marked "assumed" below.
 """
 
-import ml_collections
+from dvp_jax.train.config import default_config
 
 # Local Hugging Face directory of Qwen3-14B-Base (config.json, *.safetensors, tokenizer.json).
 HF_DIR = "/data/Qwen3-14B-Base"
@@ -29,77 +29,54 @@ HF_DIR = "/data/Qwen3-14B-Base"
 EVAL_PATH = "/data/aime25.parquet"
 
 
-def get_config(method: str = "mis_dvp") -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.method = method or "mis_dvp"  # rloo | tis | mis | dvp | mis_dvp (DESIGN.md section 2)
+def get_config(method: str = "mis_dvp"):
+    """Every field defaults as in `dvp_jax.train.config`; only what differs is set here."""
+    c = default_config(method or "mis_dvp")
 
-    c.model = ml_collections.ConfigDict()
     c.model.preset = "qwen3_14b"  # 40 layers, d=5120, 40 q / 8 kv heads, d_ff=17408, V=151936
     c.model.vocab_size = 151_936  # the checkpoint's embedding rows (>= the tokenizer's 151,669)
     # Start from the base model's weights (checked against the preset's architecture at load).
     # Empty string: random init.
     c.model.hf_path = HF_DIR
 
-    # v5p-64: 32 devices -> (1, 8, 4). See the module docstring.
-    c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=4))
+    # v5p-64: 32 devices -> (data, fsdp, tensor) = (1, 8, 4). See the module docstring.
+    c.mesh.tensor = 4
 
-    c.rollout = ml_collections.ConfigDict()
-    c.rollout.dtype = "bfloat16"  # the paper's precision split: bf16 rollout, fp32 trainer
-    c.rollout.logit_noise = 0.0
-    c.rollout.temperature = 1.0
-    c.rollout.max_new_tokens = 16_384  # max response length
+    # The paper's precision split: bf16 rollout (the default), fp32 trainer.
+    c.rollout.max_decode_length = 16_384  # max response length
     # One engine per host on its 4 local chips (bf16 weights split 4 ways by ROLLOUT_RULES), one
     # slot per response of this host's share of the batch: 32 prompts x G=16 / 8 hosts = 64, so
     # every response decodes at once. KV cache 64 x 18,432 positions x 40 layers in bf16 = 180
-    # GiB per host, 45 GiB per chip. Other slice sizes: num_slots = 512 / hosts.
-    c.rollout.num_slots = 64
+    # GiB per host, 45 GiB per chip. Other slice sizes: max_concurrent_decodes = 512 / hosts.
+    c.rollout.max_concurrent_decodes = 64
     c.rollout.tensor_parallel = 4  # all 4 chips of a v5p host
 
-    c.loss = ml_collections.ConfigDict()
-    c.loss.log_rho = -13.0  # rho = e^-13
-    c.loss.cap = 2.0  # C of the MIS correction (E7)
-    c.loss.normalisation = "token_mean"
-    c.loss.correction = ml_collections.config_dict.placeholder(str)
-    c.loss.prune = ml_collections.config_dict.placeholder(bool)
-    c.loss.ppo_clip_eps = ml_collections.config_dict.placeholder(float)
+    # loss: the defaults are the paper's: rho = e^-13 (log_rho -13), MIS cap C = 2 (E7).
 
-    c.data = ml_collections.ConfigDict()
     c.data.task = "math"
     # Filtered DAPO-Math-17k in the DAPO layout, local jsonl or parquet (override on the command
     # line; every host reads only its shard of the rows).
     c.data.path = "/data/dapo_math_17k_filtered.parquet"
     c.data.tokenizer = f"{HF_DIR}/tokenizer.json"
     c.data.eval_path = EVAL_PATH  # AIME25, avg@16 (eval.k)
-    c.data.chat_format = "chatml"
     c.data.max_prompt_len = 2048  # assumed (verl DAPO: max_prompt_length=2048)
-    c.data.seed = 0
 
-    c.train = ml_collections.ConfigDict()
-    c.train.steps = 500  # assumed budget; not stated in DESIGN.md
+    c.train.steps = 500  # assumed budget; not stated in the paper
     # Generation batch: 32 prompts in all (global; each of the 8 hosts rolls out 4 of them).
     c.train.prompts_per_step = 32
     c.train.group_size = 16  # G
     c.train.learning_rate = 1e-6  # assumed (verl DAPO)
     c.train.warmup_steps = 10  # assumed (verl DAPO)
     c.train.weight_decay = 0.1  # assumed (verl DAPO)
-    c.train.grad_clip = 1.0
-    c.train.b1 = 0.9
-    c.train.b2 = 0.999
-    # Mini-batch 32 prompts = the whole rollout batch: one optimizer update per batch, so no PPO
-    # clip (E9). The 512 x 18,432-token batch is accumulated over 64 micro-batches of 8
-    # sequences (one per fsdp shard); see experiments/scale_plan.py for the memory this implies.
-    c.train.updates_per_batch = 1
+    # Mini-batch 32 prompts = the whole rollout batch: one optimizer update per batch (the
+    # default updates_per_batch=1), so no PPO clip (E9). The 512 x 18,432-token batch is
+    # accumulated over 64 micro-batches of 8 sequences (one per fsdp shard); see
+    # experiments/scale_plan.py for the memory this implies.
     c.train.micro_batches = 64
-    c.train.chunk_size = 8192  # vocabulary chunk of the pruned logprobs
     c.train.remat = True  # 16k-token responses: recompute block activations in the backward
-    c.train.seed = 0
 
-    c.sft = ml_collections.ConfigDict(
-        dict(steps=0, batch_size=64, learning_rate=1e-6, warmup_steps=0)
-    )  # RL from the base model: no SFT
+    # RL from the base model: no supervised warm-up (the default sft.steps = 0).
     # AIME25 avg@16: 16 samples for each of the 30 problems (held-out data: EVAL_PATH above).
-    c.eval = ml_collections.ConfigDict(dict(every=10, num_prompts=30, k=16))
-    c.checkpoint = ml_collections.ConfigDict(dict(every=10, keep=3))
-    c.log_every = 1
-    c.plots = True
+    c.eval.num_prompts = 30
+    c.eval.k = 16
     return c

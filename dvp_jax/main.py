@@ -10,13 +10,14 @@ This module (with tests/conftest.py) is the only place that touches `jax.config`
 
 from __future__ import annotations
 
+import logging as std_logging
 import os
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Experiment config file.", lock_config=False
+    "config", None, "Experiment config file (every field: dvp_jax.train.config.default_config)."
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, plots).")
 _COORDINATOR = flags.DEFINE_string(
@@ -37,13 +38,19 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 
 class _QuietLibraries:
-    """Drops INFO records of chatty libraries (orbax logs every save step by step)."""
+    """Drops INFO records logged from the files of chatty libraries (Orbax logs each save step
+    by step), keeping their warnings and everything of ours.
 
-    PREFIXES = ("orbax", "etils", "grain", "jetstream")
+    absl routes every library's records through one "absl" logger, so a per-logger level (absl's
+    `--logger_levels`) cannot tell Orbax from us; the record's source path can. Levels here are
+    the standard library's (a record's `levelno`); absl's own `logging.WARNING` is -1.
+    """
+
+    PREFIXES = tuple(os.sep + name + os.sep for name in ("orbax", "etils", "grain", "jetstream"))
 
     def filter(self, record) -> bool:
         noisy = any(part in record.pathname for part in self.PREFIXES)
-        return record.levelno >= logging.WARNING or not noisy
+        return record.levelno >= std_logging.WARNING or not noisy
 
 
 def _init_jax():
@@ -99,7 +106,8 @@ def main(argv):
                 path = os.path.join(trainer.workdir, "hf_export")
                 params = jax.device_get(trainer.state.params)
                 save_hf(nnx.merge(trainer.graphdef, params), path)
-                logging.info("exported the policy to %s", path)
+                trainer.tokenizer.save_hf(path)  # so transformers loads model and tokenizer
+                logging.info("exported the policy and its tokenizer to %s", path)
             if cfg.plots and jax.process_index() == 0:
                 from dvp_jax import plots
 

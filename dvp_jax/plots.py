@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 
@@ -12,24 +11,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-
-def load_metrics(workdir: str) -> list[dict]:
-    path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-
-
-def _series(rows, key):
-    pts = [(r["step"], r[key]) for r in rows if key in r and r["step"] >= 0]
-    return (np.array([p[0] for p in pts]), np.array([p[1] for p in pts])) if pts else None
+from dvp_jax.metrics import read_metrics, series  # noqa: E402
 
 
 def _line(ax, rows, key, label=None, **kw):
-    s = _series(rows, key)
-    if s is not None:
-        ax.plot(*s, label=label or key, **kw)
+    steps, values = series([r for r in rows if r["step"] >= 0], key)
+    if steps:
+        ax.plot(steps, values, label=label or key, **kw)
 
 
 def lt_bins(rows, last: int = 10) -> dict[str, np.ndarray]:
@@ -51,7 +39,7 @@ def lt_bins(rows, last: int = 10) -> dict[str, np.ndarray]:
 
 def plot_run(workdir: str) -> list[str]:
     """Writes reward/accuracy, PPL gap, excluded fractions and (1-p) bin plots; returns paths."""
-    rows = load_metrics(workdir)
+    rows = read_metrics(workdir)
     if not rows:
         return []
     paths = []

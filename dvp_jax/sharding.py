@@ -180,19 +180,6 @@ def init_sharded(make_module: Callable[[], nnx.Module], sharder: Sharder) -> nnx
     return nnx.merge(graphdef, init())
 
 
-def reshard_state(state: nnx.State, sharder: Sharder, dtype: Any = None) -> nnx.State:
-    """Casts (optionally) and moves a state to the layout `sharder` implies."""
-    shardings = state_shardings(state, sharder)
-
-    def move(var, sh):
-        value = var.get_value() if dtype is None else var.get_value().astype(dtype)
-        return var.replace(
-            jax.device_put(value, sh.get_value()) if sh.get_value() is not None else value
-        )
-
-    return jax.tree.map(move, state, shardings, is_leaf=_is_var)
-
-
 def count_params(state: Any) -> int:
     """Number of scalars in a (possibly abstract) state."""
     return sum(math.prod(x.shape) for x in jax.tree.leaves(state))

@@ -31,7 +31,9 @@ from dvp_jax.dvp.losses import LossConfig  # noqa: E402
 from dvp_jax.model import ModelConfig, Transformer  # noqa: E402
 from dvp_jax.sharding import TRAIN_RULES, MeshConfig, Sharder, init_sharded, make_mesh  # noqa: E402
 from dvp_jax.train import step as step_lib  # noqa: E402
+from dvp_jax.train.batch import batch_shardings  # noqa: E402
 from dvp_jax.train.state import init_train_state, make_optimizer  # noqa: E402
+from tests.train_utils import synthetic_batch  # noqa: E402
 
 cfg = ModelConfig.preset("tiny")
 mesh = make_mesh(MeshConfig(data=2, fsdp=-1, tensor=1))
@@ -42,15 +44,15 @@ graphdef, state, state_sh = init_train_state(model, optimizer, 0, sharder)
 
 # The same synthetic global batch in every process; each contributes its own rows.
 B, T, P = 16, 12, 5
-global_batch = step_lib.synthetic_batch(cfg.vocab_size, B, T, P)
+global_batch = synthetic_batch(cfg.vocab_size, B, T, P)
 rows = B // num_processes
 local = jax.tree.map(lambda x: x[process_id * rows : (process_id + 1) * rows], global_batch)
-batch_sh = step_lib.batch_shardings(global_batch, sharder)
+batch_sh = batch_shardings(global_batch, sharder)
 batch = jax.tree.map(lambda x, s: jax.make_array_from_process_local_data(s, x), local, batch_sh)
 
 loss_cfg = LossConfig.preset("mis_dvp", log_rho=-2.0)
 fn = step_lib.jit_step(
-    lambda s, b: step_lib.rl_step(
+    lambda s, b: step_lib.rl_update(
         s,
         b,
         graphdef=graphdef,

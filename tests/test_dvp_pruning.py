@@ -94,6 +94,24 @@ def test_logits_path_matches_reference(log_rho, temperature):
         assert set(np.flatnonzero(mask[n])) == ref.safe_set(logits[n], lr, temperature)
 
 
+@pytest.mark.parametrize("log_rho", [-2.0, -math.inf])
+def test_log_rho_may_be_a_traced_array(log_rho):
+    """The in-memory core takes log_rho as a traced array (the sampler's `SamplingParams`), with
+    -inf meaning no pruning; same numbers as with a Python float (same program up to a constant:
+    exact)."""
+    h, w, y = _inputs(seed=7, scale=1.5)
+    logits, y = jnp.asarray(h @ w), jnp.asarray(y)
+    traced = jax.jit(pruning.pruned_token_logprobs)(logits, y, jnp.float32(log_rho), 0.9)
+    static = jax.jit(pruning.pruned_token_logprobs, static_argnums=(2, 3))(logits, y, log_rho, 0.9)
+    for field in pruning.TokenLogprobs._fields:
+        np.testing.assert_array_equal(getattr(traced, field), getattr(static, field), field)
+    _assert_matches_reference(static, ref.pruned_token_logprobs(h @ w, np.asarray(y), log_rho, 0.9))
+    if log_rho == -math.inf:
+        np.testing.assert_array_equal(traced.safe_size, V)
+    else:
+        assert 0 < int(np.sum(traced.in_safe)) < N  # both sides of the safe set
+
+
 def _assert_matches_reference(got, expect):
     np.testing.assert_array_equal(got.in_safe, expect["in_safe"])
     np.testing.assert_array_equal(got.safe_size, expect["safe_size"])

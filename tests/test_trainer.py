@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from dvp_jax.metrics import read_metrics
 from dvp_jax.rollout.tokenizers import CharTokenizer
 from dvp_jax.train.config import ExperimentConfig
 from dvp_jax.train.trainer import Trainer
@@ -19,8 +20,7 @@ VOCAB = CharTokenizer().vocab_size
 
 
 def _metrics(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+    return read_metrics(str(workdir))
 
 
 def test_three_step_run_is_finite_and_compiles_once(tmp_path):
@@ -29,7 +29,7 @@ def test_three_step_run_is_finite_and_compiles_once(tmp_path):
     try:
         summary = trainer.run()
         # One compiled train step for all three steps: no retrace after the first.
-        assert trainer._rl_step._cache_size() == 1
+        assert trainer._update_fn._cache_size() == 1
     finally:
         trainer.close()
     rows = [r for r in _metrics(tmp_path) if "loss" in r]
@@ -48,6 +48,9 @@ def test_three_step_run_is_finite_and_compiles_once(tmp_path):
             assert np.isfinite(row[key]), (key, row[key])
         assert row["skipped_updates"] == 0
     assert summary["eval_accuracy"] is not None and 0.0 <= summary["eval_accuracy"] <= 1.0
+    # The paper's central diagnostic reaches the summary (dvp prunes, so it is logged).
+    assert 0.0 <= summary["final_frac_tokens_outside_train_safe"] <= 1.0
+    assert summary["final_ppl_gap"] == pytest.approx(np.mean([r["ppl_gap"] for r in rows]))
     assert os.path.exists(os.path.join(tmp_path, "summary.json"))
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path))
 
@@ -104,6 +107,11 @@ def test_sigkill_after_checkpoint_then_resume_is_bit_exact(tmp_path):
     # The resumed run redid only the steps after its last checkpoint.
     steps = [r["step"] for r in _metrics(crash_dir) if "loss" in r]
     assert steps == [1, 2, 3, 4, 5, 6]
+    # The export carries the tokenizer too: transformers loads it with our ids.
+    from transformers import AutoTokenizer
+
+    hf_tok = AutoTokenizer.from_pretrained(os.path.join(crash_dir, "hf_export"))
+    assert hf_tok.encode("12+7=", add_special_tokens=False) == CharTokenizer().encode_ids("12+7=")
 
 
 def test_malformed_data_rows_are_counted_and_skipped(tmp_path):
@@ -243,3 +251,50 @@ def test_sigterm_checkpoints_the_current_step_and_exits_cleanly(tmp_path):
     last_logged = max(r["step"] for r in _metrics(workdir) if "loss" in r)
     assert steps[-1] == last_logged < 6
     assert not os.path.exists(os.path.join(workdir, "summary.json"))
+
+
+def test_every_config_field_exists_and_a_misspelt_one_fails():
+    from dvp_jax.pyfile import load_file
+    from dvp_jax.train import config as config_lib
+
+    for name in ("tiny_cpu", "gpu_mid", "paper_qwen3_14b"):
+        c = load_file(os.path.join(REPO, "configs", f"{name}.py")).get_config()
+        for section, cls in config_lib._SECTIONS.items():
+            for f in config_lib.dataclasses.fields(cls):
+                assert f.name in c[section], (name, section, f.name)
+        c.lock()
+        with pytest.raises(AttributeError):
+            c.train.stepz = 3
+
+
+def test_cli_overrides_any_field_and_rejects_a_misspelt_one(tmp_path):
+    def main(*flags):
+        cmd = [sys.executable, "-m", "dvp_jax.main", f"--config={TINY_CONFIG}", *flags]
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+        return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+
+    out = main(f"--workdir={tmp_path / 'a'}", "--config.train.stepz=3")
+    assert out.returncode != 0 and "stepz" in out.stderr + out.stdout
+    assert not os.path.exists(tmp_path / "a")
+    # Fields the config file does not mention are still overridable (here: a bad value, so the
+    # run stops at validation, naming the field the user set).
+    out = main(
+        f"--workdir={tmp_path / 'b'}",
+        "--config.data.chat_format=plain",
+        "--config.rollout.temperature=0",
+    )
+    assert out.returncode != 0
+    assert "config.rollout.temperature must be a finite float > 0" in out.stderr + out.stdout
+
+
+def test_metric_names_are_declared_once_and_typos_fail():
+    from dvp_jax import metrics
+
+    assert metrics.declared("frac_tokens_outside_train_safe")
+    assert metrics.declared("lt_bin3_mean_abs")
+    with pytest.raises(KeyError, match="frac_outside_train_safe"):
+        metrics.declared("frac_outside_train_safe")
+    with pytest.raises(KeyError, match="ppl_gapp"):
+        metrics.check({"loss": 1.0, "ppl_gapp": 0.1})
+    with pytest.raises(KeyError):
+        metrics.tail_mean([{"step": 1, "loss": 1.0}], "los")

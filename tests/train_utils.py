@@ -1,10 +1,13 @@
-"""Shared builders for trainer tests: the tiny CPU config shrunk to test size."""
+"""Shared builders for trainer tests: the tiny CPU config shrunk to test size, a random batch."""
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from dvp_jax.pyfile import load_file
+from dvp_jax.train.batch import RLBatch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_CONFIG = os.path.join(REPO, "configs", "tiny_cpu.py")
@@ -18,8 +21,8 @@ TEST_OVERRIDES = {
     "train.steps": 3,
     "train.prompts_per_step": 4,
     "train.group_size": 2,
-    "rollout.max_new_tokens": 4,
-    "rollout.num_slots": 8,
+    "rollout.max_decode_length": 4,
+    "rollout.max_concurrent_decodes": 8,
     "sft.steps": 2,
     "sft.batch_size": 8,
     "eval.num_prompts": 8,
@@ -32,6 +35,7 @@ TEST_OVERRIDES = {
 
 def tiny_config_dict(**overrides):
     c = load_file(TINY_CONFIG).get_config()
+    c.lock()  # as main.py's config flag: a misspelt override fails
     for dotted, value in {**TEST_OVERRIDES, **overrides}.items():
         node = c
         *parents, leaf = dotted.split(".")
@@ -43,3 +47,31 @@ def tiny_config_dict(**overrides):
 
 def cli_overrides(**overrides) -> list[str]:
     return [f"--config.{k}={v}" for k, v in {**TEST_OVERRIDES, **overrides}.items()]
+
+
+def synthetic_batch(
+    vocab_size: int, rows: int, length: int, prompt_len: int, seed: int = 0
+) -> RLBatch:
+    """A random host RLBatch (numpy) of fixed shapes, for tests and benchmarks.
+
+    Every row has `prompt_len` prompt tokens then response tokens to the end; behaviour
+    logprobs are uniform in [-4, -0.5] on response positions; advantages are standard normal.
+    """
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(3, vocab_size, (rows, length)).astype(np.int32)
+    response = np.zeros((rows, length - 1), bool)
+    response[:, prompt_len - 1 :] = True
+    logp = np.where(response, -rng.uniform(0.5, 4.0, (rows, length - 1)), 0).astype(np.float32)
+    return RLBatch(
+        tokens=tokens,
+        positions=np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)).copy(),
+        valid=np.ones((rows, length), bool),
+        response_mask=response,
+        behaviour_logp=logp,
+        behaviour_logp_full=logp.copy(),
+        behaviour_pruned_mass=np.zeros_like(logp),
+        behaviour_safe_size=np.full_like(logp, float(vocab_size)),
+        advantages=rng.normal(size=rows).astype(np.float32),
+        old_logp=np.zeros_like(logp),
+        old_in_safe=np.ones(logp.shape, bool),
+    )

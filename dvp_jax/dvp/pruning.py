@@ -1,21 +1,25 @@
 """Dynamic vocabulary pruning: safe set (E1), pruned log-probabilities (E2), pruned mass (E3).
 
-Two ways to compute the same quantities:
+The one implementation of E1-E3 (docs/design.md section 2), in two forms:
 
-* From logits `[..., V]` already in memory (`safe_set`, `pruned_log_softmax`,
-  `pruned_token_logprobs`): used by the rollout sampler and as the small-shape reference path.
+* From logits `[..., V]` already in memory: `safe_set_sums` is the core (row max, safe mask,
+  shifted exponentials exp(z - max), and their sums inside and outside V_S) and `token_logprobs`
+  turns it into the E2-E3 record of given tokens. `pruned_log_softmax`, `pruned_token_logprobs`
+  (the small-shape reference path) and the rollout sampler (`rollout/sampling.py`, whose
+  exponential race reuses the same exponentials) are built on them.
 * From final hidden states and the unembedding (`chunked_pruned_logprobs`): used by the trainer.
   It never materialises a `[N, V]` float32 array: the vocabulary is visited in chunks of
   `chunk_size` columns (pass 1: row max; pass 2: masked logsumexp, full logsumexp, target logit)
-  and a custom VJP recomputes each chunk's logits in the backward pass.
+  and a custom VJP recomputes each chunk's logits in the backward pass. Same sums, chunked.
 
-Temperature `tau` divides the logits before everything else (DESIGN.md section 2). `log_rho` is a
-float <= 0; `None` or `-inf` means no pruning (the safe set is the whole vocabulary).
+Temperature `tau` divides the logits before everything else (docs/design.md section 2). `log_rho`
+is <= 0; `None` or `-inf` means no pruning (the safe set is the whole vocabulary). The in-memory
+core takes `log_rho` as a Python number or a (traced) array; the chunked path takes it static.
 
 Numerics: softmax statistics are float32 whatever the input dtype; exponentials are always taken
 of `z - max(z) <= 0`, so they never overflow; the E2 value `-inf` outside the safe set is replaced
 by the finite `LOGP_FLOOR`, selected with `jnp.where` so no inf/NaN reaches a reduction or a
-gradient.
+gradient. The pruned mass is summed from the pruned terms themselves (never 1 - S/F).
 """
 
 from __future__ import annotations
@@ -49,7 +53,11 @@ class PruneStats(NamedTuple):
 
 
 class TokenLogprobs(NamedTuple):
-    """Log-probabilities of given tokens y under the pruned and the full distribution.
+    """Log-probabilities of given tokens y under one distribution, pruned and full (E1-E3).
+
+    The one record for "log-probs of given tokens": the trainer's (`chunked_pruned_logprobs`),
+    the reference path's (`pruned_token_logprobs`) and the rollout sampler's (sampled tokens, E4).
+    Stored on the rollout side, its fields take the `behaviour_` prefix (`behaviour_logp`, ...).
 
     Attributes:
       logp: `[N]` float32, log pi_S(y) (E2); `LOGP_FLOOR` where y is outside V_S.
@@ -93,6 +101,89 @@ def _as_log_rho(log_rho) -> jax.Array:
     return jnp.asarray(-jnp.inf if log_rho is None else log_rho, jnp.float32)
 
 
+class SafeSetSums(NamedTuple):
+    """The E1-E3 building blocks of one distribution, from float32 scaled logits z `[..., V]`.
+
+    Attributes:
+      z_max: `[..., 1]` max_b z_b, under stop-gradient (the E1-E3 values built from these
+        are invariant to the shift, so it needs no gradient).
+      shifted: `[..., V]` z - z_max (<= 0).
+      safe: `[..., V]` bool, V_S = {a : z_a >= z_max + log_rho} (E1); the argmax is inside.
+      exp_shifted: `[..., V]` exp(z - z_max) in [0, 1], exactly 1 at the argmax.
+      sum_safe: `[..., 1]` sum of `exp_shifted` over V_S (>= 1, the argmax is safe).
+      sum_out: `[..., 1]` sum of `exp_shifted` outside V_S.
+    """
+
+    z_max: jax.Array
+    shifted: jax.Array
+    safe: jax.Array
+    exp_shifted: jax.Array
+    sum_safe: jax.Array
+    sum_out: jax.Array
+
+    @property
+    def pruned_mass(self) -> jax.Array:
+        """`[...]` delta_S = sum_out / (sum_safe + sum_out) (E3), from the pruned terms
+        themselves: 1 - sum_safe / sum_full would lose masses of order 1e-7 (the typical size
+        for rho = e^-13) to cancellation."""
+        return (self.sum_out / (self.sum_safe + self.sum_out))[..., 0]
+
+    @property
+    def safe_size(self) -> jax.Array:
+        """`[...]` int32 |V_S| (E1)."""
+        return jnp.sum(self.safe, axis=-1, dtype=jnp.int32)
+
+
+def safe_set_sums(z: jax.Array, log_rho: float | jax.Array | None) -> SafeSetSums:
+    """The core of E1-E3 on already-scaled float32 logits z `[..., V]` (z = logits / tau).
+
+    Args:
+      z: `[..., V]` float32 scaled logits.
+      log_rho: log min-p threshold (<= 0), a Python number or a (traced) float array broadcasting
+        against `z[..., :1]`; None or -inf keeps the full vocabulary.
+
+    Returns:
+      `SafeSetSums`.
+    """
+    z_max = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
+    shifted = z - z_max
+    safe = z >= z_max + _as_log_rho(log_rho)  # E1
+    e = jnp.exp(shifted)  # <= 1, never overflows
+    return SafeSetSums(
+        z_max=z_max,
+        shifted=shifted,
+        safe=safe,
+        exp_shifted=e,
+        sum_safe=jnp.sum(jnp.where(safe, e, 0.0), axis=-1, keepdims=True),
+        sum_out=jnp.sum(jnp.where(safe, 0.0, e), axis=-1, keepdims=True),
+    )
+
+
+def token_logprobs(sums: SafeSetSums, y: jax.Array) -> TokenLogprobs:
+    """E2-E3 of tokens y under the distribution summarised by `sums` (from `safe_set_sums`).
+
+    log pi_S(y) = (z_y - z_max) - log sum_safe for y in V_S, else `LOGP_FLOOR` (E2);
+    log pi(y) = (z_y - z_max) - log(sum_safe + sum_out); delta_S and |V_S| as in `SafeSetSums`.
+
+    Args:
+      sums: the core of one distribution per row, leading shape `[...]`.
+      y: `[...]` int token ids in [0, V).
+
+    Returns:
+      `TokenLogprobs` with fields of shape `[...]`.
+    """
+    take = lambda a: jnp.take_along_axis(a, y[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    shifted_y = take(sums.shifted)
+    in_safe = take(sums.safe)
+    return TokenLogprobs(
+        logp=jnp.where(in_safe, shifted_y - jnp.log(sums.sum_safe[..., 0]), LOGP_FLOOR),
+        in_safe=in_safe,
+        pruned_mass=sums.pruned_mass,
+        safe_size=sums.safe_size,
+        logp_full=shifted_y - jnp.log((sums.sum_safe + sums.sum_out)[..., 0]),
+    )
+
+
 def safe_set(logits: jax.Array, log_rho: float | jax.Array | None, temperature=1.0) -> jax.Array:
     """Safe set V_S (E1): `z_a >= max_b z_b + log_rho` with `z = logits / tau`.
 
@@ -104,25 +195,7 @@ def safe_set(logits: jax.Array, log_rho: float | jax.Array | None, temperature=1
     Returns:
       `[..., V]` bool mask; the argmax is always inside.
     """
-    z = _scaled_logits(logits, temperature)
-    return z >= jnp.max(z, axis=-1, keepdims=True) + _as_log_rho(log_rho)
-
-
-def _pruned_log_softmax(z: jax.Array, log_rho) -> tuple[jax.Array, jax.Array, PruneStats]:
-    """(logp, mask, stats) from float32 scaled logits z `[..., V]`."""
-    m = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
-    mask = z >= m + _as_log_rho(log_rho)
-    e = jnp.exp(z - m)  # <= 1, never overflows
-    sum_safe = jnp.sum(jnp.where(mask, e, 0.0), axis=-1, keepdims=True)  # >= 1 (argmax)
-    # The pruned mass from the pruned terms themselves: 1 - sum_safe / sum_full would lose
-    # masses of order 1e-7 (the typical size for rho = e^-13) to cancellation.
-    sum_out = jnp.sum(jnp.where(mask, 0.0, e), axis=-1, keepdims=True)
-    logp = jnp.where(mask, z - (m + jnp.log(sum_safe)), LOGP_FLOOR)
-    stats = PruneStats(
-        pruned_mass=(sum_out / (sum_safe + sum_out))[..., 0],
-        safe_size=jnp.sum(mask, axis=-1, dtype=jnp.int32),
-    )
-    return logp, mask, stats
+    return safe_set_sums(_scaled_logits(logits, temperature), log_rho).safe
 
 
 def pruned_log_softmax(
@@ -142,8 +215,9 @@ def pruned_log_softmax(
     Returns:
       `(logp [..., V] float32, PruneStats([...], [...]))`.
     """
-    logp, _, stats = _pruned_log_softmax(_scaled_logits(logits, temperature), log_rho)
-    return logp, stats
+    sums = safe_set_sums(_scaled_logits(logits, temperature), log_rho)
+    logp = jnp.where(sums.safe, sums.shifted - jnp.log(sums.sum_safe), LOGP_FLOOR)
+    return logp, PruneStats(pruned_mass=sums.pruned_mass, safe_size=sums.safe_size)
 
 
 def pruned_token_logprobs(
@@ -160,16 +234,7 @@ def pruned_token_logprobs(
     Returns:
       `TokenLogprobs` with fields of shape `[...]`.
     """
-    z = _scaled_logits(logits, temperature)
-    logp, mask, stats = _pruned_log_softmax(z, log_rho)
-    take = lambda a: jnp.take_along_axis(a, y[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    return TokenLogprobs(
-        logp=take(logp),
-        in_safe=take(mask),
-        pruned_mass=stats.pruned_mass,
-        safe_size=stats.safe_size,
-        logp_full=take(jax.nn.log_softmax(z, axis=-1)),
-    )
+    return token_logprobs(safe_set_sums(_scaled_logits(logits, temperature), log_rho), y)
 
 
 # ---------------------------------------------------------------------------------------------

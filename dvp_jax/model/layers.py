@@ -1,7 +1,7 @@
 """Basic layers: RMSNorm, rotary position embedding, SwiGLU MLP, parameter helpers.
 
-Einsum letters (STYLE.md): b batch, t time, d model, n heads, k kv heads, h head dim, f ffw,
-v vocab.
+Einsum letters (docs/design.md section 5): b batch, t time, d model, n heads, k kv heads,
+h head dim, f ffw, v vocab.
 """
 
 from __future__ import annotations

@@ -16,10 +16,11 @@ Data flow per request (b = slot, M = max_decode_length, S = max_prefill_length +
   with sample indices 0..G-1.
 * `generate(params, state)`: for every slot, samples the next token from the slot's pending
   logits (E4, `sampling.sample` with key `fold_in(slot key, step)`), records per generated token
-  its id, log mu_S, unpruned log mu, pruned mass and safe-set size, then runs one decode step to
-  get the next pending logits. A slot finishes at a stop token (recorded, counted in the length)
-  or after M tokens. Keys depend only on (request key, sample index, step), never on the slot or
-  the schedule, so a fixed seed reproduces a rollout exactly.
+  its id and the sampler's `pruning.TokenLogprobs` under the `behaviour_` names (log mu_S,
+  unpruned log mu, pruned mass, safe-set size; docs/design.md section 2), then runs one decode
+  step to get the next pending logits. A slot finishes at a stop token (recorded, counted in the
+  length) or after M tokens. Keys depend only on (request key, sample index, step), never on the
+  slot or the schedule, so a fixed seed reproduces a rollout exactly.
 
 Jitted functions take the parameters as an argument (never closed over), so `update_params`
 (cast + reshard of trainer weights) never recompiles: tests assert the compile caches do not grow.
@@ -55,14 +56,15 @@ from dvp_jax.sharding import (
     state_shardings,
 )
 
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Rollout engine settings (static shapes, precision and default sampling).
 
     Attributes:
-      dtype: rollout precision: 'float32' (no mismatch with the trainer), 'bfloat16' (params,
-        activations and KV cache; the default) or 'bfloat16_fp8kv' (bf16 with a float8_e4m3fn
-        KV cache).
+      dtype: rollout precision, one of `PRECISIONS`: 'float32' (no mismatch with the
+        trainer), 'bfloat16' (params, activations and KV cache; the default) or
+        'bfloat16_fp8kv' (bf16 with a float8_e4m3fn KV cache).
       noise_std: sigma of additive Gaussian noise on the rollout logits before pruning
         (0 = off); a controlled, stronger mismatch.
       max_concurrent_decodes: decode slots (the decode batch).
@@ -153,10 +155,11 @@ class DecodeState:
       done: `[B]` bool, True once a slot finished (or was never filled).
       key: `[B, 2]` uint32 raw per-slot PRNG key.
       tokens: `[B, M]` int32 generated token ids.
-      logp: `[B, M]` float32 log mu_S of each generated token (E4, pruned behaviour log-prob).
-      logp_full: `[B, M]` float32 unpruned log mu.
-      pruned_mass: `[B, M]` float32 delta_S (E3).
-      safe_size: `[B, M]` int32 |V_S| (E1).
+      behaviour_logp: `[B, M]` float32 log mu_S of each generated token (E4, pruned behaviour
+        log-prob; `TokenLogprobs.logp` of the sampler).
+      behaviour_logp_full: `[B, M]` float32 unpruned log mu.
+      behaviour_pruned_mass: `[B, M]` float32 delta_S of the rollout safe set (E3).
+      behaviour_safe_size: `[B, M]` int32 |V_S| of the rollout safe set (E1).
       sampling: the sampling parameters (arrays, so changing them never recompiles).
     """
 
@@ -167,15 +170,21 @@ class DecodeState:
     done: jax.Array
     key: jax.Array
     tokens: jax.Array
-    logp: jax.Array
-    logp_full: jax.Array
-    pruned_mass: jax.Array
-    safe_size: jax.Array
+    behaviour_logp: jax.Array
+    behaviour_logp_full: jax.Array
+    behaviour_pruned_mass: jax.Array
+    behaviour_safe_size: jax.Array
     sampling: sampling.SamplingParams
 
 
-# The per-generated-token record arrays of `DecodeState`.
-RECORD_FIELDS = ("tokens", "logp", "logp_full", "pruned_mass", "safe_size")
+# The per-generated-token record arrays of `DecodeState` (the names `RolloutBatch` keeps).
+RECORD_FIELDS = (
+    "tokens",
+    "behaviour_logp",
+    "behaviour_logp_full",
+    "behaviour_pruned_mass",
+    "behaviour_safe_size",
+)
 
 
 def _key_data(key: jax.Array) -> jax.Array:
@@ -400,10 +409,10 @@ class RolloutEngine(engine_api.Engine):
             done=jnp.ones((b,), bool),
             key=jnp.zeros((b,) + self._base_key.shape, jnp.uint32),
             tokens=jnp.zeros((b, m), jnp.int32),
-            logp=jnp.zeros((b, m), jnp.float32),
-            logp_full=jnp.zeros((b, m), jnp.float32),
-            pruned_mass=jnp.zeros((b, m), jnp.float32),
-            safe_size=jnp.zeros((b, m), jnp.int32),
+            behaviour_logp=jnp.zeros((b, m), jnp.float32),
+            behaviour_logp_full=jnp.zeros((b, m), jnp.float32),
+            behaviour_pruned_mass=jnp.zeros((b, m), jnp.float32),
+            behaviour_safe_size=jnp.zeros((b, m), jnp.int32),
             sampling=params,
         )
 
@@ -455,7 +464,8 @@ class RolloutEngine(engine_api.Engine):
         keys = jax.vmap(lambda k, s: jax.random.fold_in(jax.random.wrap_key_data(k), s))(
             state.key, state.step
         )
-        tokens, stats = sampling.sample(keys, state.logits, state.sampling)
+        # tokens [B] and their pruning.TokenLogprobs (E2-E4) under the slot's mu_S.
+        tokens, sampled = sampling.sample(keys, state.logits, state.sampling)
 
         rows, col = jnp.arange(b), jnp.minimum(state.step, m - 1)
 
@@ -473,10 +483,10 @@ class RolloutEngine(engine_api.Engine):
             step=step,
             done=done,
             tokens=record(state.tokens, tokens),
-            logp=record(state.logp, stats.logp),
-            logp_full=record(state.logp_full, stats.logp_full),
-            pruned_mass=record(state.pruned_mass, stats.pruned_mass),
-            safe_size=record(state.safe_size, stats.safe_size),
+            behaviour_logp=record(state.behaviour_logp, sampled.logp),
+            behaviour_logp_full=record(state.behaviour_logp_full, sampled.logp_full),
+            behaviour_pruned_mass=record(state.behaviour_pruned_mass, sampled.pruned_mass),
+            behaviour_safe_size=record(state.behaviour_safe_size, sampled.safe_size),
         )
         # JetStream's result layout: [tokens | valid | lengths], one speculation per slot.
         data = jnp.stack([tokens, active.astype(jnp.int32), step], axis=-1)

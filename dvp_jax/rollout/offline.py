@@ -1,15 +1,15 @@
 """RL rollouts through the Engine API: P prompts x G samples -> a fixed-shape `RolloutBatch`.
 
 JetStream 0.2.2's orchestrator returns no log-probs and cannot swap weights, so the RL loop
-drives `RolloutEngine` directly (DESIGN.md sections 3-4):
+drives `RolloutEngine` directly (docs/design.md sections 3-4):
 
 * each prompt is prefilled exactly once, and its `Prefix` is inserted into G decode slots with
   sample indices 0..G-1 (each slot's key is `fold_in(fold_in(rng, p), g)`);
 * continuous batching: whenever a slot finishes (stop token or `max_decode_length`), its record
   is copied out and the next (prompt, sample) pair is inserted into it;
-* the per-token records of the engine (token, log mu_S, log mu, delta_S, |V_S|; E4) are laid out
-  as `[N, T]` arrays aligned with the tokens, N = P * G (row `p * G + g`), T = prompt_len +
-  max_decode_length.
+* the per-token records of the engine (`RECORD_FIELDS`: token, log mu_S, log mu, delta_S, |V_S|;
+  E4) are laid out under the same names as `[N, T]` arrays aligned with the tokens, N = P * G
+  (row `p * G + g`), T = prompt_len + max_decode_length.
 
 The output is deterministic in `rng`: keys depend on (prompt, sample, step) only, not on slots.
 """
@@ -35,17 +35,19 @@ class RolloutBatch:
     Row `i = p * G + g` holds prompt `p` on columns `[0, Lp)`, its g-th response on
     `[Lp, Lp + R)` and padding (token 0) after. A response includes its final stop token.
     The per-token statistics sit at the column of the token they describe, e.g.
-    `behaviour_logprobs[i, t] = log mu_S(tokens[i, t] | tokens[i, :t])` where
-    `response_mask[i, t]`, and 0 elsewhere.
+    `behaviour_logp[i, t] = log mu_S(tokens[i, t] | tokens[i, :t])` where
+    `response_mask[i, t]`, and 0 elsewhere. The `behaviour_*` fields are the sampler's
+    `pruning.TokenLogprobs` (E2-E4, docs/design.md section 2) with the rollout-side prefix; the
+    trainer's own values of the same quantities drop it (`logp`, `logp_full`, ...).
 
     Attributes:
       tokens: [N, T] int32.
       prompt_mask: [N, T] bool, True on prompt tokens.
       response_mask: [N, T] bool, True on generated tokens.
-      behaviour_logprobs: [N, T] float32, log mu_S (E4, the pruned rollout distribution).
-      unpruned_logprobs: [N, T] float32, log mu (rollout logits, no pruning).
-      pruned_mass: [N, T] float32, delta_S of the rollout's safe set (E3).
-      safe_size: [N, T] int32, |V_S| of the rollout's safe set (E1).
+      behaviour_logp: [N, T] float32, log mu_S (E4, the pruned rollout distribution).
+      behaviour_logp_full: [N, T] float32, log mu (rollout logits, no pruning).
+      behaviour_pruned_mass: [N, T] float32, delta_S of the rollout's safe set (E3).
+      behaviour_safe_size: [N, T] int32, |V_S| of the rollout's safe set (E1).
       prompt_index: [N] int32, p.
       group_index: [N] int32, g (sample index within the prompt's group).
       prompt_lengths: [N] int32, Lp.
@@ -57,10 +59,10 @@ class RolloutBatch:
     tokens: np.ndarray
     prompt_mask: np.ndarray
     response_mask: np.ndarray
-    behaviour_logprobs: np.ndarray
-    unpruned_logprobs: np.ndarray
-    pruned_mass: np.ndarray
-    safe_size: np.ndarray
+    behaviour_logp: np.ndarray
+    behaviour_logp_full: np.ndarray
+    behaviour_pruned_mass: np.ndarray
+    behaviour_safe_size: np.ndarray
     prompt_index: np.ndarray
     group_index: np.ndarray
     prompt_lengths: np.ndarray
@@ -147,9 +149,10 @@ def generate_rollouts(
     n_prompts, g_size, m = len(token_lists), num_samples, engine.max_decode_length
     n, t = n_prompts * g_size, prompt_len + m
 
-    tokens = np.zeros((n, t), np.int32)
-    records = {f: np.zeros((n, t), np.float32) for f in ("logp", "logp_full", "pruned_mass")}
-    safe_size = np.zeros((n, t), np.int32)
+    state = engine.init_decode_state(sampling=sampling)
+    # One [N, T] host array per engine record (`RECORD_FIELDS`), in the record's dtype.
+    records = {f: np.zeros((n, t), getattr(state, f).dtype) for f in RECORD_FIELDS}
+    tokens = records["tokens"]
     prompt_lengths = np.zeros((n,), np.int32)
     response_lengths = np.zeros((n,), np.int32)
     finished = np.zeros((n,), bool)
@@ -162,7 +165,6 @@ def generate_rollouts(
     pending = collections.deque((p, g) for p in range(n_prompts) for g in range(g_size))
     prefixes: dict[int, list] = {}  # p -> [Prefix, inserts left]
     owner: list[tuple[int, int] | None] = [None] * engine.max_concurrent_decodes
-    state = engine.init_decode_state(sampling=sampling)
 
     def harvest(state, slots):
         host = jax.device_get({f: getattr(state, f) for f in RECORD_FIELDS + ("step",)})
@@ -170,10 +172,8 @@ def generate_rollouts(
             p, g = owner[slot]
             i, r = p * g_size + g, int(host["step"][slot])
             cols = slice(prompt_lengths[i], prompt_lengths[i] + r)
-            tokens[i, cols] = host["tokens"][slot, :r]
-            for f in records:
+            for f in RECORD_FIELDS:
                 records[f][i, cols] = host[f][slot, :r]
-            safe_size[i, cols] = host["safe_size"][slot, :r]
             response_lengths[i] = r
             finished[i] = r > 0 and bool(np.isin(host["tokens"][slot, r - 1], stop))
             owner[slot] = None
@@ -211,13 +211,9 @@ def generate_rollouts(
     response_mask = ~prompt_mask & (positions < (prompt_lengths + response_lengths)[:, None])
     rows = np.arange(n)
     return RolloutBatch(
-        tokens=tokens,
+        **records,  # tokens and the behaviour_* statistics
         prompt_mask=prompt_mask,
         response_mask=response_mask,
-        behaviour_logprobs=records["logp"],
-        unpruned_logprobs=records["logp_full"],
-        pruned_mass=records["pruned_mass"],
-        safe_size=safe_size,
         prompt_index=(rows // g_size).astype(np.int32),
         group_index=(rows % g_size).astype(np.int32),
         prompt_lengths=prompt_lengths,

@@ -6,12 +6,17 @@ One step for a batch of rows, a pure function of arrays (the engine's jitted `ge
   V_S = { a : z_a >= max_b z_b + log_rho }  (E1; log_rho = -inf keeps the whole vocabulary)
   y  ~ mu_S = softmax(z restricted to V_S)  (E4, exponential race), or argmax z when greedy
 
-and for each sampled y it records (E4): log mu_S(y) = z_y - logsumexp_{V_S} z, the unpruned
-log mu(y) = z_y - logsumexp_V z, the pruned mass delta_S = 1 - sum_{V_S} softmax(z) (E3) and
-|V_S|. The noise models a larger rollout/trainer mismatch for controlled experiments: it is part
-of the behaviour policy, so the recorded log mu_S are those of the noisy logits actually sampled
-from. With `greedy` the token is the argmax of z (always in V_S) and the recorded log-probs are
-still those of mu_S (the model's pruned distribution, not the degenerate greedy policy).
+and for each sampled y it records (E4) a `pruning.TokenLogprobs`: log mu_S(y) = z_y -
+logsumexp_{V_S} z, the unpruned log mu(y) = z_y - logsumexp_V z, the pruned mass delta_S = 1 -
+sum_{V_S} softmax(z) (E3) and |V_S| (docs/design.md section 2). E1-E3 are not re-implemented here:
+the safe set, the shifted exponentials and their sums come from `pruning.safe_set_sums` and the
+token record from `pruning.token_logprobs`, the same code the reference path
+`pruning.pruned_token_logprobs` runs; the race reuses those exponentials.
+
+The noise models a larger rollout/trainer mismatch for controlled experiments: it is part of the
+behaviour policy, so the recorded log mu_S are those of the noisy logits actually sampled from.
+With `greedy` the token is the argmax of z (always in V_S) and the recorded log-probs are still
+those of mu_S (the model's pruned distribution, not the degenerate greedy policy).
 
 Sampling parameters are arrays, not Python constants, so changing temperature, threshold, noise
 or greedy never recompiles the engine. Everything here runs in float32.
@@ -24,6 +29,8 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+from dvp_jax.dvp import pruning
 
 
 @struct.dataclass
@@ -70,23 +77,6 @@ def check_sampling_values(temperature: float, log_rho: float, noise_std: float) 
         raise ValueError(f"SamplingParams.noise_std must be finite and >= 0, got {noise_std}")
 
 
-@struct.dataclass
-class SampleStats:
-    """Per-sampled-token statistics (E4), each `[b]`.
-
-    Attributes:
-      logp: float32, log mu_S(y) (pruned behaviour log-prob).
-      logp_full: float32, unpruned log mu(y).
-      pruned_mass: float32, delta_S (E3).
-      safe_size: int32, |V_S| (E1).
-    """
-
-    logp: jax.Array
-    logp_full: jax.Array
-    pruned_mass: jax.Array
-    safe_size: jax.Array
-
-
 def scaled_logits(
     logits: jax.Array, params: SamplingParams, noise_key: jax.Array | None = None
 ) -> jax.Array:
@@ -112,21 +102,16 @@ def scaled_logits(
     return z / tau
 
 
-def safe_set(z: jax.Array, log_rho: jax.Array) -> jax.Array:
-    """E1 on already-scaled logits z [b, v]: z_a >= max_b z_b + log_rho (bool [b, v])."""
-    return z >= jnp.max(z, axis=-1, keepdims=True) + log_rho
-
-
 def sample(
     key: jax.Array, logits: jax.Array, params: SamplingParams
-) -> tuple[jax.Array, SampleStats]:
+) -> tuple[jax.Array, pruning.TokenLogprobs]:
     """Draws one token per row from the pruned distribution mu_S (E4) and records its stats.
 
     The draw is the exponential race y = argmax_a w_a / E_a with w_a = exp(z_a - max z) on V_S
     (0 elsewhere) and E_a ~ Exp(1) i.i.d., which picks a with probability w_a / sum_b w_b =
     mu_S(a) exactly. It is the Gumbel-max trick (log(w_a / E_a) = z_a - max z + Gumbel_a) with
-    one logarithm per entry instead of two (half the sampling cost on CPU), and it reuses the
-    exponentials of the statistics.
+    one logarithm per entry instead of two (half the sampling cost on CPU), and its w are the
+    exponentials `pruning.safe_set_sums` computes for the statistics.
 
     Args:
       key: [b] PRNG keys, one per row; each is split into a noise key and a sampling key, so a
@@ -134,43 +119,16 @@ def sample(
       logits: [b, v] raw next-token logits (float32 from the model).
       params: sampling parameters.
     Returns:
-      (tokens [b] int32, SampleStats with fields [b]).
+      (tokens [b] int32, `pruning.TokenLogprobs` with fields [b] of the sampled tokens under
+      mu_S; `in_safe` is always True, so `logp` never holds `pruning.LOGP_FLOOR`).
     """
     keys = jax.vmap(lambda k: jax.random.split(k, 2))(key)  # [b, 2] keys
     z = scaled_logits(logits, params, keys[:, 0])
-    z_max = jnp.max(z, axis=-1, keepdims=True)
-    safe = z >= z_max + params.log_rho  # E1
-    w = jnp.exp(z - z_max)  # in (0, 1], exactly 1 at the argmax
-    w_safe = jnp.where(safe, w, 0.0)
+    sums = pruning.safe_set_sums(z, params.log_rho)  # E1-E3 core, log_rho traced
+    w_safe = jnp.where(sums.safe, sums.exp_shifted, 0.0)  # in [0, 1], exactly 1 at the argmax
     # u in [tiny, 1), so E = -log u is finite and > 0: no 0/0, and pruned tokens score 0.
     tiny = jnp.finfo(jnp.float32).tiny
     u = jax.vmap(lambda k: jax.random.uniform(k, z.shape[-1:], minval=tiny))(keys[:, 1])
     sampled = jnp.argmax(w_safe / -jnp.log(u), axis=-1)
     tokens = jnp.where(params.greedy, jnp.argmax(z, axis=-1), sampled).astype(jnp.int32)
-    return tokens, _stats(z, z_max, w, w_safe, safe, tokens)
-
-
-def token_stats(z: jax.Array, safe: jax.Array, tokens: jax.Array) -> SampleStats:
-    """E2-E4 statistics of `tokens` under scaled logits z [b, v] with safe set `safe` [b, v].
-
-    A token outside V_S (impossible for `sample`, possible for teacher forcing) gets
-    log mu_S = -inf.
-    """
-    z_max = jnp.max(z, axis=-1, keepdims=True)
-    w = jnp.exp(z - z_max)
-    return _stats(z, z_max, w, jnp.where(safe, w, 0.0), safe, tokens)
-
-
-def _stats(z, z_max, w, w_safe, safe, tokens) -> SampleStats:
-    """Statistics from the shifted exponentials w = exp(z - max z) (all <= 1, no overflow)."""
-    total = jnp.sum(w, axis=-1)  # >= 1: the argmax contributes exactly 1
-    kept = jnp.sum(w_safe, axis=-1)  # >= 1 as well: the argmax is always safe
-    take = lambda a: jnp.take_along_axis(a, tokens[:, None], axis=-1)[:, 0]
-    z_y = take(z) - z_max[:, 0]
-    return SampleStats(
-        logp=jnp.where(take(safe), z_y - jnp.log(kept), -jnp.inf),
-        logp_full=z_y - jnp.log(total),
-        # delta_S summed over the pruned entries directly, so tiny masses (1e-9) stay accurate.
-        pruned_mass=jnp.sum(w - w_safe, axis=-1) / total,
-        safe_size=jnp.sum(safe, axis=-1, dtype=jnp.int32),
-    )
+    return tokens, pruning.token_logprobs(sums, tokens)

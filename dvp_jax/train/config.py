@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from typing import Any
 
 import ml_collections
 
 from dvp_jax.dvp.losses import PRESETS as LOSS_PRESETS
 from dvp_jax.dvp.losses import LossConfig
-from dvp_jax.model.config import PRESETS as MODEL_PRESETS
 from dvp_jax.model.config import PRECISIONS, DTypePolicy, ModelConfig
+from dvp_jax.model.config import PRESETS as MODEL_PRESETS
 from dvp_jax.sharding import MeshConfig
 
 TASKS = ("arithmetic", "math")
@@ -44,23 +45,25 @@ def _pos_float(field: str, value: Any, allow_zero: bool = False) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-    """The inference side: JetStream engine precision and sampling."""
+    """The inference side: JetStream engine precision and sampling.
 
-    dtype: str = "bfloat16"  # the precision split: float32 turns the mismatch off
-    logit_noise: float = 0.0  # std of additive Gaussian logit noise before pruning (experiments)
+    Field names are `EngineConfig`'s (and JetStream's Engine properties'), so one vocabulary
+    runs from the config file to the engine.
+    """
+
+    dtype: str = "bfloat16"  # one of PRECISIONS; float32 turns the precision mismatch off
+    noise_std: float = 0.0  # std of additive Gaussian logit noise before pruning (experiments)
     temperature: float = 1.0
-    max_new_tokens: int = 8
-    num_slots: int = 64  # concurrent decode slots of the engine
+    max_decode_length: int = 8  # most tokens generated per response
+    max_concurrent_decodes: int = 64  # decode slots of the engine
     tensor_parallel: int = 1  # the engine's mesh: (1, 1, tensor_parallel) local devices
 
     def __post_init__(self):
-        _check(
-            self.dtype in PRECISIONS, "rollout.dtype", f"one of {PRECISIONS}", self.dtype
-        )
-        _pos_float("rollout.logit_noise", self.logit_noise, allow_zero=True)
+        _check(self.dtype in PRECISIONS, "rollout.dtype", f"one of {PRECISIONS}", self.dtype)
+        _pos_float("rollout.noise_std", self.noise_std, allow_zero=True)
         _pos_float("rollout.temperature", self.temperature)
-        _int("rollout.max_new_tokens", self.max_new_tokens, 1)
-        _int("rollout.num_slots", self.num_slots, 1)
+        _int("rollout.max_decode_length", self.max_decode_length, 1)
+        _int("rollout.max_concurrent_decodes", self.max_concurrent_decodes, 1)
         _int("rollout.tensor_parallel", self.tensor_parallel, 1)
 
     @property
@@ -176,7 +179,7 @@ class EvalConfig:
     every: int = 10  # 0: only at the start and the end of RL
     num_prompts: int = 128
     k: int = 4  # avg@k: k samples per held-out prompt
-    # Sample the evaluation with rollout.logit_noise too (False: the policy at rollout precision,
+    # Sample the evaluation with rollout.noise_std too (False: the policy at rollout precision,
     # noise being a mismatch knob of the experiments rather than part of the policy).
     with_rollout_noise: bool = False
 
@@ -219,33 +222,26 @@ class ExperimentConfig:
 
     @classmethod
     def from_config_dict(cls, cd: ml_collections.ConfigDict, vocab_size: int) -> ExperimentConfig:
-        """Validates a ConfigDict once; `vocab_size` is the tokenizer's (model.vocab_size=-1)."""
+        """Validates a ConfigDict once; `vocab_size` is the tokenizer's (model.vocab_size=-1).
+
+        `None` (an unset placeholder of `default_config`) means "not set here": the model field
+        comes from `model.preset`, the loss field from the method preset (or, for
+        `loss.temperature`, from `rollout.temperature`).
+        """
         d = cd.to_dict() if isinstance(cd, ml_collections.ConfigDict) else dict(cd)
-        known = {
-            "model",
-            "mesh",
-            "rollout",
-            "loss",
-            "method",
-            "data",
-            "train",
-            "sft",
-            "eval",
-            "checkpoint",
-            "log_every",
-            "plots",
-        }
-        unknown = sorted(set(d) - known)
+        unknown = sorted(set(d) - set(_SECTIONS) - set(_TOP_LEVEL))
         if unknown:
             raise ValueError(
-                f"config has unknown top-level fields {unknown}; allowed: {sorted(known)}"
+                f"config has unknown top-level fields {unknown}; "
+                f"allowed: {sorted(set(_SECTIONS) | set(_TOP_LEVEL))}"
             )
+        unset = lambda section: {k: v for k, v in dict(d.get(section, {})).items() if v is not None}
 
-        model_d = dict(d.get("model", {}))
+        model_d = unset("model")
         preset = model_d.pop("preset", "tiny")
         hf_path = model_d.pop("hf_path", "") or ""
         _check(preset in MODEL_PRESETS, "model.preset", f"one of {sorted(MODEL_PRESETS)}", preset)
-        if model_d.get("vocab_size", -1) in (-1, None):
+        if model_d.get("vocab_size", -1) == -1:
             # Round the tokenizer's vocabulary up to a multiple of 8 so it shards evenly.
             model_d["vocab_size"] = -(-vocab_size // 8) * 8
         _check(
@@ -260,12 +256,9 @@ class ExperimentConfig:
 
         method = d.get("method", "dvp")
         _check(method in LOSS_PRESETS, "method", f"one of {tuple(LOSS_PRESETS)}", method)
-        loss_d = {
-            k: v for k, v in dict(d.get("loss", {})).items() if v is not None or k == "ppo_clip_eps"
-        }
-        loss_fields = {**LOSS_PRESETS[method], **loss_d}
+        rollout = _build("rollout", RolloutConfig, d.get("rollout", {}))
         # Both sides prune with the same rule (E1) after the same temperature.
-        loss_fields.setdefault("temperature", dict(d.get("rollout", {})).get("temperature", 1.0))
+        loss_fields = {"temperature": rollout.temperature, **LOSS_PRESETS[method], **unset("loss")}
         loss = _build("loss", LossConfig, loss_fields)
         train = _build("train", TrainConfig, d.get("train", {}))
         if train.updates_per_batch > 1 and loss.ppo_clip_eps is None:
@@ -278,7 +271,7 @@ class ExperimentConfig:
         cfg = cls(
             model=model,
             mesh=_build("mesh", MeshConfig, d.get("mesh", {})),
-            rollout=_build("rollout", RolloutConfig, d.get("rollout", {})),
+            rollout=rollout,
             loss=loss,
             method=method,
             data=_build("data", DataConfig, d.get("data", {})),
@@ -294,6 +287,66 @@ class ExperimentConfig:
         return cfg
 
 
+# Sections of the ConfigDict and the dataclass each becomes.
+_SECTIONS = {
+    "model": ModelConfig,
+    "mesh": MeshConfig,
+    "rollout": RolloutConfig,
+    "loss": LossConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "sft": SFTConfig,
+    "eval": EvalConfig,
+    "checkpoint": CheckpointConfig,
+}
+_TOP_LEVEL = ("method", "log_every", "plots")
+
+
+def default_config(method: str = "dvp") -> ml_collections.ConfigDict:
+    """Every field of every section with its default: the base each `configs/*.py` edits.
+
+    The defaults live in the dataclasses above (and `ModelConfig` / `LossConfig`); a config
+    file states only what differs. Fields whose value comes from a preset are typed
+    placeholders (None = "from the preset"): every `ModelConfig` field (`model.preset`), the
+    method preset's `loss.prune` / `loss.correction`, and `loss.temperature` (defaults to
+    `rollout.temperature`). So every field exists, can be overridden from the command line with
+    its type checked, and a misspelt override fails (the ConfigDict is locked by `main.py`).
+    """
+    c = ml_collections.ConfigDict()
+    c.method = method or "dvp"  # rloo | tis | mis | dvp | mis_dvp (docs/design.md section 2)
+    from_preset = {"model": {f.name for f in dataclasses.fields(ModelConfig)}}
+    from_preset["loss"] = {"prune", "correction", "temperature"}
+    for section, cls in _SECTIONS.items():
+        sub = ml_collections.ConfigDict()
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = None if f.name in from_preset.get(section, ()) else _default(f)
+            if default is None:
+                default = ml_collections.config_dict.placeholder(_base_type(hints[f.name]))
+            sub[f.name] = default
+        c[section] = sub
+    c.model.preset = "tiny"  # a ModelConfig preset name; the fields above override it
+    c.model.vocab_size = -1  # -1: the tokenizer's vocabulary rounded up to a multiple of 8
+    c.model.hf_path = ""  # a local Hugging Face Qwen3 directory to start from ("" = random init)
+    for name in _TOP_LEVEL[1:]:
+        c[name] = _default(next(f for f in dataclasses.fields(ExperimentConfig) if f.name == name))
+    return c
+
+
+def _default(field: dataclasses.Field):
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return None
+
+
+def _base_type(hint) -> type:
+    """`float | None` -> float (the type a placeholder accepts)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
 def _build(section: str, cls, values: dict[str, Any], base=None):
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - names)
@@ -305,4 +358,5 @@ def _build(section: str, cls, values: dict[str, Any], base=None):
         msg = str(e)
         if f"config.{section}" in msg:
             raise
+        # Dataclass validators name their own class (`LossConfig.cap`); say where it was set.
         raise ValueError(f"config.{section}: {msg}") from None

@@ -1,18 +1,17 @@
-"""The jitted train steps: DVP-RLOO (E2, E5-E9) and the supervised warm-up.
+"""The DVP-RLOO update (E2, E5-E9): a pure function of (TrainState, RLBatch), jitted once.
 
-Both steps are pure functions of (TrainState, batch) -> (TrainState, metrics), jitted once with
-explicit in/out shardings and the state donated. The trainer applies the unembedding itself in
-vocabulary chunks (`chunked_pruned_logprobs`), so no `[tokens, vocab]` fp32 logits exist.
+`rl_update(state, batch) -> (state, metrics)` is jitted by `jit_step` with explicit in/out
+shardings and the state donated. The trainer applies the unembedding itself in vocabulary chunks
+(`token_logprobs` -> `chunked_pruned_logprobs`), so no `[tokens, vocab]` fp32 logits exist.
+`apply_gradients` is shared with the supervised warm-up (`train/sft.py`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
@@ -20,60 +19,8 @@ from dvp_jax.dvp import diagnostics
 from dvp_jax.dvp.losses import LossConfig, dvp_loss
 from dvp_jax.dvp.pruning import TokenLogprobs, chunked_pruned_logprobs
 from dvp_jax.sharding import Sharder
+from dvp_jax.train.batch import RLBatch
 from dvp_jax.train.state import TrainState, skipped_updates
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class RLBatch:
-    """One optimizer step's responses. T = prompt + response length; targets are tokens[:, 1:].
-
-    Attributes:
-      tokens, positions: [B, T] int32; valid: [B, T] bool (prompt and response tokens).
-      response_mask: [B, T-1] bool, True where target tokens[:, t+1] is a response token.
-      logp_rollout: [B, T-1] log mu_S of the target (E4); logp_full_rollout: unpruned log mu.
-      pruned_mass_rollout, safe_size_rollout: [B, T-1] rollout-side E3 / |V_S|.
-      advantages: [B] (E8).
-      logp_old: [B, T-1] log pi_S_old for the decoupled PPO clip (zeros when unused).
-    """
-
-    tokens: jax.Array
-    positions: jax.Array
-    valid: jax.Array
-    response_mask: jax.Array
-    logp_rollout: jax.Array
-    logp_full_rollout: jax.Array
-    pruned_mass_rollout: jax.Array
-    safe_size_rollout: jax.Array
-    advantages: jax.Array
-    logp_old: jax.Array
-
-
-def synthetic_batch(
-    vocab_size: int, rows: int, length: int, prompt_len: int, seed: int = 0
-) -> RLBatch:
-    """A random host RLBatch (numpy) of fixed shapes, for benchmarks and tests.
-
-    Every row has `prompt_len` prompt tokens then response tokens to the end; behaviour
-    logprobs are uniform in [-4, -0.5] on response positions; advantages are standard normal.
-    """
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(3, vocab_size, (rows, length)).astype(np.int32)
-    response = np.zeros((rows, length - 1), bool)
-    response[:, prompt_len - 1 :] = True
-    logp = np.where(response, -rng.uniform(0.5, 4.0, (rows, length - 1)), 0).astype(np.float32)
-    return RLBatch(
-        tokens=tokens,
-        positions=np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)).copy(),
-        valid=np.ones((rows, length), bool),
-        response_mask=response,
-        logp_rollout=logp,
-        logp_full_rollout=logp.copy(),
-        pruned_mass_rollout=np.zeros_like(logp),
-        safe_size_rollout=np.full_like(logp, float(vocab_size)),
-        advantages=rng.normal(size=rows).astype(np.float32),
-        logp_old=np.zeros_like(logp),
-    )
 
 
 def token_logprobs(
@@ -107,7 +54,7 @@ def _normaliser(metrics, loss_cfg: LossConfig):
     return metrics[key]
 
 
-def rl_step(
+def rl_update(
     state: TrainState,
     batch: RLBatch,
     *,
@@ -136,12 +83,13 @@ def rl_step(
         tl = logprob_fn(params, tokens=mb.tokens, positions=mb.positions, valid=mb.valid)
         loss, metrics = dvp_loss(
             tl.logp,
-            mb.logp_rollout,
+            mb.behaviour_logp,
             mb.advantages,
             mb.response_mask,
             tl.in_safe,
             loss_cfg,
-            mb.logp_old if ppo else None,
+            mb.old_logp if ppo else None,
+            mb.old_in_safe if ppo else None,
         )
         z = jax.lax.stop_gradient(_normaliser(metrics, loss_cfg))
         return loss * z, (z, tl)
@@ -164,32 +112,34 @@ def rl_step(
     # Reported loss and loss metrics: the same objective on the whole batch (no model call).
     loss, metrics = dvp_loss(
         tl.logp,
-        batch.logp_rollout,
+        batch.behaviour_logp,
         batch.advantages,
         batch.response_mask,
         tl.in_safe,
         loss_cfg,
-        batch.logp_old if ppo else None,
+        batch.old_logp if ppo else None,
+        batch.old_in_safe if ppo else None,
     )
     metrics |= diagnostics.mismatch_diagnostics(
-        logp_train=tl.logp,
-        logp_rollout=batch.logp_rollout,
+        logp=tl.logp,
+        behaviour_logp=batch.behaviour_logp,
         response_mask=batch.response_mask,
-        in_safe_train=tl.in_safe if loss_cfg.pruning else None,
-        logp_full_train=tl.logp_full,
-        logp_full_rollout=batch.logp_full_rollout,
-        pruned_mass_train=tl.pruned_mass,
-        safe_size_train=tl.safe_size,
-        pruned_mass_rollout=batch.pruned_mass_rollout,
-        safe_size_rollout=batch.safe_size_rollout,
+        in_safe=tl.in_safe if loss_cfg.pruning else None,
+        logp_full=tl.logp_full,
+        behaviour_logp_full=batch.behaviour_logp_full,
+        pruned_mass=tl.pruned_mass,
+        safe_size=tl.safe_size,
+        behaviour_pruned_mass=batch.behaviour_pruned_mass,
+        behaviour_safe_size=batch.behaviour_safe_size,
     )
-    new_state, step_metrics = _apply(state, grads, optimizer)
+    new_state, step_metrics = apply_gradients(state, grads, optimizer)
     metrics |= step_metrics
     metrics["loss"] = loss
     return new_state, metrics
 
 
-def _apply(state: TrainState, grads, optimizer):
+def apply_gradients(state: TrainState, grads, optimizer):
+    """One optax update; metrics grad_norm, update_norm and skipped_updates."""
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {
@@ -199,47 +149,6 @@ def _apply(state: TrainState, grads, optimizer):
     }
     new = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=state.rng)
     return new, metrics
-
-
-def sft_step(state: TrainState, batch, *, graphdef, optimizer, chunk_size: int):
-    """Supervised warm-up: mean negative log-likelihood of the masked (answer) tokens.
-
-    Args:
-      batch: (tokens [B, T] int32 right-padded, loss_mask [B, T] 1.0 on tokens to predict,
-        lengths [B] int32 real lengths).
-    """
-    tokens, loss_mask, lengths = batch
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    valid = positions < lengths[:, None]
-    mask = loss_mask[:, 1:].astype(jnp.float32)
-
-    def loss_fn(params):
-        tl = token_logprobs(
-            params,
-            graphdef,
-            tokens,
-            positions,
-            valid,
-            log_rho=None,
-            temperature=1.0,
-            chunk_size=chunk_size,
-        )
-        return -jnp.sum(tl.logp_full * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
-    new_state, metrics = _apply(state, grads, optimizer)
-    metrics["sft_loss"] = loss
-    return new_state, metrics
-
-
-def batch_shardings(batch: RLBatch, sharder: Sharder):
-    """Batch arrays shard their leading (batch) dim over the data axes."""
-    if sharder.mesh is None:
-        return None
-    return jax.tree.map(
-        lambda x: sharder.sharding(("act_batch",) + (None,) * (x.ndim - 1), x.shape), batch
-    )
 
 
 def jit_step(fn, state_shardings, batch_sh, sharder: Sharder):

@@ -1,17 +1,17 @@
-"""The DVP-RLOO training loop (DESIGN.md section 3), readable top to bottom.
+"""The DVP-RLOO training loop (docs/design.md section 3), readable top to bottom.
 
   prompts (grain) -> rollout engine (JetStream Engine API, bf16, min-p sampling, E4)
-    -> rewards (host) -> RLOO advantages (E8) -> jitted fp32 train step (chunked pruned
-    logprobs E2/E5, loss E7/E9, optax) -> weight sync (cast + reshard) -> metrics / eval /
-    checkpoints.
+    -> rewards (host, `evaluation`) -> RLOO advantages (E8) -> `batch.from_rollouts`
+    -> jitted fp32 update (`step.rl_update`: chunked pruned logprobs E2/E5, loss E7/E9, optax)
+    -> weight sync (cast + reshard) -> metrics / eval / checkpoints.
 
-`train(cfg, workdir)` resumes automatically from the latest checkpoint in `workdir`.
+`train(cfg, workdir)` resumes automatically from the latest checkpoint in `workdir`. A fresh run
+first does the supervised warm-up of `train/sft.py` when the config asks for one.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import time
@@ -21,24 +21,49 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
-from clu import metric_writers
+from clu import metric_writers, periodic_actions
 from flax import nnx
 
-from dvp_jax.data import pipeline, rewards, tasks
+from dvp_jax import metrics as metrics_lib
+from dvp_jax.checkpoint import Checkpointer, abstract_like
+from dvp_jax.data import pipeline
 from dvp_jax.dvp import advantages as adv
 from dvp_jax.model import TRAIN_POLICY, Transformer
 from dvp_jax.model.hf_import import load_hf, load_hf_config
 from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
-from dvp_jax.rollout.offline import RolloutBatch, generate_rollouts
+from dvp_jax.rollout.offline import generate_rollouts
 from dvp_jax.rollout.tokenizers import load_tokenizer
 from dvp_jax.sharding import TRAIN_RULES, MeshConfig, Sharder, init_sharded, make_mesh
+from dvp_jax.train import batch as batch_lib
+from dvp_jax.train import evaluation, sft
 from dvp_jax.train import step as step_lib
-from dvp_jax.checkpoint import Checkpointer, abstract_like
 from dvp_jax.train.config import ExperimentConfig
 from dvp_jax.train.state import TrainState, init_train_state, make_optimizer
 
 # Key streams folded into the run's key: rollouts, evaluation.
 _ROLLOUT_STREAM, _EVAL_STREAM = 0, 1
+
+# Metrics averaged over the last RL steps into summary.json as `final_<name>`.
+SUMMARY_TAIL_METRICS = (
+    "ppl_gap",
+    "log_ppl_diff",
+    "reward_mean",
+    "frac_responses_excluded",
+    "frac_tokens_outside_train_safe",
+)
+
+_ARCHITECTURE_FIELDS = (
+    "vocab_size",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "d_ff",
+    "rope_theta",
+    "rms_norm_eps",
+    "tie_embeddings",
+)
 
 
 class _Preemption:
@@ -57,39 +82,13 @@ class _Preemption:
         self.requested = True
 
 
-def _reward_kind(cfg: ExperimentConfig) -> str:
-    return "exact_match" if cfg.data.task == "arithmetic" else "math_verify"
-
-
-def _host_float_metrics(metrics: dict[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in jax.device_get(metrics).items()}
-
-
-def _response_texts(tokenizer, batch: RolloutBatch) -> list[str]:
-    stop = set(getattr(tokenizer, "stop_tokens", ()) or ())
-    out = []
-    for i in range(batch.num_rows):
-        ids = [int(t) for t in batch.response(i) if int(t) not in stop]
-        out.append(tokenizer.decode(ids))
-    return out
-
-
+# ==============================================================================================
+# Building the pieces of a run
+# ==============================================================================================
 def _check_same_architecture(ours, theirs, path: str) -> None:
-    fields = [
-        "vocab_size",
-        "d_model",
-        "n_layers",
-        "n_heads",
-        "n_kv_heads",
-        "head_dim",
-        "d_ff",
-        "rope_theta",
-        "rms_norm_eps",
-        "tie_embeddings",
-    ]
     diff = [
         f"{f}: config {getattr(ours, f)!r} vs checkpoint {getattr(theirs, f)!r}"
-        for f in fields
+        for f in _ARCHITECTURE_FIELDS
         if getattr(ours, f) != getattr(theirs, f)
     ]
     if diff:
@@ -100,34 +99,47 @@ def _check_same_architecture(ours, theirs, path: str) -> None:
         )
 
 
-def rl_batch_from_rollouts(batch: RolloutBatch, advantages: np.ndarray) -> step_lib.RLBatch:
-    """Host RolloutBatch (stats at the column of the token they describe) -> RLBatch (targets).
-
-    The train step predicts tokens[:, 1:] from tokens[:, :-1], so every per-token array is
-    shifted by one column; the prompt and its response are contiguous in each row.
-    """
-    n, t = batch.tokens.shape
-    valid = batch.prompt_mask | batch.response_mask
-    shift = lambda x: np.ascontiguousarray(x[:, 1:])
-    return step_lib.RLBatch(
-        tokens=batch.tokens.astype(np.int32),
-        positions=np.broadcast_to(np.arange(t, dtype=np.int32), (n, t)).copy(),
-        valid=valid,
-        response_mask=shift(batch.response_mask),
-        logp_rollout=shift(batch.behaviour_logprobs).astype(np.float32),
-        logp_full_rollout=shift(batch.unpruned_logprobs).astype(np.float32),
-        pruned_mass_rollout=shift(batch.pruned_mass).astype(np.float32),
-        safe_size_rollout=shift(batch.safe_size).astype(np.float32),
-        advantages=advantages.astype(np.float32),
-        logp_old=np.zeros((n, t - 1), np.float32),
+def build_model(cfg: ExperimentConfig, sharder: Sharder) -> Transformer:
+    """The fp32 trainer model, born sharded: from `model.hf_path` or a random init."""
+    if cfg.init_hf_path:
+        _check_same_architecture(cfg.model, load_hf_config(cfg.init_hf_path), cfg.init_hf_path)
+        return load_hf(
+            cfg.init_hf_path, TRAIN_POLICY, sharder, cfg=cfg.model, remat=cfg.train.remat
+        )
+    return init_sharded(
+        lambda: Transformer(
+            cfg.model,
+            TRAIN_POLICY,
+            sharder,
+            rngs=nnx.Rngs(cfg.train.seed),
+            remat=cfg.train.remat,
+        ),
+        sharder,
     )
 
 
-def _to_global(tree, shardings):
-    """Host-local numpy arrays -> global jax Arrays (each process contributes its rows)."""
-    if shardings is None:
-        return jax.tree.map(jnp.asarray, tree)
-    return jax.tree.map(lambda x, s: jax.make_array_from_process_local_data(s, x), tree, shardings)
+def build_engine(cfg: ExperimentConfig, tokenizer, model) -> RolloutEngine:
+    """One rollout engine per host on its local devices; weights arrive by weight sync."""
+    r = cfg.rollout
+    return RolloutEngine(
+        cfg.model,
+        EngineConfig(
+            dtype=r.dtype,
+            noise_std=r.noise_std,
+            max_concurrent_decodes=r.max_concurrent_decodes,
+            max_prefill_length=cfg.data.max_prompt_len,
+            prefill_buckets=(cfg.data.max_prompt_len,),
+            max_decode_length=r.max_decode_length,
+            temperature=r.temperature,
+            log_rho=cfg.rollout_log_rho,
+            seed=cfg.train.seed,
+        ),
+        tokenizer=tokenizer,
+        params=model,
+        mesh=make_mesh(
+            MeshConfig(1, 1, r.tensor_parallel), jax.local_devices()[: r.tensor_parallel]
+        ),
+    )
 
 
 class Trainer:
@@ -138,92 +150,45 @@ class Trainer:
         self.workdir = os.path.abspath(workdir)
         os.makedirs(self.workdir, exist_ok=True)
         self.is_lead = jax.process_index() == 0
-
-        # ------------------------------------------------------------------ tokenizer, mesh
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
-        self.mesh = make_mesh(cfg.mesh)
-        self.sharder = Sharder(self.mesh, TRAIN_RULES)
-
-        # ------------------------------------------------------------------ trainer model
         if cfg.train.prompts_per_step % jax.process_count():
             raise ValueError(
                 f"config.train.prompts_per_step={cfg.train.prompts_per_step} must be divisible "
                 f"by the number of processes ({jax.process_count()})"
             )
-        self.prompts_per_host = cfg.train.prompts_per_step // jax.process_count()
-        if cfg.init_hf_path:
-            _check_same_architecture(cfg.model, load_hf_config(cfg.init_hf_path), cfg.init_hf_path)
-            model = load_hf(
-                cfg.init_hf_path, TRAIN_POLICY, self.sharder, cfg=cfg.model, remat=cfg.train.remat
-            )
-        else:
-            model = init_sharded(
-                lambda: Transformer(
-                    cfg.model,
-                    TRAIN_POLICY,
-                    self.sharder,
-                    rngs=nnx.Rngs(cfg.train.seed),
-                    remat=cfg.train.remat,
-                ),
-                self.sharder,
-            )
+
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        self.mesh = make_mesh(cfg.mesh)
+        self.sharder = Sharder(self.mesh, TRAIN_RULES)
+        model = build_model(cfg, self.sharder)
+        t = cfg.train
         self.optimizer = make_optimizer(
-            cfg.train.learning_rate,
-            cfg.train.warmup_steps,
-            cfg.train.weight_decay,
-            cfg.train.grad_clip,
-            cfg.train.b1,
-            cfg.train.b2,
+            t.learning_rate, t.warmup_steps, t.weight_decay, t.grad_clip, t.b1, t.b2
         )
         self.graphdef, self.state, self.state_sh = init_train_state(
-            model, self.optimizer, cfg.train.seed, self.sharder
+            model, self.optimizer, t.seed, self.sharder
         )
+        self.engine = build_engine(cfg, self.tokenizer, model)
 
-        # ------------------------------------------------------------------ rollout engine
-        # One engine per host on its local devices; weights arrive by `_sync_weights`.
-        self.engine = RolloutEngine(
-            cfg.model,
-            EngineConfig(
-                dtype=cfg.rollout.dtype,
-                noise_std=cfg.rollout.logit_noise,
-                max_concurrent_decodes=cfg.rollout.num_slots,
-                max_prefill_length=cfg.data.max_prompt_len,
-                prefill_buckets=(cfg.data.max_prompt_len,),
-                max_decode_length=cfg.rollout.max_new_tokens,
-                temperature=cfg.rollout.temperature,
-                log_rho=cfg.rollout_log_rho,
-                seed=cfg.train.seed,
-            ),
-            tokenizer=self.tokenizer,
-            params=model,
-            mesh=make_mesh(
-                MeshConfig(1, 1, cfg.rollout.tensor_parallel),
-                jax.local_devices()[: cfg.rollout.tensor_parallel],
-            ),
-        )
-
-        # ------------------------------------------------------------------ data
-        if cfg.data.task == "arithmetic":
-            self.task = cfg.data.arithmetic_task()
-            source = self.task
-        else:
-            self.task = None
-            source = cfg.data.path
+        # Data: the generated task (or a math file), this host's share of each prompt batch.
+        self.task = cfg.data.arithmetic_task() if cfg.data.task == "arithmetic" else None
         self.data = pipeline.make_prompt_iterator(
-            source,
+            self.task if self.task is not None else cfg.data.path,
             self.tokenizer,
-            batch_size=self.prompts_per_host,
+            batch_size=t.prompts_per_step // jax.process_count(),
             max_prompt_len=cfg.data.max_prompt_len,
             seed=cfg.data.seed,
             chat_format=cfg.data.chat_format,
         )
         if self.data.report is not None:
             logging.info("data: %s", self.data.report.summary())
-        self.heldout = self._heldout_examples()
+        self.heldout = evaluation.heldout_examples(
+            cfg.data, self.task, self.tokenizer, cfg.eval.num_prompts
+        )
+        self.reward_kind = evaluation.reward_kind(cfg.data)
 
-        # ------------------------------------------------------------------ steps (jit once)
-        self._rl_step = None  # built on the first batch (its shapes fix the shardings)
-        self._logprob_fn = jax.jit(
+        # The update is jitted on the first batch (its shapes fix the shardings).
+        self._update_fn = None
+        self._logprobs_fn = jax.jit(
             lambda params, b: step_lib.token_logprobs(
                 params,
                 self.graphdef,
@@ -232,16 +197,16 @@ class Trainer:
                 b.valid,
                 log_rho=cfg.loss.effective_log_rho,
                 temperature=cfg.loss.temperature,
-                chunk_size=cfg.train.chunk_size,
+                chunk_size=t.chunk_size,
             )
         )
 
-        # ------------------------------------------------------------------ output
+        # Output.
         self.checkpointer = Checkpointer(self.workdir, cfg.checkpoint.keep)
         self.writer = metric_writers.create_default_writer(
             self.workdir, just_logging=not self.is_lead, asynchronous=False
         )
-        self.metrics_path = os.path.join(self.workdir, "metrics.jsonl")
+        self.metrics_log = metrics_lib.MetricsLog(self.workdir, write=self.is_lead)
         if self.is_lead:  # the architecture, for tools that read checkpoints (the server)
             with open(os.path.join(self.workdir, "model_config.json"), "w") as fh:
                 json.dump(cfg.model.to_hf(), fh, indent=2)
@@ -250,19 +215,13 @@ class Trainer:
     # ==========================================================================================
     # Pieces
     # ==========================================================================================
-    def _heldout_examples(self) -> list[tasks.Example]:
-        if self.task is not None:
-            return self.task.heldout_examples(self.cfg.eval.num_prompts)
-        if self.cfg.data.eval_path:
-            examples, report = tasks.load_math_dataset(
-                self.cfg.data.eval_path,
-                self.tokenizer,
-                max_prompt_tokens=self.cfg.data.max_prompt_len,
-                chat_format=self.cfg.data.chat_format,
-            )
-            logging.info("eval data: %s", report.summary())
-            return examples[: self.cfg.eval.num_prompts]
-        return []
+    def _log(self, step: int, metrics: dict[str, float]) -> None:
+        metrics_lib.check(metrics)
+        self.writer.write_scalars(step, metrics)
+        self.metrics_log.append(step, metrics)
+
+    def _save(self, step: int, extra: dict) -> None:
+        self.checkpointer.save(step, self.state, self.data.get_state(), extra)
 
     def _sync_weights(self) -> None:
         """Trainer fp32 params -> rollout engine (cast to the rollout dtype, resharded)."""
@@ -278,116 +237,55 @@ class Trainer:
             )
         self.engine.update_params(nnx.merge(self.graphdef, params))
 
-    def _rollout_key(self, step: int, stream: int) -> jax.Array:
+    def _key(self, step: int, stream: int) -> jax.Array:
         """fold_in(run key, stream, step, host): a pure function of the checkpointed key."""
         key = jax.random.wrap_key_data(jax.device_get(self.state.rng))
         key = jax.random.fold_in(jax.random.fold_in(key, stream), step)
         return jax.random.fold_in(key, jax.process_index())
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Held-out accuracy avg@k: k sampled responses per held-out prompt, mean reward.
-
-        Samples with the rollout engine (its precision and min-p rule), without the
-        experimental logit noise unless `eval.with_rollout_noise`.
-        """
-        if not self.heldout:
-            return {}
-        k = self.cfg.eval.k
-        batch = generate_rollouts(
+        """Held-out avg@k, sampled without the experimental logit noise unless
+        `eval.with_rollout_noise`."""
+        sampling = None
+        if not self.cfg.eval.with_rollout_noise:
+            sampling = self.engine.config.sampling_params(noise_std=0.0)
+        return evaluation.evaluate(
             self.engine,
-            [ex.prompt for ex in self.heldout],
-            k,
-            self._rollout_key(step, _EVAL_STREAM),
+            self.heldout,
+            self.cfg.eval.k,
+            self._key(step, _EVAL_STREAM),
             prompt_len=self.cfg.data.max_prompt_len,
-            sampling=None
-            if self.cfg.eval.with_rollout_noise
-            else self.engine.config.sampling_params(noise_std=0.0),
+            kind=self.reward_kind,
+            sampling=sampling,
         )
-        texts = _response_texts(self.tokenizer, batch)
-        answers = [ex.answer for ex in self.heldout for _ in range(k)]
-        r = rewards.compute_rewards(_reward_kind(self.cfg), texts, answers)
-        return {
-            "eval_accuracy": float(np.mean(r)),
-            "eval_pass_at_k": float(np.mean(r.reshape(-1, k).max(axis=1))),
-        }
 
-    def _log(self, step: int, metrics: dict[str, float]) -> None:
-        self.writer.write_scalars(step, metrics)
-        if self.is_lead:
-            with open(self.metrics_path, "a") as fh:
-                fh.write(json.dumps({"step": step, **metrics}) + "\n")
-
-    def _truncate_metrics(self, step: int) -> None:
-        """On resume, drop log rows written after the checkpoint (they will be redone)."""
-        if not (self.is_lead and os.path.exists(self.metrics_path)):
+    def warm_up(self) -> None:
+        """Supervised warm-up (`train/sft.py`); RL then starts with a fresh optimizer."""
+        cfg = self.cfg
+        if cfg.sft.steps == 0 or self.task is None:
             return
-        with open(self.metrics_path) as fh:
-            rows = [json.loads(line) for line in fh if line.strip()]
-        with open(self.metrics_path, "w") as fh:
-            for row in rows:
-                if row["step"] <= step:
-                    fh.write(json.dumps(row) + "\n")
-
-    def _save(self, step: int, extra: dict) -> None:
-        self.checkpointer.save(step, self.state, self.data.get_state(), extra)
-
-    # ==========================================================================================
-    # Supervised warm-up
-    # ==========================================================================================
-    def warmup(self) -> None:
-        sft = self.cfg.sft
-        if sft.steps == 0 or self.task is None:
-            return
-        logging.info("supervised warm-up: %d steps of batch %d", sft.steps, sft.batch_size)
-        optimizer = make_optimizer(sft.learning_rate, sft.warmup_steps, 0.0, 1.0)
-        _, sft_state, sft_sh = init_train_state(
+        params = sft.warm_up(
             nnx.merge(self.graphdef, self.state.params),
-            optimizer,
-            self.cfg.train.seed,
-            self.sharder,
+            self.task,
+            self.tokenizer,
+            cfg.sft,
+            sharder=self.sharder,
+            max_len=cfg.data.max_prompt_len + cfg.rollout.max_decode_length,
+            chunk_size=cfg.train.chunk_size,
+            seed=cfg.train.seed,
+            log=self._log,
         )
-        max_len = self.cfg.data.max_prompt_len + self.cfg.rollout.max_new_tokens
-        fn = jax.jit(
-            lambda s, b: step_lib.sft_step(
-                s,
-                b,
-                graphdef=self.graphdef,
-                optimizer=optimizer,
-                chunk_size=self.cfg.train.chunk_size,
-            ),
-            donate_argnums=0,
-        )
-        start = time.time()
-        for i in range(sft.steps):
-            b = pipeline.sft_batch_for_step(
-                self.task, self.tokenizer, step=i, batch_size=sft.batch_size, max_len=max_len
-            )
-            sft_state, metrics = fn(sft_state, (b.tokens, b.loss_mask, b.lengths))
-            if (i + 1) % max(1, sft.steps // 10) == 0 or i + 1 == sft.steps:
-                loss = float(metrics["sft_loss"])
-                rate = (i + 1) / (time.time() - start)
-                logging.info(
-                    "sft %d/%d | loss %.4f | %.1f steps/s | ETA %.0fs",
-                    i + 1,
-                    sft.steps,
-                    loss,
-                    rate,
-                    (sft.steps - i - 1) / rate,
-                )
-                self._log(-sft.steps + i + 1, {"sft_loss": loss, "phase_sft": 1.0})
-        # RL starts from the warmed-up weights with a fresh optimizer.
-        del sft_sh
         self.state = jax.jit(
             lambda p, s: TrainState(
                 step=s.step, params=p, opt_state=self.optimizer.init(p), rng=s.rng
             ),
             out_shardings=self.state_sh,
-        )(sft_state.params, self.state)
+        )(params, self.state)
 
     # ==========================================================================================
-    # One RL step
+    # One RL iteration: rollout -> rewards -> advantages -> update(s) -> weight sync
     # ==========================================================================================
-    def rl_step(self, step: int) -> dict[str, float]:
+    def rl_iteration(self, step: int) -> dict[str, float]:
         cfg = self.cfg
         t0 = time.time()
         prompts = next(self.data)
@@ -396,17 +294,16 @@ class Trainer:
             self.engine,
             token_lists,
             cfg.train.group_size,
-            self._rollout_key(step, _ROLLOUT_STREAM),
+            self._key(step, _ROLLOUT_STREAM),
             prompt_len=cfg.data.max_prompt_len,
         )
         t_rollout = time.time() - t0
 
         # Rewards on host, then RLOO advantages (E8).
-        texts = _response_texts(self.tokenizer, rollouts)
         answers = [a for a in prompts.answers for _ in range(cfg.train.group_size)]
-        reward = rewards.compute_rewards(_reward_kind(cfg), texts, answers)
+        reward = evaluation.rollout_rewards(self.tokenizer, rollouts, answers, self.reward_kind)
         advantages = np.asarray(adv.rloo(jnp.asarray(reward), cfg.train.group_size))
-        host_batch = rl_batch_from_rollouts(rollouts, advantages)
+        host_batch = batch_lib.from_rollouts(rollouts, advantages)
 
         # Train (fp32), possibly several PPO mini-batch updates on this rollout batch.
         t1 = time.time()
@@ -425,30 +322,37 @@ class Trainer:
         )
         return metrics
 
-    def _update(self, host_batch: step_lib.RLBatch) -> dict[str, float]:
+    def _old_policy(self, host_batch: batch_lib.RLBatch) -> None:
+        """Decoupled PPO: log pi_S_old and its safe set, from the params before the first
+        update on this batch, into `host_batch.old_logp` / `old_in_safe` (this host's rows)."""
+        rows = host_batch.tokens.shape[0]
+        full = batch_lib.to_global(host_batch, batch_lib.global_shardings(host_batch, self.sharder))
+        old = self._logprobs_fn(self.state.params, full)
+        old = (old.logp, old.in_safe)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            pid = jax.process_index()
+            old = [
+                multihost_utils.process_allgather(x, tiled=True)[pid * rows : (pid + 1) * rows]
+                for x in old
+            ]
+        host_batch.old_logp = np.asarray(jax.device_get(old[0]), np.float32)
+        host_batch.old_in_safe = np.asarray(jax.device_get(old[1]), bool)
+
+    def _update(self, host_batch: batch_lib.RLBatch) -> dict[str, float]:
         cfg = self.cfg
         u = cfg.train.updates_per_batch
-        rows = host_batch.tokens.shape[0]
         if u > 1:
-            # Decoupled PPO: log pi_S_old from the params before the first update on this batch.
-            full = _to_global(host_batch, self._batch_sh(host_batch))
-            old = self._logprob_fn(self.state.params, full).logp
-            if jax.process_count() > 1:
-                from jax.experimental import multihost_utils
-
-                pid = jax.process_index()
-                old = multihost_utils.process_allgather(old, tiled=True)[
-                    pid * rows : (pid + 1) * rows
-                ]
-            host_batch.logp_old = np.asarray(jax.device_get(old), np.float32)
-        per = rows // u
+            self._old_policy(host_batch)
+        per = host_batch.tokens.shape[0] // u
         all_metrics = []
         for i in range(u):
             mb = jax.tree.map(lambda x, i=i: x[i * per : (i + 1) * per], host_batch)
-            batch = _to_global(mb, self._batch_sh(mb))
-            if self._rl_step is None:
-                self._rl_step = step_lib.jit_step(
-                    lambda s, b: step_lib.rl_step(
+            shardings = batch_lib.global_shardings(mb, self.sharder)
+            if self._update_fn is None:
+                self._update_fn = step_lib.jit_step(
+                    lambda s, b: step_lib.rl_update(
                         s,
                         b,
                         graphdef=self.graphdef,
@@ -458,23 +362,12 @@ class Trainer:
                         micro_batches=cfg.train.micro_batches,
                     ),
                     self.state_sh,
-                    self._batch_sh(mb),
+                    shardings,
                     self.sharder,
                 )
-            self.state, metrics = self._rl_step(self.state, batch)
-            all_metrics.append(_host_float_metrics(metrics))
+            self.state, metrics = self._update_fn(self.state, batch_lib.to_global(mb, shardings))
+            all_metrics.append({k: float(v) for k, v in jax.device_get(metrics).items()})
         return {k: float(np.mean([m[k] for m in all_metrics])) for k in all_metrics[0]}
-
-    def _batch_sh(self, host_batch):
-        if self.mesh is None:
-            return None
-        global_batch = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(
-                (x.shape[0] * jax.process_count(),) + x.shape[1:], x.dtype
-            ),
-            host_batch,
-        )
-        return step_lib.batch_shardings(global_batch, self.sharder)
 
     # ==========================================================================================
     # The run
@@ -484,7 +377,7 @@ class Trainer:
         start_time = time.time()
         latest = self.checkpointer.latest_step()
         if latest is None:
-            self.warmup()
+            self.warm_up()
             self._sync_weights()
             start_eval = self.evaluate(0)
             self._log(0, {**start_eval, "phase": 0.0})
@@ -494,35 +387,33 @@ class Trainer:
             abstract = abstract_like(self.state, self.state_sh)
             self.state, data_state, extra = self.checkpointer.restore(abstract, latest)
             self.data.set_state(data_state)
-            self._truncate_metrics(latest)
+            self.metrics_log.truncate_after(latest)
             self._sync_weights()
             logging.info("resumed from step %d in %s", latest, self.workdir)
         start_eval = extra.get("start_eval", {})
 
         first = int(jax.device_get(self.state.step))
-        last_eval = dict(start_eval)
-        t_loop = time.time()
+        progress = periodic_actions.ReportProgress(
+            num_train_steps=cfg.train.steps,
+            writer=self.writer,
+            every_steps=max(1, cfg.train.steps // 20),
+        )
         for step in range(first + 1, cfg.train.steps + 1):
-            metrics = self.rl_step(step)
+            metrics = self.rl_iteration(step)
             if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
-                last_eval = self.evaluate(step)
-                metrics.update(last_eval)
+                metrics.update(self.evaluate(step))
             if step % cfg.log_every == 0 or step == cfg.train.steps:
                 self._log(step, metrics)
-                done = step - first
-                rate = done / (time.time() - t_loop)
                 logging.info(
-                    "step %d/%d | reward %.3f | loss %.4f | ppl_gap %.4f | excluded %.3f | "
-                    "%.2f steps/s | ETA %.0fs",
+                    "step %d/%d | reward %.3f | loss %.4f | ppl_gap %.4f | excluded %.3f",
                     step,
                     cfg.train.steps,
                     metrics["reward_mean"],
                     metrics["loss"],
-                    metrics.get("ppl_gap", math.nan),
-                    metrics.get("frac_responses_excluded", math.nan),
-                    rate,
-                    (cfg.train.steps - step) / max(rate, 1e-9),
+                    metrics["ppl_gap"],
+                    metrics["frac_responses_excluded"],
                 )
+            progress(step)
             if (
                 (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
                 or step == cfg.train.steps
@@ -537,47 +428,33 @@ class Trainer:
 
         final_eval = self.evaluate(cfg.train.steps)
         self._log(cfg.train.steps, {**final_eval, "phase": 1.0})
-        summary = {
-            "steps": cfg.train.steps,
-            "method": cfg.method,
-            "rollout_dtype": cfg.rollout.dtype,
-            "start_eval_accuracy": start_eval.get("eval_accuracy"),
-            "eval_accuracy": final_eval.get("eval_accuracy"),
-            "eval_pass_at_k": final_eval.get("eval_pass_at_k"),
-            "wall_time_s": time.time() - start_time,
-            "skipped_updates": float(jax.device_get(self.state.opt_state.total_notfinite)),
-            "data_malformed_rows": (
-                self.data.report.num_malformed if self.data.report is not None else 0
-            ),
-        }
-        summary.update(
-            self._tail_means(
-                [
-                    "ppl_gap",
-                    "log_ppl_diff",
-                    "reward_mean",
-                    "frac_responses_excluded",
-                    "frac_outside_train_safe",
-                ]
-            )
-        )
+        summary = self._summary(start_eval, final_eval, time.time() - start_time)
         if self.is_lead:
             with open(os.path.join(self.workdir, "summary.json"), "w") as fh:
                 json.dump(summary, fh, indent=2)
         self.writer.flush()
         return summary
 
-    def _tail_means(self, keys, last: int = 5) -> dict[str, float]:
-        if not os.path.exists(self.metrics_path):
-            return {}
-        with open(self.metrics_path) as fh:
-            rows = [json.loads(line) for line in fh if line.strip()]
-        rows = [r for r in rows if r["step"] > 0 and "loss" in r][-last:]
-        return {
-            f"final_{k}": float(np.mean([r[k] for r in rows if k in r]))
-            for k in keys
-            if any(k in r for r in rows)
+    def _summary(self, start_eval: dict, final_eval: dict, wall_time_s: float) -> dict[str, Any]:
+        summary = {
+            "steps": self.cfg.train.steps,
+            "method": self.cfg.method,
+            "rollout_dtype": self.cfg.rollout.dtype,
+            "start_eval_accuracy": start_eval.get("eval_accuracy"),
+            "eval_accuracy": final_eval.get("eval_accuracy"),
+            "eval_pass_at_k": final_eval.get("eval_pass_at_k"),
+            "wall_time_s": wall_time_s,
+            "skipped_updates": float(jax.device_get(self.state.opt_state.total_notfinite)),
+            "data_malformed_rows": (
+                self.data.report.num_malformed if self.data.report is not None else 0
+            ),
         }
+        rows = self.metrics_log.read()
+        for name in SUMMARY_TAIL_METRICS:
+            value = metrics_lib.tail_mean(rows, name)
+            if value is not None:
+                summary[f"final_{name}"] = value
+        return summary
 
     def close(self):
         self.checkpointer.close()

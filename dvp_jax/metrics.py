@@ -1,0 +1,183 @@
+"""Metric names, declared once, and the run log `<workdir>/metrics.jsonl` that holds them.
+
+Every scalar the trainer logs is declared in `METRICS` (name -> meaning). `check` rejects a row
+with an undeclared key, and `declared` rejects an undeclared name where one is looked up (the
+run summary, plots, experiment analysis), so a misspelt key fails loudly instead of vanishing.
+The loss and diagnostics functions in `dvp_jax.dvp` produce most of these keys; their meanings
+are in docs/design.md section 2.
+
+`MetricsLog` writes one JSON row per step (`{"step": s, name: value, ...}`); `read_metrics` is
+the one reader (trainer summary, `plots.py`, `experiments/`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Mapping
+
+from absl import logging
+
+# The E6 mismatch metrics (verl's definitions, `diagnostics.mismatch_metrics`). Each is logged
+# on the pruned log-probs and, prefixed `full_`, on the unpruned ones.
+_MISMATCH = {
+    "training_ppl": "mean over responses of exp(-mean_t log pi(y_t))",
+    "rollout_ppl": "mean over responses of exp(-mean_t log mu(y_t))",
+    "ppl_gap": "mean over responses of |rollout_ppl - training_ppl|",
+    "log_ppl_diff": "mean over responses of mean_t (log mu - log pi)",
+    "kl_k1": "mean_t (log mu - log pi): k1 estimate of KL(mu || pi)",
+    "kl_k3": "mean_t (exp(l_t) - l_t - 1): k3 estimate of KL(mu || pi)",
+    "chi2_token": "mean_t exp(2 l_t) - 1",
+    "chi2_seq": "mean over responses of exp(2 L) - 1",
+}
+
+METRICS: dict[str, str] = {
+    # ----- loss (E5-E9, dvp.losses.dvp_loss)
+    "loss": "the DVP-RLOO objective of the batch (E9)",
+    "kept_tokens": "response tokens that enter the loss (E5, E7)",
+    "kept_responses": "responses with at least one kept token",
+    "frac_responses_excluded": (
+        "responses with a sampled token outside the trainer safe set, or with decoupled PPO "
+        "outside the old policy's (E5)"
+    ),
+    "frac_responses_masked": "responses masked by seq_mis (E7)",
+    "frac_tokens_masked": "tokens masked by token_mis (E7)",
+    "is_weight_mean": "mean applied importance weight (E7)",
+    "is_weight_max": "max applied importance weight (E7)",
+    "is_weight_ess": "normalised effective sample size of the weights, in (0, 1]",
+    "ppo_clip_frac": "kept tokens whose PPO clip is active (updates_per_batch > 1, E9)",
+    # ----- mismatch diagnostics (dvp.diagnostics.mismatch_diagnostics)
+    **_MISMATCH,
+    **{"full_" + k: v + ", unpruned" for k, v in _MISMATCH.items()},
+    "pruned_mass_train_mean": "mean trainer pruned mass delta_S (E3)",
+    "pruned_mass_train_max": "max trainer pruned mass delta_S (E3)",
+    "safe_size_train_mean": "mean trainer safe-set size |V_S| (E1)",
+    "safe_size_train_max": "max trainer safe-set size |V_S| (E1)",
+    "pruned_mass_rollout_mean": "mean rollout pruned mass delta_S (E3, E4)",
+    "pruned_mass_rollout_max": "max rollout pruned mass delta_S (E3, E4)",
+    "safe_size_rollout_mean": "mean rollout safe-set size |V_S| (E1, E4)",
+    "safe_size_rollout_max": "max rollout safe-set size |V_S| (E1, E4)",
+    "frac_tokens_outside_train_safe": "sampled response tokens outside the trainer safe set (E5)",
+    # ----- optimizer (train.step)
+    "grad_norm": "global norm of the gradient",
+    "update_norm": "global norm of the optax update",
+    "skipped_updates": "updates skipped so far for a non-finite gradient",
+    # ----- rollout and rewards (train.trainer)
+    "reward_mean": "mean reward of the rollout batch",
+    "response_length": "mean response length in tokens",
+    "frac_finished": "responses that ended with a stop token",
+    "rollout_s": "seconds spent generating the rollout batch",
+    "train_s": "seconds spent in the jitted update(s)",
+    "rollout_tok_s": "generated tokens per second",
+    # ----- evaluation (train.evaluation)
+    "eval_accuracy": "held-out avg@k: mean reward of k samples per held-out prompt",
+    "eval_pass_at_k": "held-out pass@k",
+    "phase": "0 on the row before RL, 1 on the final evaluation row",
+    # ----- supervised warm-up (train.sft)
+    "sft_loss": "supervised warm-up loss (mean NLL of the answer tokens)",
+    "phase_sft": "1 on supervised warm-up rows",
+}
+
+# (1 - p)-binned token log-ratios (`diagnostics.lt_by_p_bins`): lt_bin{k}_{mean_signed,...}.
+_FAMILIES = (re.compile(r"lt_bin\d+_(mean_signed|mean_abs|count)"),)
+
+
+def declared(name: str) -> str:
+    """Returns `name` if it is a declared metric, else raises KeyError naming it."""
+    if name in METRICS or any(f.fullmatch(name) for f in _FAMILIES):
+        return name
+    raise KeyError(
+        f"metric {name!r} is not declared in dvp_jax.metrics.METRICS (misspelt, or a new metric "
+        "that needs declaring)"
+    )
+
+
+def check(names: Iterable[str]) -> None:
+    """Raises KeyError naming every undeclared metric in `names`."""
+    unknown = sorted(n for n in names if n != "step" and not _is_declared(n))
+    if unknown:
+        raise KeyError(f"undeclared metrics {unknown}; declare them in dvp_jax.metrics.METRICS")
+
+
+def _is_declared(name: str) -> bool:
+    try:
+        declared(name)
+    except KeyError:
+        return False
+    return True
+
+
+def _path(workdir_or_file: str) -> str:
+    if os.path.isdir(workdir_or_file):
+        return os.path.join(workdir_or_file, "metrics.jsonl")
+    return workdir_or_file
+
+
+def read_metrics(workdir_or_file: str) -> list[dict]:
+    """The rows of `<workdir>/metrics.jsonl` (or of the given file); [] if it does not exist.
+
+    A torn last line (a run killed while writing it) is skipped with a warning; a bad line
+    elsewhere is an error naming the file and the line.
+    """
+    path = _path(workdir_or_file)
+    if not os.path.exists(path):
+        return []
+    with open(path) as fh:
+        lines = [line for line in fh.read().splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                logging.warning("%s: skipping a torn last line (%s)", path, e)
+                break
+            raise ValueError(f"{path} line {i + 1} is not JSON: {e}") from None
+    return rows
+
+
+def series(rows: Iterable[Mapping], name: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of one declared metric over the rows that have it."""
+    declared(name)
+    pairs = [(int(r["step"]), float(r[name])) for r in rows if name in r]
+    return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+def tail_mean(rows: Iterable[Mapping], name: str, last: int = 5) -> float | None:
+    """Mean of `name` over the last `last` RL rows (step > 0) that have it; None if none do."""
+    declared(name)
+    values = [float(r[name]) for r in rows if r["step"] > 0 and name in r][-last:]
+    return sum(values) / len(values) if values else None
+
+
+class MetricsLog:
+    """Appends checked rows to `<workdir>/metrics.jsonl` (process 0 writes; others only check)."""
+
+    def __init__(self, workdir: str, write: bool = True):
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.write = write
+
+    def append(self, step: int, metrics: Mapping[str, float]) -> None:
+        check(metrics)
+        if self.write:
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    def truncate_after(self, step: int) -> None:
+        """Keeps only rows with `row["step"] <= step` (resume: later rows are redone).
+
+        The kept rows are written to a temporary file that replaces the log in one rename, so
+        a kill during the rewrite leaves either the old or the new log, never a partial one.
+        """
+        if not (self.write and os.path.exists(self.path)):
+            return
+        rows = [r for r in read_metrics(self.path) if r["step"] <= step]
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), prefix=".metrics.")
+        with os.fdopen(fd, "w") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in rows)
+        os.replace(tmp, self.path)
+
+    def read(self) -> list[dict]:
+        return read_metrics(self.path)

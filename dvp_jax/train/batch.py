@@ -1,0 +1,97 @@
+"""The learner's batch: a rollout batch (host) -> `RLBatch` (targets-aligned arrays) -> devices.
+
+The rollout side records per-token statistics at the column of the token they describe
+(`RolloutBatch`, docs/design.md E4); the train step predicts `tokens[:, 1:]` from
+`tokens[:, :-1]`, so `from_rollouts` shifts every per-token array by one column. Names follow the
+glossary of docs/design.md section 4: the behaviour (rollout) quantities keep their `behaviour_`
+names from the engine to the loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dvp_jax.rollout.offline import RolloutBatch
+from dvp_jax.sharding import Sharder
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RLBatch:
+    """One optimizer step's responses. T = prompt + response length; targets are tokens[:, 1:].
+
+    Attributes:
+      tokens, positions: [B, T] int32; valid: [B, T] bool (prompt and response tokens).
+      response_mask: [B, T-1] bool, True where target tokens[:, t+1] is a response token.
+      behaviour_logp: [B, T-1] log mu_S of the target (E4); behaviour_logp_full: unpruned log mu.
+      behaviour_pruned_mass, behaviour_safe_size: [B, T-1] rollout-side delta_S (E3) / |V_S|.
+      advantages: [B] (E8).
+      old_logp, old_in_safe: [B, T-1] log pi_S_old and "inside the old safe set" for the
+        decoupled PPO clip (E9; zeros / True when unused).
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    valid: jax.Array
+    response_mask: jax.Array
+    behaviour_logp: jax.Array
+    behaviour_logp_full: jax.Array
+    behaviour_pruned_mass: jax.Array
+    behaviour_safe_size: jax.Array
+    advantages: jax.Array
+    old_logp: jax.Array
+    old_in_safe: jax.Array
+
+
+def from_rollouts(batch: RolloutBatch, advantages: np.ndarray) -> RLBatch:
+    """Host `RolloutBatch` (stats at the column of the token they describe) -> host `RLBatch`.
+
+    Every per-token array is shifted by one column (targets); the prompt and its response are
+    contiguous in each row.
+    """
+    n, t = batch.tokens.shape
+    shift = lambda x, dtype: np.ascontiguousarray(x[:, 1:]).astype(dtype)
+    return RLBatch(
+        tokens=batch.tokens.astype(np.int32),
+        positions=np.broadcast_to(np.arange(t, dtype=np.int32), (n, t)).copy(),
+        valid=batch.prompt_mask | batch.response_mask,
+        response_mask=shift(batch.response_mask, bool),
+        behaviour_logp=shift(batch.behaviour_logp, np.float32),
+        behaviour_logp_full=shift(batch.behaviour_logp_full, np.float32),
+        behaviour_pruned_mass=shift(batch.behaviour_pruned_mass, np.float32),
+        behaviour_safe_size=shift(batch.behaviour_safe_size, np.float32),
+        advantages=advantages.astype(np.float32),
+        old_logp=np.zeros((n, t - 1), np.float32),
+        old_in_safe=np.ones((n, t - 1), bool),
+    )
+
+
+def batch_shardings(batch: RLBatch, sharder: Sharder):
+    """Batch arrays shard their leading (batch) dim over the data axes; None without a mesh."""
+    if sharder.mesh is None:
+        return None
+    return jax.tree.map(
+        lambda x: sharder.sharding(("act_batch",) + (None,) * (x.ndim - 1), x.shape), batch
+    )
+
+
+def global_shardings(host_batch: RLBatch, sharder: Sharder):
+    """Shardings of the global batch whose rows this host's `host_batch` holds a share of."""
+    global_batch = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((x.shape[0] * jax.process_count(),) + x.shape[1:], x.dtype),
+        host_batch,
+    )
+    return batch_shardings(global_batch, sharder)
+
+
+def to_global(host_batch, shardings):
+    """Host-local numpy arrays -> global jax Arrays (each process contributes its rows)."""
+    if shardings is None:
+        return jax.tree.map(jnp.asarray, host_batch)
+    return jax.tree.map(
+        lambda x, s: jax.make_array_from_process_local_data(s, x), host_batch, shardings
+    )

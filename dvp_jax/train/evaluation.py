@@ -1,0 +1,82 @@
+"""Rewards and held-out evaluation on the host: responses -> text -> verifier -> scores."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from absl import logging
+
+from dvp_jax.data import rewards, tasks
+from dvp_jax.rollout.engine import RolloutEngine
+from dvp_jax.rollout.offline import RolloutBatch, generate_rollouts
+from dvp_jax.rollout.sampling import SamplingParams
+from dvp_jax.train.config import DataConfig
+
+
+def reward_kind(data: DataConfig) -> str:
+    """The verifier of the task: exact match for arithmetic, math-verify for math data."""
+    return "exact_match" if data.task == "arithmetic" else "math_verify"
+
+
+def response_texts(tokenizer, batch: RolloutBatch) -> list[str]:
+    """Each row's response decoded to text, stop tokens removed."""
+    stop = set(getattr(tokenizer, "stop_tokens", ()) or ())
+    out = []
+    for i in range(batch.num_rows):
+        ids = [int(t) for t in batch.response(i) if int(t) not in stop]
+        out.append(tokenizer.decode(ids))
+    return out
+
+
+def rollout_rewards(
+    tokenizer, batch: RolloutBatch, answers: Sequence[str], kind: str
+) -> np.ndarray:
+    """[N] float rewards of a rollout batch against each row's reference answer."""
+    return rewards.compute_rewards(kind, response_texts(tokenizer, batch), list(answers))
+
+
+def heldout_examples(data: DataConfig, task, tokenizer, num_prompts: int) -> list[tasks.Example]:
+    """The held-out prompts: the task's own split, or `data.eval_path` for math data."""
+    if task is not None:
+        return task.heldout_examples(num_prompts)
+    if not data.eval_path:
+        return []
+    examples, report = tasks.load_math_dataset(
+        data.eval_path,
+        tokenizer,
+        max_prompt_tokens=data.max_prompt_len,
+        chat_format=data.chat_format,
+    )
+    logging.info("eval data: %s", report.summary())
+    return examples[:num_prompts]
+
+
+def evaluate(
+    engine: RolloutEngine,
+    examples: Sequence[tasks.Example],
+    k: int,
+    key: jax.Array,
+    *,
+    prompt_len: int,
+    kind: str,
+    sampling: SamplingParams | None = None,
+) -> dict[str, float]:
+    """Held-out accuracy avg@k (mean reward of k samples per prompt) and pass@k.
+
+    Samples with the rollout engine (its precision and min-p rule) and `sampling` (default the
+    engine's). Returns {} when there are no held-out prompts.
+    """
+    if not examples:
+        return {}
+    batch = generate_rollouts(
+        engine, [ex.prompt for ex in examples], k, key, prompt_len=prompt_len, sampling=sampling
+    )
+    r = rollout_rewards(
+        engine.tokenizer, batch, [ex.answer for ex in examples for _ in range(k)], kind
+    )
+    return {
+        "eval_accuracy": float(np.mean(r)),
+        "eval_pass_at_k": float(np.mean(r.reshape(-1, k).max(axis=1))),
+    }

@@ -1,0 +1,103 @@
+"""Supervised warm-up on the generated task, before RL, with its own optimizer.
+
+RL from a random model learns nothing on the arithmetic task (no response is ever rewarded), so
+the small configs first fit the task's reference answers for `sft.steps` steps. The warm-up is
+its own phase: it gets the model's params, trains them with a fresh AdamW of its own and hands
+them back; the RL optimizer starts fresh afterwards. Its rows in metrics.jsonl have steps
+-sft.steps+1 .. 0 (`sft_loss`, `phase_sft`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from absl import logging
+from clu import periodic_actions
+
+from dvp_jax.data import pipeline
+from dvp_jax.sharding import Sharder
+from dvp_jax.train.config import SFTConfig
+from dvp_jax.train.state import TrainState, init_train_state, make_optimizer
+from dvp_jax.train.step import apply_gradients, token_logprobs
+
+
+def sft_step(state: TrainState, batch, *, graphdef, optimizer, chunk_size: int):
+    """Supervised warm-up: mean negative log-likelihood of the masked (answer) tokens.
+
+    Args:
+      batch: (tokens [B, T] int32 right-padded, loss_mask [B, T] 1.0 on tokens to predict,
+        lengths [B] int32 real lengths).
+    """
+    tokens, loss_mask, lengths = batch
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    valid = positions < lengths[:, None]
+    mask = loss_mask[:, 1:].astype(jnp.float32)
+
+    def loss_fn(params):
+        tl = token_logprobs(
+            params,
+            graphdef,
+            tokens,
+            positions,
+            valid,
+            log_rho=None,
+            temperature=1.0,
+            chunk_size=chunk_size,
+        )
+        return -jnp.sum(tl.logp_full * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    new_state, metrics = apply_gradients(state, grads, optimizer)
+    metrics["sft_loss"] = loss
+    return new_state, metrics
+
+
+def warm_up(
+    model,
+    task,
+    tokenizer,
+    cfg: SFTConfig,
+    *,
+    sharder: Sharder,
+    max_len: int,
+    chunk_size: int,
+    seed: int,
+    log: Callable[[int, dict[str, float]], None],
+):
+    """Trains `model`'s params for `cfg.steps` supervised steps; returns the new params.
+
+    Args:
+      model: the (sharded) trainer model to start from.
+      task: the generated task (`ArithmeticTask`) whose training examples are fitted.
+      tokenizer: the run's tokenizer.
+      cfg: steps, batch size, learning rate and warm-up of this phase.
+      sharder: the trainer's mesh and rules (params keep their shardings).
+      max_len: longest example in tokens (prompt + response).
+      chunk_size: vocabulary chunk of the log-probs.
+      seed: seed of the phase's (unused) state key.
+      log: `log(step, metrics)` for the rows of this phase (step <= 0).
+    """
+    logging.info("supervised warm-up: %d steps of batch %d", cfg.steps, cfg.batch_size)
+    optimizer = make_optimizer(cfg.learning_rate, cfg.warmup_steps, 0.0, 1.0)
+    graphdef, state, _ = init_train_state(model, optimizer, seed, sharder)
+    step_fn = jax.jit(
+        lambda s, b: sft_step(s, b, graphdef=graphdef, optimizer=optimizer, chunk_size=chunk_size),
+        donate_argnums=0,
+    )
+    progress = periodic_actions.ReportProgress(
+        num_train_steps=cfg.steps, every_steps=max(1, cfg.steps // 10)
+    )
+    for i in range(cfg.steps):
+        b = pipeline.sft_batch_for_step(
+            task, tokenizer, step=i, batch_size=cfg.batch_size, max_len=max_len
+        )
+        state, metrics = step_fn(state, (b.tokens, b.loss_mask, b.lengths))
+        progress(i + 1)
+        if (i + 1) % max(1, cfg.steps // 10) == 0 or i + 1 == cfg.steps:
+            loss = float(metrics["sft_loss"])
+            logging.info("sft %d/%d | loss %.4f", i + 1, cfg.steps, loss)
+            log(-cfg.steps + i + 1, {"sft_loss": loss, "phase_sft": 1.0})
+    return state.params
