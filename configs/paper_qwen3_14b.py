@@ -11,7 +11,7 @@ Hardware: one Cloud TPU v5p-64 slice: 2x4x4 topology, 32 chips (64 TensorCores, 
   per chip in megacore mode), 8 hosts, 95 GB HBM per chip. Mesh (data, fsdp, tensor) =
   (1, 8, 4): tensor=4 divides the 40 query and 8 KV heads, keeps the per-decode-step collectives
   within 4 chips and cuts the bf16 rollout weights to a quarter per chip; fsdp takes the rest
-  (fsdp=-1), so the same config also runs on larger slices. `python experiments/scale_plan.py`
+  (fsdp=-1), so the same config also runs on larger slices. `python -m experiments.scale_plan`
   prints the per-chip memory of this config without allocating anything.
 Expected (the paper's claims, not yet reproduced here): the rollout/training PPL gap stays flat
   under DVP while it drifts up under plain RLOO, and MIS+DVP's AIME25 avg@16 beats the best

@@ -1,131 +1,135 @@
-"""Shared pieces of the science experiments (e002, e003): base config, shared warm start, analysis.
+"""Shared pieces of the science experiments (e001-e003): warm start, sweep runner, analysis.
 
-* `base_config(method)`: configs/tiny_cpu.py plus a `model.hf_path` field (so a sweep can start
-  every unit from the same exported policy) and the e002/e003 sizes.
+* `tiny_config(overrides)`: configs/tiny_cpu.py (the base config of every experiment unit) with
+  dotted overrides, as validated dataclasses.
 * `prepare_init(root)`: one supervised warm-up run (600 SFT steps, 0 RL steps) exported as
   Hugging Face safetensors; every unit of e002/e003 starts RL from it (`model.hf_path`,
   `sft.steps=0`), like the paper where every method starts from the same base model. Seeds then
   vary only the RL randomness (rollout sampling keys and the prompt order).
-* `run_sweep(...)`: prepare_init + experiments/launch.py's local runner with the init exported to
-  the units through the environment variable `DVP_INIT_HF`.
-* `load_runs`, `mean_curve`, `markdown_table`: analysis from the workdirs (metrics.jsonl,
-  summary.json).
+* `sweep_parser`, `run_sweep`: the command line of e002/e003 and its sweep: prepare_init, then
+  the experiment's units through experiments/launch.py's local runner, the warm start passed to
+  `get_sweep(init_hf=...)`.
+* `load_runs`, `mean_curve`, `tail_mean`, `markdown_table`: analysis of the unit workdirs
+  (metrics.jsonl through `dvp_jax.metrics.read_metrics`, summary.json, launch.log).
+* `load_policy`, `sample_rewards`, `clean_accuracy`: post-hoc evaluation of an exported policy.
 
 Hardware for every number quoted in the experiment docstrings: 2 shared CPU cores.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import argparse
 import json
 import math
 import os
-import subprocess
+import shlex
+import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-INIT_ENV = "DVP_INIT_HF"  # a local hf_export directory every unit starts from
+from dvp_jax import metrics
+from dvp_jax.pyfile import load_file
+from experiments import launch
+
+TINY_CPU = "configs/tiny_cpu.py"  # relative to the repository root
+# CI sizes of a unit (e000, and the smoke variants of e002/e003): 2 SFT + 2 RL steps, 4 prompts
+# x 2 responses, 8 eval prompts.
+SMOKE = {
+    "sft.steps": 2,
+    "sft.warmup_steps": 0,
+    "sft.batch_size": 8,
+    "train.steps": 2,
+    "train.prompts_per_step": 4,
+    "train.group_size": 2,
+    "eval.num_prompts": 8,
+    "eval.k": 2,
+    "eval.every": 0,
+    "checkpoint.every": 0,
+    "plots": False,
+}
+INIT_SFT_STEPS = 600  # the shared warm start: the default demo's SFT, no RL
+INIT_OVERRIDES = {
+    "train.steps": 0,
+    "plots": False,
+    "eval.num_prompts": 128,
+    "sft.steps": INIT_SFT_STEPS,
+}
 
 
-def _load(relpath: str, name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, relpath))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, module)
-    spec.loader.exec_module(module)
-    return module
+def tiny_config(overrides: dict | None = None):
+    """configs/tiny_cpu.py plus dotted `overrides`, as `ExperimentConfig` (char tokenizer)."""
+    from dvp_jax.rollout.tokenizers import load_tokenizer
+    from dvp_jax.train.config import ExperimentConfig
+
+    cd = load_file(os.path.join(launch.REPO, TINY_CPU)).get_config()
+    cd.lock()  # as main.py does: an override of an undeclared field fails
+    cd.update_from_flattened_dict(overrides or {})
+    return ExperimentConfig.from_config_dict(cd, load_tokenizer("char").vocab_size)
 
 
-def launch_module():
-    return _load("experiments/launch.py", "dvp_launch")
+# ------------------------------------------------------------------------------------------------
+# The shared warm start and the sweep.
+# ------------------------------------------------------------------------------------------------
+def init_overrides(init_hf: str) -> dict:
+    """Start-from overrides of a unit: the shared warm start `init_hf` (an hf_export directory).
 
-
-def base_config(method: str = "dvp"):
-    """configs/tiny_cpu.py with `model.hf_path` (empty: random init + in-run SFT warm-up)."""
-    cfg = _load("configs/tiny_cpu.py", "dvp_tiny_cpu_config").get_config(method)
-    cfg.model.hf_path = ""
-    return cfg
-
-
-def init_overrides(sft_steps_fallback: int = 600) -> dict:
-    """Start-from overrides of a unit: the shared warm start when `DVP_INIT_HF` is set.
-
-    Without it (a plain `launch.py` run), each unit does its own `sft_steps_fallback`-step
-    warm-up from its own random init (slower, and seeds then also vary the init).
+    With `init_hf=""` (a plain `launch.py` run), each unit does its own 600-step warm-up from its
+    own random init (slower, and seeds then also vary the init).
     """
-    path = os.environ.get(INIT_ENV, "")
-    if path:
-        return {"model.hf_path": os.path.abspath(path), "sft.steps": 0}
-    return {"sft.steps": sft_steps_fallback}
+    if init_hf:
+        return {"model.hf_path": os.path.abspath(init_hf), "sft.steps": 0}
+    return {"sft.steps": INIT_SFT_STEPS}
 
 
-# Sizes of the shared warm start: the default demo's SFT, no RL.
-INIT_OVERRIDES = {"train.steps": 0, "plots": False, "eval.num_prompts": 128}
+def init_workdir(root: str) -> str:
+    return os.path.join(os.path.abspath(root), f"_init_sft{INIT_SFT_STEPS}")
 
 
-def prepare_init(root: str, sft_steps: int = 600, extra: dict | None = None) -> str:
+def prepare_init(root: str) -> str:
     """Runs (once) the supervised warm-up and returns its hf_export directory."""
-    launch = launch_module()
-    workdir = os.path.join(os.path.abspath(root), f"_init_sft{sft_steps}")
+    workdir = init_workdir(root)
     export = os.path.join(workdir, "hf_export")
     if os.path.exists(os.path.join(export, "config.json")):
         return export
-    os.makedirs(workdir, exist_ok=True)
-    overrides = {**INIT_OVERRIDES, "sft.steps": sft_steps, **(extra or {})}
-    argv = [
-        sys.executable,
-        "-m",
-        "dvp_jax.main",
-        "--config",
-        "configs/tiny_cpu.py",
-        "--workdir",
-        workdir,
-    ]
-    argv += [f"--config.{k}={launch.format_value(v)}" for k, v in overrides.items()]
-    print("[init] " + " ".join(argv), flush=True)
-    with open(os.path.join(workdir, "launch.log"), "w") as log:
-        subprocess.run(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
+    argv = launch.unit_argv(TINY_CPU, INIT_OVERRIDES.items(), workdir, sys.executable)
+    print("[init] " + shlex.join(argv), flush=True)
+    rc = launch.run_logged(argv, workdir)
+    if rc:
+        raise RuntimeError(f"the warm start failed (exit {rc}); see {workdir}/launch.log")
     return export
 
 
-def run_sweep(
-    experiment_path: str,
-    root: str,
-    parallel: int,
-    init_sft_steps: int = 600,
-    only: Sequence[int] | None = None,
-    init_extra: dict | None = None,
-):
-    """Shared warm start, then every work unit of the experiment through launch.py."""
-    launch = launch_module()
-    os.environ[INIT_ENV] = prepare_init(root, init_sft_steps, init_extra)
-    exp = launch.load_experiment(experiment_path)  # get_sweep() sees DVP_INIT_HF
-    if only is not None:
-        exp = exp.__class__(
-            **{**exp.__dict__, "units": tuple(u for u in exp.units if u.index in set(only))}
-        )
-    results = launch.run_local(exp, root, parallel, dry_run=False, timeout=None)
+def sweep_parser(doc: str, out: str, seeds: int, noise: float) -> argparse.ArgumentParser:
+    """The command line of e002/e003: where units run, the sweep's inputs, what to skip."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--root", default=launch.DEFAULT_ROOT, help="root of the unit workdirs")
+    p.add_argument("--out", default=out, help="where the analysis writes its results")
+    p.add_argument("--parallel", type=int, default=2, help="units run at a time")
+    p.add_argument("--seeds", type=int, default=seeds, help="get_sweep(seeds=...)")
+    p.add_argument("--noise", type=float, default=noise, help="get_sweep(noise=...)")
+    p.add_argument("--only", default=None, help="comma-separated unit indices to run")
+    p.add_argument("--analyze_only", action="store_true", help="analyse the workdirs, train none")
+    return p
+
+
+def run_sweep(path: str, args: argparse.Namespace):
+    """Unless `--analyze_only`: the shared warm start, then the experiment's work units (the
+    `--only` ones) through launch.py, with `get_sweep(seeds, noise, init_hf=<warm start>)`."""
+    if args.analyze_only:
+        return
+    sweep_args = {"seeds": args.seeds, "noise": args.noise, "init_hf": prepare_init(args.root)}
+    exp = launch.select(launch.load_experiment(path, sweep_args), launch.parse_only(args.only))
+    results = launch.run_local(exp, args.root, args.parallel, dry_run=False, timeout=None)
     print(launch.summary_table(results, exp.summary_keys), flush=True)
-    return exp, results
 
 
 # ------------------------------------------------------------------------------------------------
-# Analysis.
+# Analysis of the unit workdirs.
 # ------------------------------------------------------------------------------------------------
-def read_rows(workdir: str) -> list[dict]:
-    path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-
-
 def unit_overrides(workdir: str) -> dict:
     """The `--config.a.b=v` flags of a unit, read back from the command line in its launch.log."""
-    import shlex
-
     path = os.path.join(workdir, "launch.log")
     if not os.path.exists(path):
         return {}
@@ -140,6 +144,7 @@ def unit_overrides(workdir: str) -> dict:
 
 
 def _parse_flag_value(value: str):
+    """The inverse of `launch.format_value` for scalars."""
     if value in ("true", "false"):
         return value == "true"
     for cast in (int, float):
@@ -160,36 +165,39 @@ def load_runs(root: str, experiment: str) -> list[dict]:
     runs = []
     for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
         workdir = os.path.join(base, name)
-        summary_path = os.path.join(workdir, "summary.json")
-        if name.startswith("_") or not os.path.exists(summary_path):
+        summary = launch.read_summary(workdir)
+        if name.startswith("_") or summary is None:
             continue
-        with open(summary_path) as fh:
-            summary = json.load(fh)
         runs.append(
             {
                 "name": name,
                 "workdir": workdir,
                 "overrides": unit_overrides(workdir),
                 "summary": summary,
-                "rows": read_rows(workdir),
+                "rows": metrics.read_metrics(workdir),
             }
         )
     return runs
 
 
-def series(rows: list[dict], key: str) -> dict[int, float]:
-    """step -> value over RL steps (>= 0); the last row of a step wins (the final eval row)."""
-    out = {}
-    for row in rows:
-        if row["step"] >= 0 and key in row and row[key] is not None:
-            out[row["step"]] = float(row[key])
-    return out
+def group_runs(runs: list[dict], key: Callable[[dict], object], order: Sequence) -> dict:
+    """{group: runs} for the groups of `order` that have runs, in that order."""
+    groups = {}
+    for r in runs:
+        groups.setdefault(key(r), []).append(r)
+    return {g: groups[g] for g in order if g in groups}
 
 
-def mean_curve(runs: list[dict], key: str, smooth: int = 1):
+def series(rows: list[dict], name: str) -> dict[int, float]:
+    """step -> value of a declared metric over RL steps (>= 0); the last row of a step wins (the
+    final eval row repeats the last periodic one's step)."""
+    steps, values = metrics.series([r for r in rows if r["step"] >= 0], name)
+    return dict(zip(steps, values, strict=True))
+
+
+def mean_curve(runs: list[dict], name: str, smooth: int = 1):
     """Steps present in every run, mean and std over runs (optionally a trailing moving mean)."""
-    curves = [series(r["rows"], key) for r in runs]
-    curves = [c for c in curves if c]
+    curves = [c for c in (series(r["rows"], name) for r in runs) if c]
     if not curves:
         return None
     steps = sorted(set.intersection(*(set(c) for c in curves)))
@@ -207,9 +215,19 @@ def mean_curve(runs: list[dict], key: str, smooth: int = 1):
     return np.array(steps), values.mean(0), values.std(0)
 
 
-def tail_mean(rows: list[dict], key: str, last: int = 20) -> float:
-    vals = [r[key] for r in rows if r["step"] > 0 and "loss" in r and key in r][-last:]
-    return float(np.mean(vals)) if vals else math.nan
+def tail_mean(rows: list[dict], name: str, last: int = 20) -> float:
+    """Mean of a declared metric over the last `last` RL train rows (those with a loss); nan if
+    none has it."""
+    _, values = metrics.series([r for r in rows if r["step"] > 0 and "loss" in r], name)
+    return float(np.mean(values[-last:])) if values else math.nan
+
+
+def accuracies(runs: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per run: final and start held-out accuracy (summary.json), and the best eval."""
+    final = np.array([r["summary"]["eval_accuracy"] for r in runs])
+    start = np.array([r["summary"]["start_eval_accuracy"] for r in runs])
+    best = np.array([max(series(r["rows"], "eval_accuracy").values()) for r in runs])
+    return final, start, best
 
 
 def fmt(mean: float, std: float | None = None, digits: int = 3) -> str:
@@ -226,39 +244,77 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def copy_small_outputs(runs: list[dict], dest: str, files=("summary.json", "metrics.jsonl")):
-    """Copies each unit's summary/metrics (no checkpoints, no event files) under dest/units/."""
-    import shutil
+def write_results(out: str, md: str, results: dict, runs: list[dict]) -> None:
+    """results.md, results.json and each unit's summary.json (under out/units/) into `out`."""
+    with open(os.path.join(out, "results.md"), "w") as fh:
+        fh.write(md)
+    with open(os.path.join(out, "results.json"), "w") as fh:
+        json.dump(results, fh, indent=1)
+    for r in runs:  # no checkpoints, event files or metrics: the committed results stay small
+        dest = os.path.join(out, "units", r["name"])
+        os.makedirs(dest, exist_ok=True)
+        shutil.copy(os.path.join(r["workdir"], "summary.json"), dest)
+    print(md)
 
-    for r in runs:
-        out = os.path.join(dest, "units", r["name"])
-        os.makedirs(out, exist_ok=True)
-        for f in files:
-            src = os.path.join(r["workdir"], f)
-            if os.path.exists(src):
-                shutil.copy(src, out)
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 # ------------------------------------------------------------------------------------------------
 # Post-hoc evaluation of a unit's exported policy (hf_export) without the rollout mismatch.
 # ------------------------------------------------------------------------------------------------
-def eval_engine(cfg, model, dtype: str, tokenizer):
-    """An unpruned rollout engine of `dtype` for `model`, shaped for `cfg`'s task (64 slots)."""
+def load_policy(hf_dir: str, dtype: str):
+    """(cfg, an unpruned `dtype` rollout engine (64 slots) for the policy in hf_dir, tokenizer)."""
+    from dvp_jax.model import TRAIN_POLICY
+    from dvp_jax.model.hf_import import load_hf
     from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
+    from dvp_jax.rollout.tokenizers import load_tokenizer
 
-    return RolloutEngine(
+    tokenizer = load_tokenizer("char")
+    cfg = tiny_config()
+    engine = RolloutEngine(
         cfg.model,
         EngineConfig(
             dtype=dtype,
             max_concurrent_decodes=64,
             max_prefill_length=cfg.data.max_prompt_len,
             prefill_buckets=(cfg.data.max_prompt_len,),
-            max_decode_length=cfg.rollout.max_new_tokens,
+            max_decode_length=cfg.rollout.max_decode_length,
             log_rho=-math.inf,
         ),
         tokenizer=tokenizer,
-        params=model,
+        params=load_hf(hf_dir, TRAIN_POLICY, cfg=cfg.model),
     )
+    return cfg, engine, tokenizer
+
+
+def sample_rewards(cfg, engine, tokenizer, examples, k: int, key, sampling=None):
+    """(RolloutBatch, exact-match rewards [P * k]) of k samples for each held-out example."""
+    from dvp_jax.data import rewards
+    from dvp_jax.rollout.offline import generate_rollouts
+
+    batch = generate_rollouts(
+        engine,
+        [ex.prompt for ex in examples],
+        k,
+        key,
+        sampling=sampling,
+        prompt_len=cfg.data.max_prompt_len,
+    )
+    stop = set(tokenizer.stop_tokens)
+    texts = [
+        tokenizer.decode([int(t) for t in batch.response(i) if int(t) not in stop])
+        for i in range(batch.num_rows)
+    ]
+    answers = [ex.answer for ex in examples for _ in range(k)]
+    return batch, rewards.compute_rewards("exact_match", texts, answers)
 
 
 def clean_accuracy(
@@ -271,32 +327,8 @@ def clean_accuracy(
     with the same keys (common random numbers).
     """
     import jax
-    import numpy as np
 
-    from dvp_jax.data import rewards
-    from dvp_jax.model import TRAIN_POLICY
-    from dvp_jax.model.hf_import import load_hf
-    from dvp_jax.rollout.offline import generate_rollouts
-    from dvp_jax.rollout.tokenizers import load_tokenizer
-    from dvp_jax.train.config import ExperimentConfig
-
-    tokenizer = load_tokenizer("char")
-    cfg = ExperimentConfig.from_config_dict(base_config("rloo"), tokenizer.vocab_size)
-    model = load_hf(hf_dir, TRAIN_POLICY, cfg=cfg.model)
-    engine = eval_engine(cfg, model, dtype, tokenizer)
-    task = cfg.data.arithmetic_task()
-    examples = task.heldout_examples(num_prompts)
-    batch = generate_rollouts(
-        engine,
-        [ex.prompt for ex in examples],
-        k,
-        jax.random.key(seed),
-        prompt_len=cfg.data.max_prompt_len,
-    )
-    stop = set(tokenizer.stop_tokens)
-    texts = [
-        tokenizer.decode([int(t) for t in batch.response(i) if int(t) not in stop])
-        for i in range(batch.num_rows)
-    ]
-    answers = [ex.answer for ex in examples for _ in range(k)]
-    return float(np.mean(rewards.compute_rewards("exact_match", texts, answers)))
+    cfg, engine, tokenizer = load_policy(hf_dir, dtype)
+    examples = cfg.data.arithmetic_task().heldout_examples(num_prompts)
+    _, r = sample_rewards(cfg, engine, tokenizer, examples, k, jax.random.key(seed))
+    return float(np.mean(r))

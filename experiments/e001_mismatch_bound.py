@@ -16,7 +16,7 @@ Paths:
     prefilled (positions inside the prompt use the same full forward the prefill runs), then
     every later token goes through `Transformer.decode` with the KV cache in the cache dtype
     (bf16, or float8_e4m3fn for `bfloat16_fp8kv`), logits z' upcast to fp32; with logit noise,
-    z' + sigma n, n ~ N(0, I) (what `rollout.logit_noise` adds before pruning).
+    z' + sigma n, n ~ N(0, I) (what `rollout.noise_std` adds before pruning).
   * the engine itself (`RolloutEngine` + `generate_rollouts`, log_rho = -inf, stop tokens off so
     every response has `--gen_len` tokens) samples continuations of held-out prompts and records
     log mu(y_t) (E4); the fp32 trainer scores the same tokens: l_t = log pi(y_t) - log mu(y_t).
@@ -26,8 +26,8 @@ Outputs (`--out`): e001_<setting>.png (4 panels: |log p' - log p| vs p with the 
   fraction within the exact bound (E10 via `diagnostics.mismatch_bound`) and within the
   first-order bound 2 eps (1 - p_a), the per-bin tables, the growth curve, the fraction of sampled
   tokens outside the trainer's e^-13 safe set, and the engine-vs-teacher-forced consistency).
-Command:
-  python experiments/e001_mismatch_bound.py --out experiments/results/e001 [--smoke]
+Command (from the repository root):
+  python -m experiments.e001_mismatch_bound --out experiments/results/e001 [--smoke]
 Hardware: 2 CPU cores shared with other jobs (load 5-7). Time: 6.2 min measured (in-script SFT
   ~3 min of it, then 30-65 s per setting); --smoke ~50 s under the same load.
 Expected (measured, committed run): exact-bound fraction 1.0 in all four settings (121,632
@@ -51,16 +51,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
-
-from dvp_jax.data import pipeline  # noqa: E402
-from dvp_jax.dvp import diagnostics  # noqa: E402
-from dvp_jax.model import TRAIN_POLICY, Transformer  # noqa: E402
-from dvp_jax.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
-from dvp_jax.rollout.offline import generate_rollouts  # noqa: E402
-from dvp_jax.rollout.tokenizers import load_tokenizer  # noqa: E402
+from dvp_jax.data import pipeline
+from dvp_jax.dvp import diagnostics
+from dvp_jax.model import TRAIN_POLICY, Transformer
+from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
+from dvp_jax.rollout.offline import generate_rollouts
+from dvp_jax.rollout.tokenizers import load_tokenizer
+from experiments import analyze
 
 # (name, rollout dtype, logit noise std). The last is e002's level.
 SETTINGS = (
@@ -70,6 +67,10 @@ SETTINGS = (
     ("bf16_noise3", "bfloat16", 3.0),
 )
 SMOKE_SETTINGS = (SETTINGS[1],)  # fp8 KV: exercises the prefill + decode-through-cache path
+# Sizes of `run` (each overridable): SFT steps of the warm-up, held-out sequences, samples per
+# prompt and generated tokens of the sampled continuations.
+SIZES = {"sft_steps": 600, "num_seqs": 256, "samples": 4, "gen_len": 40}
+SMOKE_SIZES = {"sft_steps": 3, "num_seqs": 16, "samples": 2, "gen_len": 8}
 LOG_RHO = -13.0  # the paper's threshold, for the "outside the trainer safe set" count
 # Trainer-probability bin edges for the signed l_t of sampled tokens (log-spaced in the tail).
 P_EDGES = (0.0, 1e-4, 1e-3, 1e-2, 0.05, 0.2, 0.5, 0.8, 0.95, 0.99, 1.0 + 1e-9)
@@ -78,18 +79,6 @@ P_EDGES = (0.0, 1e-4, 1e-3, 1e-2, 0.05, 0.2, 0.5, 0.8, 0.95, 0.99, 1.0 + 1e-9)
 # ------------------------------------------------------------------------------------------------
 # Params.
 # ------------------------------------------------------------------------------------------------
-def tiny_config(sft_steps: int):
-    """configs/tiny_cpu.py as validated dataclasses (the warm-up recipe of the demo)."""
-    from dvp_jax.pyfile import load_file
-    from dvp_jax.train.config import ExperimentConfig
-
-    cd = load_file(os.path.join(REPO, "configs", "tiny_cpu.py")).get_config("dvp")
-    cd.sft.steps = sft_steps
-    cd.train.steps = 0
-    cd.plots = False
-    return ExperimentConfig.from_config_dict(cd, load_tokenizer("char").vocab_size)
-
-
 def warm_model(cfg, init_hf: str | None) -> Transformer:
     """The fp32 trainer model: loaded from an hf_export, or the trainer's own SFT warm-up."""
     if init_hf:
@@ -101,7 +90,7 @@ def warm_model(cfg, init_hf: str | None) -> Transformer:
     with tempfile.TemporaryDirectory() as workdir:
         trainer = Trainer(cfg, workdir)
         try:
-            trainer.warmup()
+            trainer.warm_up()
             return nnx.merge(trainer.graphdef, jax.device_get(trainer.state.params))
         finally:
             trainer.close()
@@ -206,7 +195,7 @@ def bin_table(lr: np.ndarray, p: np.ndarray, edges=P_EDGES) -> list[dict]:
     return out
 
 
-def analyse_setting(model, name, dtype, noise, heldout, gen, key, smoke) -> dict:
+def analyse_setting(model, name, dtype, noise, heldout, gen, key) -> dict:
     tok, valid, lp, pred = heldout  # pred[b, t]: column t predicts a real token t + 1
     t0 = time.time()
     engine = rollout_model(model, dtype, gen["prompt_len"], gen["gen_len"], noise, gen["slots"])
@@ -244,7 +233,7 @@ def analyse_setting(model, name, dtype, noise, heldout, gen, key, smoke) -> dict
     nxt = stok[:, 1:]
     logp_tr = np.take_along_axis(zt[:, :-1], nxt[..., None], -1)[..., 0]  # [N, T-1]
     mask = batch.response_mask[:, 1:]
-    logp_mu = batch.unpruned_logprobs[:, 1:]
+    logp_mu = batch.behaviour_logp_full[:, 1:]
     l_s = np.where(mask, logp_tr - logp_mu, 0.0)
     p_s = np.exp(logp_tr)[mask]
     # Outside the trainer's e^-13 safe set (E5 would exclude the response).
@@ -313,11 +302,7 @@ def analyse_setting(model, name, dtype, noise, heldout, gen, key, smoke) -> dict
 # Plots.
 # ------------------------------------------------------------------------------------------------
 def plot_setting(res: dict, path: str, max_points: int = 30_000) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = analyze.pyplot()
     d = res["_plot"]
     p, diff = d["p"].ravel(), d["diff"].ravel()
     eps = np.broadcast_to(d["eps"][:, None], d["p"].shape).ravel()
@@ -394,29 +379,24 @@ def plot_setting(res: dict, path: str, max_points: int = 30_000) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-def run(
-    out: str,
-    smoke: bool = False,
-    init_hf: str | None = None,
-    sft_steps: int | None = None,
-    num_seqs: int | None = None,
-    samples: int | None = None,
-    gen_len: int | None = None,
-    settings=None,
-    seed: int = 0,
-) -> dict:
+def run(out: str, smoke: bool = False, init_hf: str | None = None, seed: int = 0, **sizes) -> dict:
+    """Every setting of SETTINGS (SMOKE_SETTINGS) at SIZES (SMOKE_SIZES) updated by `sizes`."""
     start = time.time()
-    sft_steps = (3 if smoke else 600) if sft_steps is None else sft_steps
-    num_seqs = (16 if smoke else 256) if num_seqs is None else num_seqs
-    samples = (2 if smoke else 4) if samples is None else samples
-    gen_len = (8 if smoke else 40) if gen_len is None else gen_len
-    settings = (SMOKE_SETTINGS if smoke else SETTINGS) if settings is None else settings
-    cfg = tiny_config(sft_steps)
+    if set(sizes) - set(SIZES):
+        raise TypeError(f"run() got {sorted(set(sizes) - set(SIZES))}; sizes are {list(SIZES)}")
+    sizes = {
+        **(SMOKE_SIZES if smoke else SIZES),
+        **{k: v for k, v in sizes.items() if v is not None},
+    }
+    sft_steps, num_seqs, samples, gen_len = (sizes[k] for k in SIZES)
+    settings = SMOKE_SETTINGS if smoke else SETTINGS
+    # The warm-up recipe of the demo (configs/tiny_cpu.py), no RL.
+    cfg = analyze.tiny_config({"sft.steps": sft_steps, "train.steps": 0, "plots": False})
     tokenizer = load_tokenizer("char")
     model = warm_model(cfg, init_hf)
     task = cfg.data.arithmetic_task()
     examples = task.heldout_examples(num_seqs)
-    max_len = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    max_len = cfg.data.max_prompt_len + cfg.rollout.max_decode_length
     sb = pipeline.sft_batch(examples, tokenizer, max_len=max_len)
     tok, lengths = sb.tokens, sb.lengths
     valid = np.arange(max_len)[None, :] < lengths[:, None]
@@ -434,9 +414,7 @@ def run(
     os.makedirs(out, exist_ok=True)
     results = []
     for i, (name, dtype, noise) in enumerate(settings):
-        res = analyse_setting(
-            model, name, dtype, noise, heldout, gen, jax.random.fold_in(key, i), smoke
-        )
+        res = analyse_setting(model, name, dtype, noise, heldout, gen, jax.random.fold_in(key, i))
         plot_setting(res, os.path.join(out, f"e001_{name}.png"))
         res.pop("_plot")
         results.append(res)
@@ -475,18 +453,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="experiments/results/e001")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CI)")
     ap.add_argument("--init_hf", default=None, help="an hf_export directory instead of SFT")
-    ap.add_argument("--sft_steps", type=int, default=None)
-    ap.add_argument("--num_seqs", type=int, default=None)
-    ap.add_argument("--gen_len", type=int, default=None)
+    for name in SIZES:
+        ap.add_argument(f"--{name}", type=int, default=None, help="default: SIZES / SMOKE_SIZES")
     args = ap.parse_args(argv)
-    report = run(
-        args.out,
-        smoke=args.smoke,
-        init_hf=args.init_hf,
-        sft_steps=args.sft_steps,
-        num_seqs=args.num_seqs,
-        gen_len=args.gen_len,
-    )
+    sizes = {name: getattr(args, name) for name in SIZES}
+    report = run(args.out, smoke=args.smoke, init_hf=args.init_hf, **sizes)
     print(f"[e001] wrote {args.out}/e001.json in {report['wall_time_s']:.0f} s")
     return 0
 

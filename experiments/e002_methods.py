@@ -4,21 +4,23 @@ Question: at a mismatch level where unpruned RLOO measurably degrades, does the 
   reproduce (MIS+DVP best; DVP keeps the rollout/training PPL gap stable)?
 Setup: the default task and tiny model (configs/tiny_cpu.py). Every unit starts RL from the same
   supervised warm start (600 SFT steps, exported once; `analyze.prepare_init`), rollout in bf16
-  with additive Gaussian logit noise of std `NOISE` on the rollout side only (before pruning; the
-  trainer stays fp32, noise-free). bf16 alone is far too weak at this scale (e001: mean |l_t|
-  <= 0.04 in every probability bin, no sampled token ever leaves the trainer's e^-13 safe set).
+  with additive Gaussian logit noise of std `NOISE` (`rollout.noise_std`) on the rollout side
+  only (before pruning; the trainer stays fp32, noise-free). bf16 alone is far too weak at this
+  scale (e001: mean |l_t| <= 0.04 in every probability bin, no sampled token ever leaves the
+  trainer's e^-13 safe set).
   Level: pilots (100 steps, 1 seed) at sigma = 1 and 2 showed no exclusions at all (DVP == RLOO);
   sigma = 3 is the smallest tried where pruning acts (1-4% of responses excluded, MIS masks ~7%).
   Plus RLOO at sigma = 0 (bf16 only) as the no-mismatch reference, and a post-hoc noise-free
   re-evaluation of every final policy (`analyze.clean_accuracy`), since the trainer's own eval
   samples with the unit's noisy engine. Held-out accuracy avg@4 on 128 prompts is
   measured with the same (noisy) rollout engine every method trains with.
-Command (the committed results, experiments/results/e002/):
-  python experiments/e002_methods.py --root /tmp/dvp_jax_runs --parallel 2 \
+Command (from the repository root; the committed results, experiments/results/e002/):
+  python -m experiments.e002_methods --root /tmp/dvp_jax_runs --parallel 2 \
       --out experiments/results/e002
-  (= warm start, then `DVP_INIT_HF=<init> python experiments/launch.py experiments/e002_methods.py
-  --parallel 2`, then the analysis; `--analyze_only` redoes only the plots/table).
-  Full version: `--seeds 3` (the default). `--smoke`: 2 units x 2 steps (CI).
+  (= the warm start, then `python -m experiments.launch experiments/e002_methods.py --sweep
+  init_hf=<init> --parallel 2`, then the analysis; `--analyze_only` redoes only the plots and
+  the table, from the unit workdirs under --root: metrics.jsonl and launch.log are not
+  committed). Full version: `--seeds 3` (the default). Smoke (CI): `--sweep smoke=True`.
 Hardware: 2 CPU cores shared with other jobs (load 4-7). Time: 27 min for the 18 units
   (120-220 s each, 2 at a time), then ~4 min of analysis (19 noise-free re-evaluations).
 Expected: see experiments/results/e002/results.md (written by the analysis, not by hand).
@@ -26,35 +28,20 @@ Expected: see experiments/results/e002/results.md (written by the analysis, not 
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import json
 import os
 import sys
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_spec = importlib.util.spec_from_file_location(
-    "dvp_experiments_analyze", os.path.join(_HERE, "analyze.py")
-)
-analyze = sys.modules.get("dvp_experiments_analyze") or importlib.util.module_from_spec(_spec)
-if "dvp_experiments_analyze" not in sys.modules:
-    sys.modules["dvp_experiments_analyze"] = analyze
-    _spec.loader.exec_module(analyze)
+import numpy as np
 
-CONFIG = "experiments/e002_methods.py"  # get_config below: tiny_cpu + model.hf_path
+from experiments import analyze
+
+CONFIG = analyze.TINY_CPU
 CONFIG_ARG = "dvp"
-SUMMARY_KEYS = (
-    "start_eval_accuracy",
-    "eval_accuracy",
-    "ppl_gap",
-    "frac_responses_excluded",
-    "wall_time_s",
-)
 
 METHODS = ("rloo", "tis", "mis", "dvp", "mis_dvp")
-SEEDS = (0, 1, 2)
-NOISE = 3.0  # rollout.logit_noise of the committed sweep (chosen by the pilots, see README)
-REFERENCE = True  # also RLOO without logit noise (bf16 only): the no-mismatch reference
+SEEDS = 3  # seeds 0..SEEDS-1 of every method
+NOISE = 3.0  # rollout.noise_std of the committed sweep (chosen by the pilots, see README)
 STEPS = 150
 # Per-unit sizes: the demo's RL batch (16 prompts x 8), eval every 25 steps on 128 prompts x 4.
 SIZES = {
@@ -70,64 +57,37 @@ SIZES = {
     "checkpoint.every": 0,
     "plots": False,
 }
-# CI smoke: every size minimal.
-SMOKE = {
-    "train.steps": 2,
-    "sft.steps": 2,
-    "sft.warmup_steps": 0,
-    "sft.batch_size": 8,
-    "train.prompts_per_step": 4,
-    "train.group_size": 2,
-    "eval.num_prompts": 8,
-    "eval.k": 2,
-    "eval.every": 0,
-    "checkpoint.every": 0,
-    "plots": False,
-}
 
 
-def get_config(method: str = "dvp"):
-    """The base config of every unit: configs/tiny_cpu.py plus `model.hf_path` (see analyze)."""
-    return analyze.base_config(method)
+def unit(method: str, seed: int, noise: float, init_hf: str, **extra) -> dict:
+    """One RL unit at these sizes from the warm start `init_hf` (e003's units too)."""
+    return {
+        "method": method,
+        **extra,
+        "train.seed": seed,
+        "data.seed": seed,
+        "rollout.noise_std": noise,
+        **SIZES,
+        **analyze.init_overrides(init_hf),
+    }
 
 
-def get_sweep(seeds=None, noise=None, methods=METHODS, smoke=None) -> list[dict]:
-    """methods x seeds at one noise level; the shared warm start when DVP_INIT_HF is set."""
-    if seeds is None:
-        seeds = tuple(range(int(os.environ.get("DVP_E002_SEEDS", len(SEEDS)))))
-    noise = float(os.environ.get("DVP_E002_NOISE", NOISE)) if noise is None else noise
-    smoke = os.environ.get("DVP_SMOKE") == "1" if smoke is None else smoke
+def smoke_unit(method: str, noise: float, **extra) -> dict:
+    """One unit at the CI sizes (`analyze.SMOKE`): its own 2-step warm-up, 2 RL steps."""
+    return {"method": method, **extra, "rollout.noise_std": noise, "train.seed": 0, **analyze.SMOKE}
+
+
+def get_sweep(
+    seeds: int = SEEDS, noise: float = NOISE, init_hf: str = "", smoke: bool = False
+) -> list[dict]:
+    """METHODS x seeds at logit noise `noise`, plus RLOO x seeds without noise (the no-mismatch
+    reference); `smoke`: RLOO and MIS+DVP at the CI sizes."""
+    noise = float(noise)
     if smoke:
-        return [
-            {"method": m, "rollout.logit_noise": noise, "train.seed": 0, **SMOKE}
-            for m in ("rloo", "mis_dvp")
-        ]
-    start = analyze.init_overrides()
-    units = [
-        {
-            "method": m,
-            "train.seed": s,
-            "data.seed": s,
-            "rollout.logit_noise": noise,
-            **SIZES,
-            **start,
-        }
-        for m in METHODS
-        if m in methods
-        for s in seeds
-    ]
-    if REFERENCE and noise != 0:
-        units += [
-            {
-                "method": "rloo",
-                "train.seed": s,
-                "data.seed": s,
-                "rollout.logit_noise": 0.0,
-                **SIZES,
-                **start,
-            }
-            for s in seeds
-        ]
+        return [smoke_unit(m, noise) for m in ("rloo", "mis_dvp")]
+    units = [unit(m, s, noise, init_hf) for m in METHODS for s in range(seeds)]
+    if noise != 0:
+        units += [unit("rloo", s, 0.0, init_hf) for s in range(seeds)]
     return units
 
 
@@ -135,12 +95,20 @@ def get_sweep(seeds=None, noise=None, methods=METHODS, smoke=None) -> list[dict]
 # Analysis: curves (mean over seeds) and the results table.
 # ------------------------------------------------------------------------------------------------
 LABELS = {"rloo": "RLOO", "tis": "TIS", "mis": "MIS", "dvp": "DVP", "mis_dvp": "MIS+DVP"}
+REF = ", no noise (ref.)"
+TAILS = (  # metrics whose mean over the last 20 RL steps the table reports
+    "ppl_gap",
+    "full_ppl_gap",
+    "frac_responses_excluded",
+    "frac_responses_masked",
+    "frac_tokens_outside_train_safe",
+)
 
 
 def _group_label(run) -> str:
     ov = run["overrides"]
     label = LABELS.get(ov.get("method"), str(ov.get("method")))
-    return label if float(ov.get("rollout.logit_noise", 0.0)) else f"{label}, no noise (ref.)"
+    return label if float(ov.get("rollout.noise_std", 0.0)) else label + REF
 
 
 def _clean(workdir: str) -> float | None:
@@ -154,35 +122,13 @@ def _clean(workdir: str) -> float | None:
         return None
     acc = analyze.clean_accuracy(hf)
     with open(cache, "w") as fh:
-        json.dump(
-            {
-                "clean_accuracy": acc,
-                "how": "analyze.clean_accuracy (bf16, no noise, 256 held-out prompts x 4)",
-            },
-            fh,
-        )
+        how = "analyze.clean_accuracy (bf16, no noise, 256 held-out prompts x 4)"
+        json.dump({"clean_accuracy": acc, "how": how}, fh)
     return acc
 
 
-def analyse(root: str, out: str, experiment: str = "e002_methods", clean: bool = True) -> dict:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    runs = analyze.load_runs(root, experiment)
-    os.makedirs(out, exist_ok=True)
-    groups = {}
-    for r in runs:
-        groups.setdefault(_group_label(r), []).append(r)
-    order = [
-        g for m in METHODS for g in (LABELS[m], f"{LABELS[m]}, no noise (ref.)") if g in groups
-    ]
-    noise = sorted({float(r["overrides"].get("rollout.logit_noise", 0.0)) for r in runs})
-    init_dir = os.path.join(os.path.abspath(root), "_init_sft600")
-    init_clean = _clean(init_dir) if clean and os.path.isdir(init_dir) else None
-
+def _plot(groups: dict, noise: list, path: str) -> None:
+    plt = analyze.pyplot()
     panels = [
         ("eval_accuracy", "held-out accuracy avg@4 (unit's own rollout engine)", 1),
         ("reward_mean", "train reward (rollouts), 10-step mean", 10),
@@ -193,19 +139,13 @@ def analyse(root: str, out: str, experiment: str = "e002_methods", clean: bool =
     ]
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (key, title, smooth) in zip(axes.flat, panels, strict=True):
-        for g in order:
-            c = analyze.mean_curve(groups[g], key, smooth)
+        for g, rs in groups.items():
+            c = analyze.mean_curve(rs, key, smooth)
             if c is None:
                 continue
             steps, mean, std = c
-            ax.plot(
-                steps,
-                mean,
-                label=g,
-                marker="o" if key == "eval_accuracy" else None,
-                ms=3,
-                ls=":" if "ref." in g else "-",
-            )
+            marker = "o" if key == "eval_accuracy" else None
+            ax.plot(steps, mean, label=g, marker=marker, ms=3, ls=":" if REF in g else "-")
             if not key.endswith("ppl_gap"):  # a ± std band is meaningless on a log axis
                 ax.fill_between(steps, mean - std, mean + std, alpha=0.12)
         ax.set(title=title, xlabel="RL step")
@@ -217,8 +157,21 @@ def analyse(root: str, out: str, experiment: str = "e002_methods", clean: bool =
         f"e002: methods, rollout bf16 + logit noise {noise} (mean ± std over {nseeds} seeds)"
     )
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "e002_methods.png"), dpi=90)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def analyse(root: str, out: str, experiment: str = "e002_methods", clean: bool = True) -> dict:
+    """Curves (mean over seeds), results.md and results.json from the unit workdirs."""
+    runs = analyze.load_runs(root, experiment)
+    os.makedirs(out, exist_ok=True)
+    groups = analyze.group_runs(
+        runs, _group_label, [g for m in METHODS for g in (LABELS[m], LABELS[m] + REF)]
+    )
+    noise = sorted({float(r["overrides"].get("rollout.noise_std", 0.0)) for r in runs})
+    init_dir = analyze.init_workdir(root)
+    init_clean = _clean(init_dir) if clean and os.path.isdir(init_dir) else None
+    _plot(groups, noise, os.path.join(out, "e002_methods.png"))
 
     header = [
         "method",
@@ -235,23 +188,11 @@ def analyse(root: str, out: str, experiment: str = "e002_methods", clean: bool =
         "tokens outside train V_S",
     ]
     table, rows_json = [], {}
-    for g in order:
-        rs = groups[g]
-        final = np.array([r["summary"]["eval_accuracy"] for r in rs])
-        start = np.array([r["summary"]["start_eval_accuracy"] for r in rs])
-        best = np.array([max(analyze.series(r["rows"], "eval_accuracy").values()) for r in rs])
+    for g, rs in groups.items():
+        final, start, best = analyze.accuracies(rs)
         cl = [_clean(r["workdir"]) for r in rs] if clean else []
         cl = np.array([c for c in cl if c is not None])
-        tails = {
-            k: np.array([analyze.tail_mean(r["rows"], k) for r in rs])
-            for k in (
-                "ppl_gap",
-                "full_ppl_gap",
-                "frac_responses_excluded",
-                "frac_responses_masked",
-                "frac_tokens_outside_train_safe",
-            )
-        }
+        tails = {k: np.array([analyze.tail_mean(r["rows"], k) for r in rs]) for k in TAILS}
         rows_json[g] = {
             "seeds": len(rs),
             "final_acc": final.tolist(),
@@ -284,33 +225,16 @@ def analyse(root: str, out: str, experiment: str = "e002_methods", clean: bool =
     )
     if init_clean is not None:
         md += f"\nClean (noise-free) accuracy of the shared warm start: {init_clean:.3f}.\n"
-    with open(os.path.join(out, "results.md"), "w") as fh:
-        fh.write(md)
-    with open(os.path.join(out, "results.json"), "w") as fh:
-        json.dump({"noise": noise, "init_clean_acc": init_clean, "groups": rows_json}, fh, indent=1)
-    analyze.copy_small_outputs(runs, out, files=("summary.json",))
-    print(md)
+    results = {"noise": noise, "init_clean_acc": init_clean, "groups": rows_json}
+    analyze.write_results(out, md, results, runs)
     return rows_json
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--root", default="/tmp/dvp_jax_runs")
-    p.add_argument("--out", default="experiments/results/e002")
-    p.add_argument("--parallel", type=int, default=2)
-    p.add_argument("--noise", type=float, default=NOISE)
-    p.add_argument("--seeds", type=int, default=len(SEEDS))
-    p.add_argument("--only", default=None, help="comma-separated unit indices")
-    p.add_argument("--analyze_only", action="store_true")
+    p = analyze.sweep_parser(__doc__, "experiments/results/e002", SEEDS, NOISE)
     p.add_argument("--no_clean", action="store_true", help="skip the noise-free re-evaluation")
     args = p.parse_args(argv)
-    os.environ["DVP_E002_NOISE"] = repr(args.noise)
-    os.environ["DVP_E002_SEEDS"] = str(args.seeds)
-    if not args.analyze_only:
-        only = None if args.only is None else [int(i) for i in args.only.split(",")]
-        _, results = analyze.run_sweep(
-            os.path.abspath(__file__), args.root, args.parallel, only=only
-        )
+    analyze.run_sweep(__file__, args)
     analyse(args.root, args.out, clean=not args.no_clean)
     return 0
 

@@ -2,8 +2,8 @@
 
 Question: how do held-out accuracy, the excluded fraction (E5) and the pruned mass (E3) depend on
   the min-p threshold rho, and does the bias of the pruned objective stay under its bound?
-Setup: as e002 (same shared warm start, bf16 rollout + logit noise `e002.NOISE`, 150 RL steps),
-  method dvp (pruning + no correction); "off" is `loss.prune=False` (= RLOO).
+Setup: as e002 (same shared warm start, bf16 rollout + logit noise `e002_methods.NOISE`, 150 RL
+  steps), method dvp (pruning + no correction); "off" is `loss.prune=False` (= RLOO).
 The bias check (`bias_check`, run after training on each unit's final policy, in float32 on both
   sides so that pruning is the only difference between the two distributions):
   Let pi be the policy, pi_S its pruned version (E1-E2) and J(q) = E_{y ~ q}[R(y)] with rewards
@@ -20,12 +20,13 @@ The bias check (`bias_check`, run after training on each unit's final policy, in
   1 - E_{pi_S}[prod_t (1 - delta_t)], the identity behind B1). Each policy is checked at its own
   rho; the "off" policy (no rho of its own) at every rho in `CHECK_RHOS` (which adds -2 and -4,
   where the bias is large enough to measure, to show the bound is not vacuous).
-Command:
-  python experiments/e003_rho_ablation.py --root /tmp/dvp_jax_runs --parallel 2 \
+Command (from the repository root):
+  python -m experiments.e003_rho_ablation --root /tmp/dvp_jax_runs --parallel 2 \
       --out experiments/results/e003
-  (= the shared warm start, then `DVP_INIT_HF=<init> python experiments/launch.py
-  experiments/e003_rho_ablation.py --parallel 2`, then the bias check and the table;
-  `--analyze_only` skips training).
+  (= the shared warm start, then `python -m experiments.launch experiments/e003_rho_ablation.py
+  --sweep init_hf=<init> --parallel 2`, then the bias check and the table; `--analyze_only`
+  skips training but needs the unit workdirs under --root: metrics.jsonl, launch.log and
+  hf_export are not committed). Smoke (CI): `--sweep smoke=True`.
   Committed: 1 seed (`--seeds 2` or more for error bars; e002 already has 3 seeds of the -13
   (dvp) and off (rloo) points at the same level).
 Hardware: 2 CPU cores shared with other jobs. Time: ~6.5 min for the 5 units (90-165 s each,
@@ -35,79 +36,39 @@ Expected: see experiments/results/e003/results.md (written by the analysis).
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import json
 import math
 import os
 import sys
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+import numpy as np
 
+from experiments import analyze, e002_methods
 
-def _load(name, file):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, os.path.join(_HERE, file))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-analyze = _load("dvp_experiments_analyze", "analyze.py")
-e002 = _load("dvp_experiments_e002", "e002_methods.py")
-
-CONFIG = "experiments/e002_methods.py"  # the same base config as e002
+CONFIG = analyze.TINY_CPU  # the same base config as e002
 CONFIG_ARG = "dvp"
-SUMMARY_KEYS = (
-    "start_eval_accuracy",
-    "eval_accuracy",
-    "ppl_gap",
-    "frac_responses_excluded",
-    "wall_time_s",
-)
 LOG_RHOS = (-8.0, -10.0, -13.0, -16.0, None)  # None: pruning off
-SEEDS = (0,)  # --seeds N for more; e002 has 3 seeds of the -13 (dvp) and off (rloo) points
+SEEDS = 1  # --seeds N for more; e002 has 3 seeds of the -13 (dvp) and off (rloo) points
 CHECK_RHOS = (-2.0, -4.0, -8.0, -10.0, -13.0, -16.0)
 
 
-def get_config(method: str = "dvp"):
-    return analyze.base_config(method)
-
-
-def get_sweep(seeds=None, smoke=None) -> list[dict]:
-    if seeds is None:
-        seeds = tuple(range(int(os.environ.get("DVP_E003_SEEDS", len(SEEDS)))))
-    smoke = os.environ.get("DVP_SMOKE") == "1" if smoke is None else smoke
-    noise = float(os.environ.get("DVP_E002_NOISE", e002.NOISE))
+def get_sweep(
+    seeds: int = SEEDS, noise: float = e002_methods.NOISE, init_hf: str = "", smoke: bool = False
+) -> list[dict]:
+    """DVP at every rho of LOG_RHOS x seeds, e002's sizes; `smoke`: rho e^-8 at the CI sizes."""
+    noise = float(noise)
     if smoke:
-        return [
-            {
-                "method": "dvp",
-                "loss.log_rho": -8.0,
-                "rollout.logit_noise": noise,
-                "train.seed": 0,
-                **e002.SMOKE,
-            }
-        ]
-    start = analyze.init_overrides()
-    units = []
-    for rho in LOG_RHOS:
-        rho_ov = {"loss.prune": False} if rho is None else {"loss.log_rho": rho}
-        for s in seeds:
-            units.append(
-                {
-                    "method": "dvp",
-                    **rho_ov,
-                    "train.seed": s,
-                    "data.seed": s,
-                    "rollout.logit_noise": noise,
-                    **e002.SIZES,
-                    **start,
-                }
-            )
-    return units
+        return [e002_methods.smoke_unit("dvp", noise, **{"loss.log_rho": -8.0})]
+    return [
+        e002_methods.unit(
+            "dvp",
+            s,
+            noise,
+            init_hf,
+            **({"loss.prune": False} if rho is None else {"loss.log_rho": rho}),
+        )
+        for rho in LOG_RHOS
+        for s in range(seeds)
+    ]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -118,41 +79,22 @@ def bias_check(
 ) -> list[dict]:
     """Paired estimate of J(pi) - J(pi_S) against its bounds (module docstring), per rho."""
     import jax
-    import numpy as np
 
-    from dvp_jax.data import rewards
-    from dvp_jax.model import TRAIN_POLICY
-    from dvp_jax.model.hf_import import load_hf
-    from dvp_jax.rollout.offline import generate_rollouts
-    from dvp_jax.rollout.tokenizers import load_tokenizer
-    from dvp_jax.train.config import ExperimentConfig
-
-    tokenizer = load_tokenizer("char")
-    cfg = ExperimentConfig.from_config_dict(get_config("dvp"), tokenizer.vocab_size)
-    model = load_hf(hf_dir, TRAIN_POLICY, cfg=cfg.model)
-    engine = analyze.eval_engine(cfg, model, "float32", tokenizer)
-    task = cfg.data.arithmetic_task()
-    examples = task.heldout_examples(num_prompts)
-    prompts = [ex.prompt for ex in examples]
-    answers = [ex.answer for ex in examples for _ in range(samples)]
+    cfg, engine, tokenizer = analyze.load_policy(hf_dir, "float32")
+    examples = cfg.data.arithmetic_task().heldout_examples(num_prompts)
     key = jax.random.key(seed)
 
     def sample(log_rho):
         params = engine.config.sampling_params(log_rho=log_rho)
-        batch = generate_rollouts(
-            engine, prompts, samples, key, sampling=params, prompt_len=cfg.data.max_prompt_len
-        )
-        texts = []
-        for i in range(batch.num_rows):
-            ids = [int(t) for t in batch.response(i) if int(t) not in set(tokenizer.stop_tokens)]
-            texts.append(tokenizer.decode(ids))
-        return batch, rewards.compute_rewards("exact_match", texts, answers)
+        return analyze.sample_rewards(cfg, engine, tokenizer, examples, samples, key, params)
 
     full, r_full = sample(-math.inf)
     out = []
     for rho in log_rhos:
         pruned, r_pruned = sample(rho)
-        delta = np.where(pruned.response_mask, pruned.pruned_mass, 0.0)  # [N, T], E3 per token
+        delta = np.where(
+            pruned.response_mask, pruned.behaviour_pruned_mass, 0.0
+        )  # [N, T], E3 per token
         keep = np.prod(1.0 - delta, axis=1)  # prod_t (1 - delta_t)
         diff = r_full - r_pruned
         # Same keys: the two samples differ only where pi's draw was a token outside V_S.
@@ -198,49 +140,41 @@ def _label(rho):
     return "off" if rho is None else f"{rho:g}"
 
 
-def analyse(root: str, out: str, experiment: str = "e003_rho_ablation", check: bool = True) -> dict:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    runs = analyze.load_runs(root, experiment)
-    os.makedirs(out, exist_ok=True)
-    groups = {}
-    for r in runs:
-        groups.setdefault(_rho_of(r), []).append(r)
-    order = [rho for rho in LOG_RHOS if rho in groups]
-
+def _check_policies(groups: dict) -> dict:
+    """The bias check of one policy per rho (seed 0): at its own rho, or at every CHECK_RHOS
+    for the pruning-off policy."""
     checks = {}
-    if check:
-        for rho in order:
-            r0 = sorted(groups[rho], key=lambda r: r["name"])[0]  # one policy per rho (seed 0)
-            hf = os.path.join(r0["workdir"], "hf_export")
-            if not os.path.exists(hf):
-                continue
-            rhos = CHECK_RHOS if rho is None else (rho,)
-            checks[_label(rho)] = {"unit": r0["name"], "results": bias_check(hf, rhos)}
-            for c in checks[_label(rho)]["results"]:
-                print(
-                    f"[e003] policy rho={_label(rho)} checked at {c['log_rho']:g}: "
-                    f"Delta={c['delta_hat']:+.2e} ± {c['se']:.1e}, "
-                    f"B1={c['B1_E[1-prod(1-delta)]']:.2e}"
-                    f" B2={c['B2_E[sum delta]']:.2e} B3={c['B3_T_max_delta']:.2e} "
-                    f"within={c['within_bound']}",
-                    flush=True,
-                )
+    for rho, rs in groups.items():
+        r0 = sorted(rs, key=lambda r: r["name"])[0]
+        hf = os.path.join(r0["workdir"], "hf_export")
+        if not os.path.exists(hf):
+            continue
+        rhos = CHECK_RHOS if rho is None else (rho,)
+        checks[_label(rho)] = {"unit": r0["name"], "results": bias_check(hf, rhos)}
+        for c in checks[_label(rho)]["results"]:
+            print(
+                f"[e003] policy rho={_label(rho)} checked at {c['log_rho']:g}: "
+                f"Delta={c['delta_hat']:+.2e} ± {c['se']:.1e}, "
+                f"B1={c['B1_E[1-prod(1-delta)]']:.2e}"
+                f" B2={c['B2_E[sum delta]']:.2e} B3={c['B3_T_max_delta']:.2e} "
+                f"within={c['within_bound']}",
+                flush=True,
+            )
+    return checks
 
+
+def _plot(groups: dict, checks: dict, out: str) -> None:
+    plt = analyze.pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for rho in order:
-        c = analyze.mean_curve(groups[rho], "eval_accuracy")
+    for rho, rs in groups.items():
+        c = analyze.mean_curve(rs, "eval_accuracy")
         if c is not None:
             axes[0].plot(c[0], c[1], marker="o", ms=3, label=f"log rho {_label(rho)}")
         for ax, key in (
             (axes[1], "frac_tokens_outside_train_safe"),
             (axes[2], "pruned_mass_train_mean"),
         ):
-            c = analyze.mean_curve(groups[rho], key, smooth=10)
+            c = analyze.mean_curve(rs, key, smooth=10)
             if c is not None and rho is not None:
                 ax.plot(c[0], c[1], label=f"log rho {_label(rho)}")
     axes[0].set(title="held-out accuracy avg@4", xlabel="RL step")
@@ -253,37 +187,51 @@ def analyse(root: str, out: str, experiment: str = "e003_rho_ablation", check: b
     fig.savefig(os.path.join(out, "e003_rho.png"), dpi=100)
     plt.close(fig)
 
-    if "off" in checks:
-        res = checks["off"]["results"]
-        fig, ax = plt.subplots(figsize=(6, 4.2))
-        x = [c["log_rho"] for c in res]
-        ax.errorbar(
-            x,
-            [abs(c["delta_hat"]) for c in res],
-            yerr=[2 * c["se"] for c in res],
-            marker="o",
-            capsize=3,
-            label="|J(pi) - J(pi_S)| measured (± 2 s.e.)",
-        )
-        ax.plot(
-            x,
-            [c["B1_E[1-prod(1-delta)]"] for c in res],
-            "s--",
-            label="B1 = R_max E[1 - prod(1 - delta_t)]",
-        )
-        ax.plot(x, [c["B2_E[sum delta]"] for c in res], "^--", label="B2 = R_max E[sum_t delta_t]")
-        ax.plot(x, [c["B3_T_max_delta"] for c in res], "v:", label="B3 = R_max T max delta")
-        ax.set(
-            yscale="symlog",
-            xlabel="log rho",
-            ylabel="objective bias",
-            title="pruned-objective bias vs its bound (RLOO-trained policy)",
-        )
-        ax.set_yscale("symlog", linthresh=1e-6)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out, "e003_bias_bound.png"), dpi=100)
-        plt.close(fig)
+    if "off" not in checks:
+        return
+    res = checks["off"]["results"]
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    x = [c["log_rho"] for c in res]
+    ax.errorbar(
+        x,
+        [abs(c["delta_hat"]) for c in res],
+        yerr=[2 * c["se"] for c in res],
+        marker="o",
+        capsize=3,
+        label="|J(pi) - J(pi_S)| measured (± 2 s.e.)",
+    )
+    b1 = [c["B1_E[1-prod(1-delta)]"] for c in res]
+    ax.plot(x, b1, "s--", label="B1 = R_max E[1 - prod(1 - delta_t)]")
+    ax.plot(x, [c["B2_E[sum delta]"] for c in res], "^--", label="B2 = R_max E[sum_t delta_t]")
+    ax.plot(x, [c["B3_T_max_delta"] for c in res], "v:", label="B3 = R_max T max delta")
+    ax.set(
+        xlabel="log rho",
+        ylabel="objective bias",
+        title="pruned-objective bias vs its bound (RLOO-trained policy)",
+    )
+    ax.set_yscale("symlog", linthresh=1e-6)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "e003_bias_bound.png"), dpi=100)
+    plt.close(fig)
+
+
+TAILS = (  # metrics whose mean over the last 20 RL steps the table reports
+    "frac_responses_excluded",
+    "frac_tokens_outside_train_safe",
+    "pruned_mass_train_mean",
+    "pruned_mass_rollout_mean",
+    "ppl_gap",
+)
+
+
+def analyse(root: str, out: str, experiment: str = "e003_rho_ablation", check: bool = True) -> dict:
+    """Bias checks, curves, results.md and results.json from the unit workdirs."""
+    runs = analyze.load_runs(root, experiment)
+    os.makedirs(out, exist_ok=True)
+    groups = analyze.group_runs(runs, _rho_of, LOG_RHOS)
+    checks = _check_policies(groups) if check else {}
+    _plot(groups, checks, out)
 
     header = [
         "log rho",
@@ -299,21 +247,9 @@ def analyse(root: str, out: str, experiment: str = "e003_rho_ablation", check: b
         "bias check at own rho: Δ̂ ± s.e. / B2",
     ]
     rows, table_json = [], {}
-    for rho in order:
-        rs = groups[rho]
-        final = np.array([r["summary"]["eval_accuracy"] for r in rs])
-        start = np.array([r["summary"]["start_eval_accuracy"] for r in rs])
-        best = np.array([max(analyze.series(r["rows"], "eval_accuracy").values()) for r in rs])
-        tail = {
-            k: float(np.mean([analyze.tail_mean(r["rows"], k) for r in rs]))
-            for k in (
-                "frac_responses_excluded",
-                "frac_tokens_outside_train_safe",
-                "pruned_mass_train_mean",
-                "pruned_mass_rollout_mean",
-                "ppl_gap",
-            )
-        }
+    for rho, rs in groups.items():
+        final, start, best = analyze.accuracies(rs)
+        tail = {k: float(np.mean([analyze.tail_mean(r["rows"], k) for r in rs])) for k in TAILS}
         chk = checks.get(_label(rho), {}).get("results", [])
         own = [c for c in chk if rho is not None and c["log_rho"] == rho]
         cell = (
@@ -345,7 +281,7 @@ def analyse(root: str, out: str, experiment: str = "e003_rho_ablation", check: b
                 cell,
             ]
         )
-    noise = sorted({r["overrides"].get("rollout.logit_noise") for r in runs})
+    noise = sorted({r["overrides"].get("rollout.noise_std") for r in runs})
     md = f"# e003 results (dvp, rollout bf16 + logit noise {noise})\n\n" + analyze.markdown_table(
         header, rows
     )
@@ -381,29 +317,16 @@ def analyse(root: str, out: str, experiment: str = "e003_rho_ablation", check: b
                 for c in checks["off"]["results"]
             ],
         )
-    with open(os.path.join(out, "results.md"), "w") as fh:
-        fh.write(md)
-    with open(os.path.join(out, "results.json"), "w") as fh:
-        json.dump({"noise": noise, "rho": table_json, "bias_checks": checks}, fh, indent=1)
-    analyze.copy_small_outputs(runs, out, files=("summary.json",))
-    print(md)
+    results = {"noise": noise, "rho": table_json, "bias_checks": checks}
+    analyze.write_results(out, md, results, runs)
     return {"rho": table_json, "bias_checks": checks}
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--root", default="/tmp/dvp_jax_runs")
-    p.add_argument("--out", default="experiments/results/e003")
-    p.add_argument("--parallel", type=int, default=2)
-    p.add_argument("--seeds", type=int, default=len(SEEDS))
-    p.add_argument("--only", default=None, help="comma-separated unit indices")
-    p.add_argument("--analyze_only", action="store_true")
-    p.add_argument("--no_check", action="store_true")
+    p = analyze.sweep_parser(__doc__, "experiments/results/e003", SEEDS, e002_methods.NOISE)
+    p.add_argument("--no_check", action="store_true", help="skip the bias checks")
     args = p.parse_args(argv)
-    os.environ["DVP_E003_SEEDS"] = str(args.seeds)
-    if not args.analyze_only:
-        only = None if args.only is None else [int(i) for i in args.only.split(",")]
-        analyze.run_sweep(os.path.abspath(__file__), args.root, args.parallel, only=only)
+    analyze.run_sweep(__file__, args)
     analyse(args.root, args.out, check=not args.no_check)
     return 0
 

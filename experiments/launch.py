@@ -4,25 +4,29 @@ An experiment is a Python file `experiments/eNNN_name.py` (xmanager-style: a set
 
   CONFIG = "configs/tiny_cpu.py"     # the base config, relative to the repository root
   CONFIG_ARG = "dvp"                 # optional: the `get_config` argument (`--config FILE:ARG`)
-  ENV = {"XLA_FLAGS": "..."}         # optional: extra environment of every unit (local and TPU)
   SUMMARY_KEYS = ("eval_accuracy",)  # optional: summary.json columns of the final table
-  def get_sweep() -> list[dict]:     # one dict of dotted config overrides per work unit
-      return [{"method": m, "train.seed": s} for m in ("rloo", "dvp") for s in (0, 1)]
+  def get_sweep(seeds=2) -> list[dict]:  # one dict of dotted config overrides per work unit
+      return [{"method": m, "train.seed": s} for m in ("rloo", "dvp") for s in range(seeds)]
 
-A unit's overrides become `--config.a.b=value` flags of `python -m dvp_jax.main`; the optional key
-`_name` names the unit (default: its index and the overrides that vary across the sweep, e.g.
-`01_method=dvp,seed=1`). Each unit gets its own workdir
-`ROOT/EXPERIMENT/UNIT`, where the trainer writes `summary.json` at the end of the run.
+The sweep's inputs are `get_sweep`'s arguments, given on the command line as `--sweep NAME=VALUE`
+(repeatable; VALUE is a Python literal, else a string), e.g. `--sweep seeds=3 --sweep
+init_hf=/path`; the launcher prints the call it made. A unit's overrides become
+`--config.a.b=value` flags of `python -m dvp_jax.main`; the optional key `_name` names the unit
+(default: its index and the overrides that vary across the sweep, e.g. `01_method=dvp,seed=1`).
+Each unit gets its own workdir `ROOT/EXPERIMENT/UNIT`, where the trainer writes `summary.json`
+at the end of the run.
+
+Run from the repository root (experiment files and CONFIG paths are relative to it).
 
 Local (a subprocess per unit, N at a time; logs in each workdir's `launch.log`; a summary table
 from the summary.json files at the end; exit status 1 if any unit failed):
-  python experiments/launch.py experiments/e000_smoke.py [--parallel N] [--root DIR] [--dry_run]
-      [--only 0,2] [--timeout SECONDS]
+  python -m experiments.launch experiments/e000_smoke.py [--sweep NAME=VALUE ...] \
+      [--parallel N] [--root DIR] [--dry_run] [--only 0,2] [--timeout SECONDS]
 
 Cloud TPU VM slice (multi-host: every worker runs the same command with `--distributed`, so
 `jax.distributed.initialize()` finds the other hosts from the TPU environment). Prints the
 commands; `--run` also executes them:
-  python experiments/launch.py experiments/e002_methods.py --tpu NAME --zone Z [--project P] \
+  python -m experiments.launch experiments/e002_methods.py --tpu NAME --zone Z [--project P] \
       --root gs://BUCKET/runs [--run] [--detach]
   1. sync: `git ls-files` (tracked + untracked, not ignored) packed into a tarball, scp'd to every
      worker and unpacked into `--remote_dir` (or `--sync git`: fetch and check out a commit of
@@ -36,9 +40,10 @@ commands; `--run` also executes them:
 from __future__ import annotations
 
 import argparse
+import ast
 import concurrent.futures
 import dataclasses
-import importlib.util
+import inspect
 import json
 import math
 import os
@@ -47,8 +52,10 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from dvp_jax.pyfile import load_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_ROOT = "/tmp/dvp_jax_runs"
@@ -71,9 +78,9 @@ class Experiment:
     name: str  # the file's stem, e.g. "e000_smoke"
     config: str  # path relative to the repository root
     config_arg: str | None
-    env: dict[str, str]
     summary_keys: tuple[str, ...]
     units: tuple[WorkUnit, ...]
+    sweep_call: str = "get_sweep()"  # the call that made the units, e.g. "get_sweep(seeds=3)"
 
     @property
     def config_flag(self) -> str:
@@ -87,14 +94,23 @@ class WorkUnit:
     overrides: tuple[tuple[str, Any], ...]  # (dotted key, value), in the sweep's order
 
 
-def load_experiment(path: str) -> Experiment:
-    """Imports an experiment file and expands its sweep into work units."""
-    name = os.path.splitext(os.path.basename(path))[0]
-    spec = importlib.util.spec_from_file_location(f"dvp_experiment_{name}", path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"{path}: not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def parse_assignments(items: Sequence[str], what: str = "--sweep") -> dict[str, Any]:
+    """`["seeds=3", "init_hf=/p"]` -> `{"seeds": 3, "init_hf": "/p"}` (Python literal, else str)."""
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{what} {item!r}: want NAME=VALUE")
+        try:
+            out[key] = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            out[key] = raw
+    return out
+
+
+def load_experiment(path: str, sweep_args: Mapping[str, Any] | None = None) -> Experiment:
+    """Imports an experiment file and expands `get_sweep(**sweep_args)` into work units."""
+    module = load_file(path)
     for attr in ("CONFIG", "get_sweep"):
         if not hasattr(module, attr):
             raise ValueError(
@@ -103,14 +119,35 @@ def load_experiment(path: str) -> Experiment:
     config = module.CONFIG
     if not os.path.exists(os.path.join(REPO, config)):
         raise ValueError(f"{path}: CONFIG={config!r} does not exist under {REPO}")
+    sweep_args = dict(sweep_args or {})
+    signature = inspect.signature(module.get_sweep)
+    try:
+        signature.bind(**sweep_args)
+    except TypeError as e:
+        takes = ", ".join(
+            p.name + ("" if p.default is p.empty else f"={p.default!r}")
+            for p in signature.parameters.values()
+        )
+        raise ValueError(f"{path}: get_sweep({takes}) {e} (from --sweep)") from None
+    call = "get_sweep(" + ", ".join(f"{k}={v!r}" for k, v in sweep_args.items()) + ")"
     return Experiment(
-        name=name,
+        name=os.path.splitext(os.path.basename(path))[0],
         config=config,
         config_arg=getattr(module, "CONFIG_ARG", None),
-        env={str(k): str(v) for k, v in getattr(module, "ENV", {}).items()},
         summary_keys=tuple(getattr(module, "SUMMARY_KEYS", DEFAULT_SUMMARY_KEYS)),
-        units=expand_sweep(module.get_sweep(), source=path),
+        units=expand_sweep(module.get_sweep(**sweep_args), source=path),
+        sweep_call=call,
     )
+
+
+def select(exp: Experiment, only: Sequence[int] | None) -> Experiment:
+    """The experiment restricted to the units with these indices (None: all)."""
+    if only is None:
+        return exp
+    units = tuple(u for u in exp.units if u.index in set(only))
+    if not units:
+        raise ValueError(f"--only {','.join(map(str, only))}: no such work units in {exp.name}")
+    return dataclasses.replace(exp, units=units)
 
 
 def expand_sweep(
@@ -169,20 +206,15 @@ def format_value(value: Any) -> str:
 
 
 def unit_argv(
-    exp: Experiment, unit: WorkUnit, workdir: str, python: str, extra_flags: Sequence[str] = ()
+    config_flag: str,
+    overrides: Sequence[tuple[str, Any]],
+    workdir: str,
+    python: str,
+    extra_flags: Sequence[str] = (),
 ) -> list[str]:
     """The trainer command of one work unit, as an argument list."""
-    argv = [
-        python,
-        "-m",
-        "dvp_jax.main",
-        "--config",
-        exp.config_flag,
-        "--workdir",
-        workdir,
-        *extra_flags,
-    ]
-    argv += [f"--config.{k}={format_value(v)}" for k, v in unit.overrides]
+    argv = [python, "-m", "dvp_jax.main", "--config", config_flag, "--workdir", workdir]
+    argv += [*extra_flags, *(f"--config.{k}={format_value(v)}" for k, v in overrides)]
     return argv
 
 
@@ -207,30 +239,26 @@ class UnitResult:
         return self.returncode == 0 and self.summary is not None
 
 
-def run_unit(exp: Experiment, unit: WorkUnit, workdir: str, timeout: float | None) -> UnitResult:
+def run_logged(argv: Sequence[str], workdir: str, timeout: float | None = None) -> int:
+    """Runs `argv` in REPO, output to `workdir/launch.log` (first line `$ command`); exit status."""
     os.makedirs(workdir, exist_ok=True)
-    argv = unit_argv(exp, unit, workdir, sys.executable)
-    env = {**os.environ, **exp.env}
-    start = time.time()
     with open(os.path.join(workdir, "launch.log"), "w") as log:
         log.write("$ " + shlex.join(argv) + "\n")
         log.flush()
         try:
-            rc = subprocess.run(
-                argv,
-                cwd=REPO,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                timeout=timeout,
-                check=False,
+            return subprocess.run(
+                argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False
             ).returncode
         except subprocess.TimeoutExpired:
             log.write(f"\n[launch] killed after the {timeout} s timeout\n")
-            rc = 124
-    result = UnitResult(unit, workdir, rc, time.time() - start)
-    result.summary = read_summary(workdir)
-    return result
+            return 124
+
+
+def run_unit(exp: Experiment, unit: WorkUnit, workdir: str, timeout: float | None) -> UnitResult:
+    start = time.time()
+    argv = unit_argv(exp.config_flag, unit.overrides, workdir, sys.executable)
+    rc = run_logged(argv, workdir, timeout)
+    return UnitResult(unit, workdir, rc, time.time() - start, read_summary(workdir))
 
 
 def read_summary(workdir: str) -> dict[str, Any] | None:
@@ -246,13 +274,14 @@ def run_local(
 ) -> list[UnitResult]:
     workdirs = {u.name: os.path.abspath(join_path(root, exp.name, u.name)) for u in exp.units}
     if dry_run:
+        print(f"# {exp.name}.{exp.sweep_call}: {len(exp.units)} work units")
         for u in exp.units:
-            env = "".join(f"{k}={shlex.quote(v)} " for k, v in exp.env.items())
-            argv = unit_argv(exp, u, workdirs[u.name], sys.executable)
-            print(f"# {u.name}\n{env}{shlex.join(argv)}")
+            argv = unit_argv(exp.config_flag, u.overrides, workdirs[u.name], sys.executable)
+            print(f"# {u.name}\n{shlex.join(argv)}")
         return [UnitResult(u, workdirs[u.name]) for u in exp.units]
     print(
-        f"[launch] {exp.name}: {len(exp.units)} work units, {parallel} at a time, root {root}",
+        f"[launch] {exp.name}.{exp.sweep_call}: {len(exp.units)} work units, {parallel} at a "
+        f"time, root {root}",
         flush=True,
     )
     results = {}
@@ -374,14 +403,12 @@ def local_head() -> str:
 def tpu_unit_remote_command(exp: Experiment, unit: WorkUnit, tpu: TPUTarget, root: str) -> str:
     """The shell command every worker runs for one unit (log in REMOTE_DIR/logs/EXP/UNIT.log)."""
     # --distributed: jax.distributed.initialize() finds the slice's other hosts by itself.
-    argv = unit_argv(
-        exp, unit, join_path(root, exp.name, unit.name), tpu.python, extra_flags=("--distributed",)
-    )
+    workdir = join_path(root, exp.name, unit.name)
+    argv = unit_argv(exp.config_flag, unit.overrides, workdir, tpu.python, ("--distributed",))
     log_dir = f"logs/{exp.name}"
-    env = "".join(f"{k}={shlex.quote(v)} " for k, v in exp.env.items())
     return (
         f"cd {shlex.quote(tpu.remote_dir)} && mkdir -p {shlex.quote(log_dir)} && "
-        f"{env}{shlex.join(argv)} > {shlex.quote(f'{log_dir}/{unit.name}.log')} 2>&1"
+        f"{shlex.join(argv)} > {shlex.quote(f'{log_dir}/{unit.name}.log')} 2>&1"
     )
 
 
@@ -438,11 +465,23 @@ def run_tpu(steps: Sequence[tuple[str, list[str] | str]], execute: bool) -> int:
 # ------------------------------------------------------------------------------------------------
 # Command line.
 # ------------------------------------------------------------------------------------------------
+def parse_only(only: str | None) -> list[int] | None:
+    """`--only 0,2` -> [0, 2]."""
+    return [int(i) for i in only.split(",")] if only else None
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("experiment", help="experiments/eNNN_name.py")
+    p.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an argument of the experiment's get_sweep(), e.g. seeds=3 (repeatable)",
+    )
     p.add_argument(
         "--root",
         default=None,
@@ -476,12 +515,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    exp = load_experiment(args.experiment)
-    if args.only:
-        keep = {int(i) for i in args.only.split(",")}
-        exp = dataclasses.replace(exp, units=tuple(u for u in exp.units if u.index in keep))
-        if not exp.units:
-            raise SystemExit(f"--only {args.only}: no such work units")
+    try:
+        exp = load_experiment(args.experiment, parse_assignments(args.sweep))
+        exp = select(exp, parse_only(args.only))
+    except ValueError as e:
+        raise SystemExit(f"[launch] {e}") from None
     root = args.root or DEFAULT_ROOT
     if args.tpu:
         if "://" not in root:

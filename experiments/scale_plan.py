@@ -1,7 +1,7 @@
 """Per-chip memory plan of a config on a TPU slice, from shapes only (nothing is allocated).
 
-  python experiments/scale_plan.py [--config configs/paper_qwen3_14b.py[:ARG]] \
-      [--topology v5p-64] [--set rollout.num_slots=32 ...] [--out plan.json]
+  python -m experiments.scale_plan [--config configs/paper_qwen3_14b.py[:ARG]] \
+      [--topology v5p-64] [--set rollout.max_concurrent_decodes=32 ...] [--out plan.json]
 
 The trainer state is built with `jax.eval_shape` and laid out on a `jax.sharding.AbstractMesh`
 (no devices needed): each array's PartitionSpec comes from `Sharder(mesh, rules).spec(names,
@@ -22,7 +22,7 @@ slice there is no slower network for a separate data axis to hide.
 
 Activations are estimated, not traced (a full-size train step cannot be traced on CPU in
 seconds). Two variants, both per micro-batch, fp32 compute (the trainer policy), sequence
-T = max_prompt_len + max_new_tokens, rows split over data x fsdp, heads / d_ff over tensor:
+T = max_prompt_len + max_decode_length, rows split over data x fsdp, heads / d_ff over tensor:
 * planned: every decoder block rematerialised (only its [t, d] input saved; `train.remat`, which
   the paper config sets) and a flash-style attention that never materialises the [heads, T, T]
   scores (not implemented yet: attention is plain einsum + softmax); the working set of the one
@@ -35,7 +35,6 @@ T = max_prompt_len + max_new_tokens, rows split over data x fsdp, heads / d_ff o
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import json
 import math
@@ -50,17 +49,14 @@ import optax
 from flax import nnx
 from jax.sharding import AbstractMesh, PartitionSpec
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, REPO)
-
-from dvp_jax.model import Transformer  # noqa: E402
-from dvp_jax.model.attention import CACHE_AXES, KVCache  # noqa: E402
-from dvp_jax.model.config import DTypePolicy  # noqa: E402
-from dvp_jax.pyfile import load_file  # noqa: E402
-from dvp_jax.sharding import MESH_AXES, ROLLOUT_RULES, TRAIN_RULES, Sharder  # noqa: E402
-from dvp_jax.train.config import ExperimentConfig  # noqa: E402
-from dvp_jax.train.state import make_optimizer  # noqa: E402
+from dvp_jax.model import Transformer
+from dvp_jax.model.attention import CACHE_AXES, KVCache
+from dvp_jax.model.config import DTypePolicy
+from dvp_jax.pyfile import load_file
+from dvp_jax.sharding import MESH_AXES, ROLLOUT_RULES, TRAIN_RULES, Sharder
+from dvp_jax.train.config import ExperimentConfig
+from dvp_jax.train.state import make_optimizer
+from experiments.launch import REPO, parse_assignments
 
 GiB = 2**30
 # name: (chips, chips per host, HBM bytes per chip). Cloud TPU docs; v5p/v4 suffixes count cores.
@@ -122,7 +118,7 @@ def kind_of(path: str) -> str:
 def activation_bytes(cfg: ExperimentConfig, mesh: AbstractMesh, sharder: Sharder) -> dict:
     """Estimated per-chip activation bytes of one train micro-batch (see the module docstring)."""
     m, t_cfg = cfg.model, cfg.train
-    seq = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    seq = cfg.data.max_prompt_len + cfg.rollout.max_decode_length
     rows_global = t_cfg.prompts_per_step * t_cfg.group_size // t_cfg.micro_batches
     act = (rows_global, seq, m.d_model)
     rows = shard_shape(act, sharder.spec(("act_batch", "act_seq", "act_embed"), act), mesh)[0]
@@ -225,14 +221,14 @@ def build_plan(cfg: ExperimentConfig, chips: int, chips_per_host: int, hbm_bytes
     )
 
     # Rollout: KV cache and the per-slot records of the engine's decode state.
-    slots = cfg.rollout.num_slots
-    cache_len = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    slots = cfg.rollout.max_concurrent_decodes
+    cache_len = cfg.data.max_prompt_len + cfg.rollout.max_decode_length
     kv = jax.eval_shape(
         lambda: KVCache.zeros(cfg.model, slots, cache_len, rollout_policy.cache_dtype)
     )
     kv_spec = rollout.spec(CACHE_AXES, kv.k.shape)
     kv_bytes = 2 * per_device_bytes(kv.k.shape, kv.k.dtype, kv_spec, rollout_mesh)
-    records = slots * (cfg.rollout.max_new_tokens * 5 + cfg.model.vocab_size) * 4  # replicated
+    records = slots * (cfg.rollout.max_decode_length * 5 + cfg.model.vocab_size) * 4  # replicated
 
     act = activation_bytes(cfg, train_mesh, train)
     grads = 2 * totals["params_train"]  # the accumulator plus one micro-batch's gradient
@@ -307,17 +303,8 @@ def load_config(spec: str, overrides: list[str]):
     path, _, arg = spec.partition(":")
     module = load_file(path)
     cd = module.get_config(arg) if arg else module.get_config()
-    for item in overrides:
-        key, _, raw = item.partition("=")
-        try:
-            value = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            value = raw
-        node = cd
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
+    cd.lock()  # as main.py does: an override of an undeclared field fails
+    cd.update_from_flattened_dict(parse_assignments(overrides, what="--set"))
     return cd
 
 
@@ -339,7 +326,7 @@ def main(argv=None) -> int:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="config override, e.g. rollout.num_slots=32 (repeatable)",
+        help="config override, e.g. rollout.max_concurrent_decodes=32 (repeatable)",
     )
     p.add_argument("--out", default=None, help="write the plan as JSON here")
     args = p.parse_args(argv)

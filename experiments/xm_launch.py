@@ -1,13 +1,13 @@
 """Runs an experiment's work units through the real XManager API (`xm_local`, no Docker).
 
   pip install xmanager          # optional extra: `pip install -e '.[xm]'`
-  python experiments/xm_launch.py --experiment experiments/e000_smoke.py [--root DIR] \
-      [--sequential] [--python .venv/bin/python]
+  python -m experiments.xm_launch --experiment experiments/e000_smoke.py [--root DIR] \
+      [--sweep NAME=VALUE ...] [--sequential] [--python .venv/bin/python]
 
-The experiment file is the same one `experiments/launch.py` reads (CONFIG, CONFIG_ARG, ENV,
-`get_sweep()`). An interpreter with dvp_jax installed (`--python`, default the one running this
-script, so xmanager may live in its own venv) is packaged once as an `xm.binary` executable
-(`python -m dvp_jax.main`) for `xm_local.Local`; each work unit of the sweep becomes
+The experiment file is the same one `experiments/launch.py` reads (CONFIG, CONFIG_ARG,
+`get_sweep(**--sweep)`). An interpreter with dvp_jax installed (`--python`, default the one
+running this script, so xmanager may live in its own venv) is packaged once as an `xm.binary`
+executable (`python -m dvp_jax.main`) for `xm_local.Local`; each work unit of the sweep becomes
 one `xm.Job` whose args are the unit's `--config` / `--workdir` / `--config.a.b=value` flags.
 xm_local starts every work unit at once (use `--sequential` to wait for each before adding the
 next), streams their output prefixed with the job name, and records the experiment in its local
@@ -29,14 +29,13 @@ xmanager is imported inside `main` only, so nothing else in the project needs it
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import re
 import sys
 
 from absl import app, flags
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from experiments import launch
 
 _EXPERIMENT = flags.DEFINE_string("experiment", None, "experiments/eNNN_name.py")
 _ROOT = flags.DEFINE_string("root", "/tmp/dvp_jax_runs", "root of the per-unit workdirs")
@@ -46,26 +45,16 @@ _PYTHON = flags.DEFINE_string(
 _SEQUENTIAL = flags.DEFINE_bool(
     "sequential", False, "wait for each work unit to finish before adding the next"
 )
+_SWEEP = flags.DEFINE_multi_string("sweep", [], "NAME=VALUE: an argument of get_sweep()")
 
 
-def _launch_module():
-    """experiments/launch.py (a sibling script, not a package module)."""
-    spec = importlib.util.spec_from_file_location(
-        "dvp_launch", os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("dvp_launch", module)  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-def build_jobs(xm, xm_local, executable, exp, root: str, launch) -> list[tuple[str, str, object]]:
+def build_jobs(xm, xm_local, executable, exp, root: str) -> list[tuple[str, str, object]]:
     """(unit name, workdir, xm.Job) for every work unit of `exp`."""
     jobs = []
     for unit in exp.units:
         workdir = os.path.abspath(launch.join_path(root, exp.name, unit.name))
         # unit_argv = [python, -m, dvp_jax.main, *flags]; the executable holds the first three.
-        unit_flags = launch.unit_argv(exp, unit, workdir, sys.executable)[3:]
+        unit_flags = launch.unit_argv(exp.config_flag, unit.overrides, workdir, sys.executable)[3:]
         # xm_local shlex-quotes plain args and then execs without a shell, which would put literal
         # quotes into any arg with a space or quote; ShellSafeArg passes each one through as is.
         job = xm.Job(
@@ -78,10 +67,10 @@ def build_jobs(xm, xm_local, executable, exp, root: str, launch) -> list[tuple[s
     return jobs
 
 
-async def _launch(xm, xm_local, exp, launch, python: str, root: str, sequential: bool):
+async def _launch(xm, xm_local, exp, python: str, root: str, sequential: bool):
     """Adds one work unit per sweep entry; returns (unit name, workdir) pairs."""
     # xm_local gives a local job exactly this environment (not the parent's).
-    env = {**os.environ, **exp.env}
+    env = dict(os.environ)
     async with xm_local.create_experiment(experiment_title=exp.name) as experiment:
         [executable] = experiment.package(
             [
@@ -93,7 +82,7 @@ async def _launch(xm, xm_local, exp, launch, python: str, root: str, sequential:
                 )
             ]
         )
-        jobs = build_jobs(xm, xm_local, executable, exp, root, launch)
+        jobs = build_jobs(xm, xm_local, executable, exp, root)
         for name, workdir, job in jobs:
             os.makedirs(workdir, exist_ok=True)
             print(f"[xm_launch] work unit {name} -> {workdir}", flush=True)
@@ -120,11 +109,13 @@ def main(argv) -> int:
             "experiments/launch.py, which needs nothing beyond the project"
         ) from None
 
-    launch = _launch_module()
-    exp = launch.load_experiment(_EXPERIMENT.value)
-    os.chdir(REPO)  # CONFIG paths are relative to the repository root; jobs inherit the cwd
+    try:
+        exp = launch.load_experiment(_EXPERIMENT.value, launch.parse_assignments(_SWEEP.value))
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+    os.chdir(launch.REPO)  # CONFIG paths are relative to the repository root; jobs inherit the cwd
     python = _PYTHON.value or sys.executable
-    units = asyncio.run(_launch(xm, xm_local, exp, launch, python, _ROOT.value, _SEQUENTIAL.value))
+    units = asyncio.run(_launch(xm, xm_local, exp, python, _ROOT.value, _SEQUENTIAL.value))
     results = []
     for unit, (_, workdir) in zip(exp.units, units, strict=True):
         summary = launch.read_summary(workdir)

@@ -10,7 +10,6 @@ runs in-process at small sizes.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -19,70 +18,49 @@ import sys
 
 import pytest
 
+from dvp_jax.metrics import read_metrics
+from experiments import analyze, launch
+from experiments import e002_methods as e002
+from experiments import e003_rho_ablation as e003
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXP = os.path.join(REPO, "experiments")
-
-
-def _load(name: str, file: str):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, os.path.join(EXP, file))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-launch = _load("dvp_launch", "launch.py")
-e002 = _load("dvp_experiments_e002", "e002_methods.py")
-e003 = _load("dvp_experiments_e003", "e003_rho_ablation.py")
-
-
-def _clean_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DVP_INIT_HF")}
-    env.update(JAX_PLATFORMS="cpu", **extra)
-    return env
+E002 = os.path.join("experiments", "e002_methods.py")
+E003 = os.path.join("experiments", "e003_rho_ablation.py")
 
 
 @pytest.fixture(scope="module")
 def smoke_runs(tmp_path_factory):
     """Starts e001 --smoke and one tiny unit each of e002 and e003; yields their locations."""
     root = tmp_path_factory.mktemp("experiments")
-    py = sys.executable
+    module = [sys.executable, "-m"]
     jobs = {
         "e001": [
-            py,
-            os.path.join(EXP, "e001_mismatch_bound.py"),
+            *module,
+            "experiments.e001_mismatch_bound",
             "--smoke",
             "--out",
             str(root / "e001"),
         ],
         # Unit 1 of e002's smoke sweep is mis_dvp (pruning + sequence MIS + logit noise).
         "e002": [
-            py,
-            os.path.join(EXP, "launch.py"),
-            os.path.join(EXP, "e002_methods.py"),
+            *module,
+            "experiments.launch",
+            E002,
+            "--sweep",
+            "smoke=True",
             "--root",
             str(root),
             "--only",
             "1",
         ],
-        "e003": [
-            py,
-            os.path.join(EXP, "launch.py"),
-            os.path.join(EXP, "e003_rho_ablation.py"),
-            "--root",
-            str(root),
-        ],
+        "e003": [*module, "experiments.launch", E003, "--sweep", "smoke=True", "--root", str(root)],
     }
+    # Without the test session's 8 fake devices.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
     procs = {
         name: subprocess.Popen(
-            argv,
-            cwd=REPO,
-            env=_clean_env(DVP_SMOKE="1"),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+            argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
         for name, argv in jobs.items()
     }
@@ -100,33 +78,39 @@ def _finite(x) -> bool:
 # ------------------------------------------------------------------------------------------------
 # Sweeps (no runs).
 # ------------------------------------------------------------------------------------------------
-def test_full_sweeps_expand_to_the_documented_units(monkeypatch, tmp_path, capsys):
-    monkeypatch.delenv("DVP_SMOKE", raising=False)
-    monkeypatch.setenv("DVP_INIT_HF", "/nonexistent/hf_export")
-    exp = launch.load_experiment(os.path.join(EXP, "e002_methods.py"))
+def test_full_sweeps_expand_to_the_documented_units(tmp_path, capsys):
+    exp = launch.load_experiment(E002, {"init_hf": "/nonexistent/hf_export"})
+    assert exp.config_flag == "configs/tiny_cpu.py:dvp"
     methods = [dict(u.overrides)["method"] for u in exp.units]
-    noisy = [dict(u.overrides) for u in exp.units if dict(u.overrides)["rollout.logit_noise"]]
-    assert sorted({(o["method"], o["train.seed"]) for o in noisy}) == sorted(
-        (m, s) for m in e002.METHODS for s in e002.SEEDS
+    noisy = [dict(u.overrides) for u in exp.units if dict(u.overrides)["rollout.noise_std"]]
+    assert {o["rollout.noise_std"] for o in noisy} == {e002.NOISE}
+    assert sorted((o["method"], o["train.seed"]) for o in noisy) == sorted(
+        (m, s) for m in e002.METHODS for s in range(e002.SEEDS)
     )
-    assert methods.count("rloo") == 2 * len(e002.SEEDS)  # noisy + the no-noise reference
+    assert methods.count("rloo") == 2 * e002.SEEDS  # noisy + the no-noise reference
     for u in exp.units:
         ov = dict(u.overrides)
         assert ov["model.hf_path"] == "/nonexistent/hf_export" and ov["sft.steps"] == 0
         assert ov["train.steps"] == e002.STEPS
-    exp3 = launch.load_experiment(os.path.join(EXP, "e003_rho_ablation.py"))
+    exp3 = launch.load_experiment(E003, {"init_hf": "/nonexistent/hf_export"})
     rhos = {dict(u.overrides).get("loss.log_rho", "off") for u in exp3.units}
     assert rhos == {-8.0, -10.0, -13.0, -16.0, "off"}
     assert all(dict(u.overrides)["method"] == "dvp" for u in exp3.units)
     assert any(dict(u.overrides).get("loss.prune") is False for u in exp3.units)
+    assert [u.name for u in exp3.units][-1] == "04_prune=false"
+    # Every override is a declared field of the locked base config, with a valid value.
+    for u in (*exp.units, *exp3.units):
+        cfg = analyze.tiny_config(dict(u.overrides))
+        assert cfg.train.steps == e002.STEPS and cfg.init_hf_path == "/nonexistent/hf_export"
+    # Without a warm start each unit does its own 600-step SFT; the sweep's inputs are arguments.
+    ov = dict(launch.load_experiment(E003).units[0].overrides)
+    assert "model.hf_path" not in ov and ov["sft.steps"] == 600
+    assert len(launch.load_experiment(E002, {"seeds": 1, "noise": 0.0}).units) == len(e002.METHODS)
     # The launcher's dry run prints one trainer command per unit and creates nothing.
-    assert (
-        launch.main([os.path.join(EXP, "e002_methods.py"), "--dry_run", "--root", str(tmp_path)])
-        == 0
-    )
+    assert launch.main([E002, "--dry_run", "--root", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert out.count("-m dvp_jax.main") == len(exp.units)
-    assert "--config experiments/e002_methods.py:dvp" in out
+    assert "--config configs/tiny_cpu.py:dvp" in out and "--config.sft.steps=600" in out
     assert not os.listdir(tmp_path)
 
 
@@ -162,6 +146,7 @@ def test_smoke_unit_runs_through_launch(smoke_runs, name, experiment):
     root, outputs = smoke_runs
     rc, log = outputs[name]
     assert rc == 0, log[-3000:]
+    assert "get_sweep(smoke=True)" in log
     [unit] = [d for d in os.listdir(root / experiment) if not d.endswith(".json")]
     workdir = root / experiment / unit
     summary = json.loads((workdir / "summary.json").read_text())
@@ -171,10 +156,10 @@ def test_smoke_unit_runs_through_launch(smoke_runs, name, experiment):
         "eval_accuracy",
         "final_ppl_gap",
         "final_frac_responses_excluded",
+        "final_frac_tokens_outside_train_safe",
     ):
         assert _finite(summary[key]), key
-    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    rl = [r for r in rows if r["step"] > 0 and "loss" in r]
+    rl = [r for r in read_metrics(str(workdir)) if r["step"] > 0 and "loss" in r]
     assert len(rl) == 2 and all(_finite(r["ppl_gap"]) and _finite(r["loss"]) for r in rl)
     assert (workdir / "hf_export" / "config.json").exists()
 
@@ -185,8 +170,16 @@ def test_analyses_and_bias_check_on_smoke_outputs(smoke_runs, tmp_path):
     res2 = e002.analyse(str(root), str(tmp_path / "e002"), clean=False)
     assert list(res2) == ["MIS+DVP"] and (tmp_path / "e002" / "e002_methods.png").exists()
     assert "| MIS+DVP | 1 |" in (tmp_path / "e002" / "results.md").read_text()
+    # The table's numbers are the unit's: summary.json, and the mean of its 2 RL rows.
+    [unit] = [d for d in os.listdir(root / "e002_methods") if not d.endswith(".json")]
+    summary = json.loads((root / "e002_methods" / unit / "summary.json").read_text())
+    rl = [r for r in read_metrics(str(root / "e002_methods" / unit)) if "loss" in r]
+    assert res2["MIS+DVP"]["final_acc"] == [summary["eval_accuracy"]]
+    assert res2["MIS+DVP"]["ppl_gap"] == [pytest.approx(sum(r["ppl_gap"] for r in rl) / 2)]
+    assert (tmp_path / "e002" / "units" / unit / "summary.json").exists()
     res3 = e003.analyse(str(root), str(tmp_path / "e003"), check=False)
     assert list(res3["rho"]) == ["-8"] and (tmp_path / "e003" / "e003_rho.png").exists()
+    assert json.loads((tmp_path / "e003" / "results.json").read_text())["noise"] == [e002.NOISE]
 
     # The bias check at a threshold that prunes something, on the unit's exported policy.
     [unit] = [d for d in os.listdir(root / "e003_rho_ablation") if not d.endswith(".json")]
@@ -194,3 +187,31 @@ def test_analyses_and_bias_check_on_smoke_outputs(smoke_runs, tmp_path):
     [c] = e003.bias_check(hf, (-2.0,), num_prompts=8, samples=2)
     assert c["chain_ok"] and c["within_bound"]
     assert c["B2_E[sum delta]"] > 0 and abs(c["delta_hat"]) <= 1.0
+
+
+def test_analysis_looks_up_only_declared_metrics():
+    with pytest.raises(KeyError, match="not declared"):
+        analyze.series([{"step": 0, "eval_accuracy": 0.5}], "eval_acuracy")
+    with pytest.raises(KeyError, match="not declared"):
+        analyze.tail_mean([{"step": 1, "loss": 0.0}], "frac_outside_train_safe")
+
+
+def test_e003_table_reports_each_policys_bias_check(smoke_runs, tmp_path, monkeypatch):
+    """The analysis checks one policy per rho, at its own rho, and puts the result in the table."""
+    root, outputs = smoke_runs
+    assert outputs["e003"][0] == 0
+    calls = []
+
+    def fake_check(hf_dir, log_rhos):
+        calls.append((os.path.basename(os.path.dirname(hf_dir)), tuple(log_rhos)))
+        bounds = {"B1_E[1-prod(1-delta)]": 2e-3, "B2_E[sum delta]": 3e-3, "B3_T_max_delta": 4e-3}
+        return [
+            {"log_rho": r, "delta_hat": -2e-3, "se": 1e-3, **bounds, "within_bound": True}
+            for r in log_rhos
+        ]
+
+    monkeypatch.setattr(e003, "bias_check", fake_check)
+    res = e003.analyse(str(root), str(tmp_path), check=True)
+    [unit] = [d for d in os.listdir(root / "e003_rho_ablation") if not d.endswith(".json")]
+    assert calls == [(unit, (-8.0,))] and res["bias_checks"]["-8"]["unit"] == unit
+    assert "| -2.0e-03 ± 1e-03 / 3.0e-03 (ok) |" in (tmp_path / "results.md").read_text()

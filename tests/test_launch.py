@@ -3,7 +3,6 @@ the paper / GPU configs. Fast (no trainer runs: a stand-in process plays the tra
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -17,12 +16,10 @@ import pytest
 from dvp_jax.pyfile import load_file
 from dvp_jax.rollout.tokenizers import CharTokenizer
 from dvp_jax.train.config import ExperimentConfig
+from experiments import launch, scale_plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HF_VOCAB = 151_936
-
-
-launch = load_file(os.path.join(REPO, "experiments/launch.py"))
 E000 = os.path.join(REPO, "experiments", "e000_smoke.py")
 
 
@@ -34,11 +31,11 @@ def tricky_experiment(tmp_path):
         textwrap.dedent("""
         CONFIG = "configs/tiny_cpu.py"
         CONFIG_ARG = "mis_dvp"
-        def get_sweep():
+        def get_sweep(plots=False):
             return [
-                {"data.path": "/data/it's a file.jsonl", "loss.log_rho": -13.0, "plots": False},
+                {"data.path": "/data/it's a file.jsonl", "loss.log_rho": -13.0, "plots": plots},
                 {"data.path": "/data/$HOME;rm -rf x", "loss.log_rho": float("-inf"),
-                 "plots": False},
+                 "plots": plots},
             ]
     """)
     )
@@ -93,6 +90,31 @@ def test_format_value_round_trips_through_config_flags_syntax():
         launch.format_value(None)
 
 
+def test_parse_assignments_reads_python_literals_else_strings():
+    got = launch.parse_assignments(["seeds=3", "noise=0.5", "smoke=True", "init_hf=/a b/c"])
+    assert got == {"seeds": 3, "noise": 0.5, "smoke": True, "init_hf": "/a b/c"}
+    assert launch.parse_assignments(["methods=('rloo', 'dvp')"]) == {"methods": ("rloo", "dvp")}
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        launch.parse_assignments(["seeds"])
+
+
+def test_sweep_arguments_reach_get_sweep_and_unknown_ones_fail(tricky_experiment, capsys):
+    exp = launch.load_experiment(tricky_experiment, {"plots": True})
+    assert exp.sweep_call == "get_sweep(plots=True)"
+    assert all(dict(u.overrides)["plots"] is True for u in exp.units)
+    with pytest.raises(ValueError, match="unexpected keyword argument 'seeds'"):
+        launch.load_experiment(tricky_experiment, {"seeds": 3})
+    # From the command line: the dry run shows the call and its overrides.
+    assert launch.main([tricky_experiment, "--dry_run", "--sweep", "plots=True"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# e999_quoting.get_sweep(plots=True): 2 work units")
+    assert out.count("--config.plots=true") == 2
+    with pytest.raises(SystemExit, match="get_sweep"):
+        launch.main([tricky_experiment, "--dry_run", "--sweep", "seeds=3"])
+    with pytest.raises(SystemExit, match="no such work units"):
+        launch.main([tricky_experiment, "--dry_run", "--only", "7"])
+
+
 def test_e000_smoke_has_two_tiny_units():
     exp = launch.load_experiment(E000)
     assert exp.config_flag == "configs/tiny_cpu.py:dvp"
@@ -121,8 +143,8 @@ def test_local_dry_run_prints_one_command_per_unit(tmp_path, capsys):
 def test_local_run_collects_summaries_and_fails_on_a_failed_unit(tmp_path, monkeypatch, capsys):
     """The real runner, with a stand-in trainer: unit `rloo` succeeds, unit `dvp` crashes."""
 
-    def fake_argv(exp, unit, workdir, python, extra_flags=()):
-        method = dict(unit.overrides)["method"]
+    def fake_argv(config_flag, overrides, workdir, python, extra_flags=()):
+        method = dict(overrides)["method"]
         code = (
             "import json, os, sys\n"
             f"if {method!r} == 'dvp': sys.exit(3)\n"
@@ -230,11 +252,15 @@ def test_tpu_detach_starts_all_units_in_one_background_ssh(tricky_experiment, ca
 
 def test_xm_launch_needs_xmanager_only_when_run():
     """xm_launch imports xmanager lazily: without it, a clear usage error (not an ImportError)."""
-    if importlib.util.find_spec("xmanager") is not None:
-        pytest.skip("xmanager is installed here; the lazy-import path is not reachable")
-    script = os.path.join(REPO, "experiments", "xm_launch.py")
+    # sys.modules[name] = None makes `import name` fail whether or not it is installed.
+    code = (
+        "import runpy, sys; sys.modules['xmanager'] = None; "
+        f"sys.argv = ['xm_launch', '--experiment', {E000!r}]; "
+        "runpy.run_module('experiments.xm_launch', run_name='__main__')"
+    )
     out = subprocess.run(
-        [sys.executable, script, "--experiment", E000],
+        [sys.executable, "-c", code],
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=60,
@@ -262,7 +288,7 @@ def test_paper_config_validates_with_the_papers_settings(method):
     )
     assert cfg.train.prompts_per_step == 32 and cfg.train.group_size == 16
     assert cfg.train.updates_per_batch == 1 and cfg.loss.ppo_clip_eps is None
-    assert cfg.rollout.max_new_tokens == 16_384 and cfg.loss.log_rho == -13.0
+    assert cfg.rollout.max_decode_length == 16_384 and cfg.loss.log_rho == -13.0
     assert cfg.eval.k == 16 and cfg.data.task == "math" and cfg.data.path
     assert cfg.mesh.shape(32) == (1, 8, 4)
     assert ExperimentConfig.from_config_dict(module.get_config(), HF_VOCAB).method == "mis_dvp"
@@ -281,7 +307,6 @@ def test_gpu_mid_config_validates():
 # Scale plan.
 # ------------------------------------------------------------------------------------------------
 def test_scale_plan_shards_the_paper_config_on_v5p_64(tmp_path, capsys):
-    scale_plan = load_file(os.path.join(REPO, "experiments/scale_plan.py"))
     out = tmp_path / "plan.json"
     assert scale_plan.main(["--out", str(out)]) == 0
     assert "KV cache" in capsys.readouterr().out
@@ -303,3 +328,12 @@ def test_scale_plan_shards_the_paper_config_on_v5p_64(tmp_path, capsys):
     assert 0 <= rows["optimizer state (AdamW mu + nu)"] - 2 * params < 64
     kv = next(v for k, v in rows.items() if k.startswith("KV cache"))
     assert kv == 2 * 40 * 64 * (2048 + 16_384) * 8 * 128 * 2 // 4
+
+
+def test_scale_plan_overrides_only_declared_fields(tmp_path):
+    cd = scale_plan.load_config(
+        os.path.join(REPO, "configs/paper_qwen3_14b.py"), ["rollout.max_concurrent_decodes=32"]
+    )
+    assert cd.rollout.max_concurrent_decodes == 32
+    with pytest.raises(KeyError, match="num_slots"):  # the old name is not a field any more
+        scale_plan.main(["--set", "rollout.num_slots=32", "--out", str(tmp_path / "p.json")])
