@@ -79,18 +79,21 @@ def rl_update(
         chunk_size=chunk_size,
     )
 
-    def micro_sum(params, mb: RLBatch):
-        tl = logprob_fn(params, tokens=mb.tokens, positions=mb.positions, valid=mb.valid)
-        loss, metrics = dvp_loss(
+    def loss_of(tl: TokenLogprobs, b: RLBatch):
+        return dvp_loss(
             tl.logp,
-            mb.behaviour_logp,
-            mb.advantages,
-            mb.response_mask,
+            b.behaviour_logp,
+            b.advantages,
+            b.response_mask,
             tl.in_safe,
             loss_cfg,
-            mb.old_logp if ppo else None,
-            mb.old_in_safe if ppo else None,
+            b.old_logp if ppo else None,
+            b.old_in_safe if ppo else None,
         )
+
+    def micro_sum(params, mb: RLBatch):
+        tl = logprob_fn(params, tokens=mb.tokens, positions=mb.positions, valid=mb.valid)
+        loss, metrics = loss_of(tl, mb)
         z = jax.lax.stop_gradient(_normaliser(metrics, loss_cfg))
         return loss * z, (z, tl)
 
@@ -110,16 +113,7 @@ def rl_update(
     tl = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), tls)  # [B, T-1]
 
     # Reported loss and loss metrics: the same objective on the whole batch (no model call).
-    loss, metrics = dvp_loss(
-        tl.logp,
-        batch.behaviour_logp,
-        batch.advantages,
-        batch.response_mask,
-        tl.in_safe,
-        loss_cfg,
-        batch.old_logp if ppo else None,
-        batch.old_in_safe if ppo else None,
-    )
+    loss, metrics = loss_of(tl, batch)
     metrics |= diagnostics.mismatch_diagnostics(
         logp=tl.logp,
         behaviour_logp=batch.behaviour_logp,

@@ -11,6 +11,7 @@ first does the supervised warm-up of `train/sft.py` when the config asks for one
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -28,7 +29,7 @@ from dvp_jax import metrics as metrics_lib
 from dvp_jax.checkpoint import Checkpointer, abstract_like
 from dvp_jax.data import pipeline
 from dvp_jax.dvp import advantages as adv
-from dvp_jax.model import TRAIN_POLICY, Transformer
+from dvp_jax.model import TRAIN_POLICY, ModelConfig, Transformer
 from dvp_jax.model.hf_import import load_hf, load_hf_config
 from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
 from dvp_jax.rollout.offline import generate_rollouts
@@ -52,17 +53,11 @@ SUMMARY_TAIL_METRICS = (
     "frac_tokens_outside_train_safe",
 )
 
-_ARCHITECTURE_FIELDS = (
-    "vocab_size",
-    "d_model",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "head_dim",
-    "d_ff",
-    "rope_theta",
-    "rms_norm_eps",
-    "tie_embeddings",
+# ModelConfig fields a checkpoint's weights depend on (not the context length or init scale).
+_ARCHITECTURE_FIELDS = tuple(
+    f.name
+    for f in dataclasses.fields(ModelConfig)
+    if f.name not in ("max_position_embeddings", "init_std")
 )
 
 
