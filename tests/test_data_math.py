@@ -138,3 +138,88 @@ def test_prompt_iterator_over_a_file(tmp_path, tok):
             assert idx in good and (row[n:] == tok.pad_id).all()
             assert answer == {0: "3", 1: "4", 7: "6", 12: "12"}[idx]
     assert sorted(i for b in batches[:2] for i in b.indices) == good
+
+
+def test_rows_that_break_the_json_parser_are_skipped(tmp_path, tok):
+    """Issue 13: a 5,000-digit integer (over Python's 4,300-digit int-string limit) or JSON
+    nested 200k deep (RecursionError) aborted the whole load; each is now one skipped row."""
+    huge = "9" * 5000
+    lines = [
+        json.dumps({"prompt": "what is 1+2?", "answer": "3"}),  # 0
+        '{"prompt": "big", "answer": ' + huge + "}",  # 1 int-digit limit (ValueError)
+        "[" * 200_000,  # 2 RecursionError (never closed)
+        '{"prompt": "x", "reward_model": {"ground_truth": ' + huge + "}}",  # 3 digit limit
+        json.dumps({"prompt": "what is 2+2?", "answer": 4}),  # 4
+        '{"a": ' * 200_000 + "1" + "}" * 200_000,  # 5 RecursionError (closed, objects)
+        b'{"prompt": "\xc3\x28 bad", "answer": "1"}',  # 6 invalid UTF-8
+        '{"prompt": ' + "[" * 200_000 + "]" * 200_000 + ', "answer": "1"}',  # 7 Recursion
+        json.dumps({"prompt": msgs("what is 3+3?"), "reward_model": {"ground_truth": "6"}}),  # 8
+        '{"prompt": "x", "answer": 1e999}',  # 9 a float (inf), not a string or an integer
+    ]
+    path = tmp_path / "bad.jsonl"
+    with open(path, "wb") as f:
+        for line in lines:
+            f.write((line if isinstance(line, bytes) else line.encode()) + b"\n")
+    examples, report = load_math_dataset(path, tok, max_prompt_tokens=MAX_PROMPT_TOKENS)
+    assert [(ex.index, ex.answer) for ex in examples] == [(0, "3"), (4, "4"), (8, "6")]
+    assert report.malformed_indices == [1, 2, 3, 5, 6, 7, 9]
+    assert (report.num_rows, report.num_loaded) == (10, 3)
+    reasons = dict(report.malformed)
+    for i in (1, 3):
+        assert "invalid JSON value" in reasons[i] and "4300 digits" in reasons[i], reasons[i]
+    for i in (2, 5, 7):
+        assert "nested deeper than Python's recursion limit" in reasons[i], reasons[i]
+    assert "undecodable UTF-8" in reasons[6] and "expected a string, got float" in reasons[9]
+    assert all(len(r) < 400 for r in reasons.values())  # A reason line, never the row itself.
+
+
+def test_parquet_row_values_python_cannot_hold(tmp_path, tok):
+    """A timestamp out of Python's datetime range (OverflowError) or invalid UTF-8 inside a
+    chat message costs its row only; a bad value in a column the loader never reads costs
+    nothing."""
+    content = pa.array([b"what is 1+2?", b"ok", b"\xff bad", b"what is 3+3?"]).view(pa.string())
+    message = pa.StructArray.from_arrays(
+        [pa.array(["user"] * 4), content], names=["role", "content"]
+    )
+    prompt = pa.ListArray.from_arrays(pa.array([0, 1, 2, 3, 4], pa.int32()), message)
+    truth = pa.StructArray.from_arrays([pa.array(["3", None, "1", "6"])], names=["ground_truth"])
+    far = 2**62  # Milliseconds since 1970: far past datetime.MAXYEAR.
+    table = pa.table(
+        {
+            "prompt": prompt,
+            "reward_model": truth,
+            "answer": pa.array([None, far, None, None], pa.timestamp("ms")),  # 1: OverflowError
+            "extra_info": pa.array([0, 0, 0, far], pa.timestamp("ms")),  # unused column
+        }
+    )
+    path = tmp_path / "dates.parquet"
+    pq.write_table(table, path)
+    examples, report = load_math_dataset(path, tok, max_prompt_tokens=MAX_PROMPT_TOKENS)
+    assert [(ex.index, ex.answer) for ex in examples] == [(0, "3"), (3, "6")]
+    assert report.malformed_indices == [1, 2]
+    reasons = dict(report.malformed)
+    assert "OverflowError" in reasons[1] and "UnicodeDecodeError" in reasons[2], reasons
+
+
+def test_file_level_errors_name_the_path(tmp_path, tok):
+    """A bug is not counted as a bad row; a missing or corrupt file raises, naming the path."""
+
+    class BuggyTokenizer:
+        add_bos = False
+
+        def encode_ids(self, text):
+            return text.no_such_method()  # An AttributeError: a bug, not a data problem.
+
+    path = tmp_path / "data.jsonl"
+    write_jsonl(path)
+    with pytest.raises(AttributeError) as err:
+        load_math_dataset(path, BuggyTokenizer(), max_prompt_tokens=MAX_PROMPT_TOKENS)
+    assert f"while loading row 0 of {path}" in err.value.__notes__
+
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        load_math_dataset(missing, tok, max_prompt_tokens=MAX_PROMPT_TOKENS)
+    corrupt = tmp_path / "corrupt.parquet"
+    corrupt.write_bytes(b"not a parquet file")
+    with pytest.raises(ValueError, match="corrupt.parquet: cannot read as parquet"):
+        load_math_dataset(corrupt, tok, max_prompt_tokens=MAX_PROMPT_TOKENS)

@@ -1,14 +1,17 @@
 """`python -m dvp_jax.rollout.server` end to end: a subprocess on a free loopback port.
 
 64 concurrent Decode requests complete; malformed requests get INVALID_ARGUMENT and the server
-keeps serving; SIGTERM shuts it down cleanly (exit code 0).
+keeps serving; SIGTERM shuts it down cleanly (exit code 0); a port that is already in use
+stops the server at once with one line naming the address (exit code 1), never a hang.
 """
 
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -106,28 +109,33 @@ async def _exercise(address, proc):
         assert (await stub.HealthCheck(pb.HealthCheckRequest())).is_live
 
 
-def test_server_end_to_end(tmp_path):
-    port = portpicker.pick_unused_port()
+def _server_command(port):
+    return [
+        sys.executable,
+        "-m",
+        "dvp_jax.rollout.server",
+        "--random_init_preset=tiny",
+        f"--port={port}",
+        "--host=127.0.0.1",
+        f"--max_prefill_length={MAX_PREFILL}",
+        f"--max_decode_length={MAX_DECODE}",
+        "--max_concurrent_decodes=8",
+        "--tokenizer=char",
+    ]
+
+
+def _server_env():
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # the server needs one device, not the tests' 8 fake ones
     env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def test_server_end_to_end(tmp_path):
+    port = portpicker.pick_unused_port()
     log = open(tmp_path / "server.log", "w+")
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dvp_jax.rollout.server",
-            "--random_init_preset=tiny",
-            f"--port={port}",
-            "--host=127.0.0.1",
-            f"--max_prefill_length={MAX_PREFILL}",
-            f"--max_decode_length={MAX_DECODE}",
-            "--max_concurrent_decodes=8",
-            "--tokenizer=char",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
+        _server_command(port), stdout=log, stderr=subprocess.STDOUT, env=_server_env()
     )
     try:
         asyncio.run(_exercise(f"127.0.0.1:{port}", proc))
@@ -202,3 +210,90 @@ def test_server_loads_hf_and_orbax_checkpoints(tmp_path):
             np.testing.assert_array_equal(
                 np.asarray(value), expected[path], err_msg=f"{name} {path}"
             )
+
+
+def _held_port():
+    """A loopback socket listening on a free port, as another server would hold it."""
+    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    return held, held.getsockname()[1]
+
+
+def test_server_on_a_busy_port_exits_with_one_line():
+    """Issue 13: with grpcio 1.85 `add_insecure_port` raised past the driver cleanup and the
+    driver's non-daemon thread kept the process alive until killed. The 120 s bound only
+    turns that old hang into a failure; the fixed server stops before it loads the model."""
+    held, port = _held_port()
+    with held:
+        proc = subprocess.run(
+            _server_command(port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=_server_env(),
+            text=True,
+            timeout=120,
+        )
+    output = proc.stdout
+    assert proc.returncode == 1, output[-3000:]
+    line = f"cannot bind 127.0.0.1:{port}: address already in use; pick another --port"
+    assert line in output, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+
+
+class _FakeDriver:
+    """Stands in for JetStream's `Driver`: a non-daemon thread that runs until `stop()`, which
+    is what kept the old server alive after a failed bind."""
+
+    instances: list["_FakeDriver"] = []
+
+    def __init__(self, **kwargs):
+        self._stopped = threading.Event()
+        self.thread = threading.Thread(target=self._stopped.wait, name="fake-detokenize")
+        self.thread.start()
+        _FakeDriver.instances.append(self)
+
+    def stop(self):
+        self._stopped.set()
+        self.thread.join()
+
+
+def test_serve_stops_the_driver_on_every_failure(monkeypatch):
+    """`serve` itself: a port taken between main's check and the gRPC bind raises before any
+    driver exists; a failure after the driver started, or a cancellation while serving, stops
+    it. No driver thread is left to keep the process alive."""
+    import types
+
+    from dvp_jax.rollout import server
+
+    fake = types.SimpleNamespace(Driver=_FakeDriver, LLMOrchestrator=lambda driver: None)
+    monkeypatch.setattr(server, "_orchestrator", lambda: fake)
+    monkeypatch.setattr(_FakeDriver, "instances", [])
+    engine = types.SimpleNamespace(params={}, max_concurrent_decodes=1)
+
+    held, port = _held_port()
+    with held, pytest.raises(server.PortUnavailableError) as err:
+        asyncio.run(server.serve(engine, "127.0.0.1", port))
+    assert str(err.value).startswith(f"cannot bind 127.0.0.1:{port}: address already in use")
+    assert _FakeDriver.instances == []
+
+    def broken_add_servicer(servicer, grpc_server):
+        raise RuntimeError("injected failure after the driver started")
+
+    with monkeypatch.context() as m:
+        m.setattr(server, "add_servicer", broken_add_servicer)
+        with pytest.raises(RuntimeError, match="injected failure"):
+            asyncio.run(server.serve(engine, "127.0.0.1", portpicker.pick_unused_port()))
+    assert len(_FakeDriver.instances) == 1 and not _FakeDriver.instances[0].thread.is_alive()
+
+    async def serve_then_cancel():
+        task = asyncio.create_task(server.serve(engine, "127.0.0.1", portpicker.pick_unused_port()))
+        while len(_FakeDriver.instances) < 2:  # serve awaits inside its try/finally from here
+            assert not task.done(), task.exception()
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(serve_then_cancel())
+    assert len(_FakeDriver.instances) == 2 and not _FakeDriver.instances[1].thread.is_alive()

@@ -40,10 +40,16 @@ Public API:
   rows but keep their line number) is parsed and validated by host `r % process_count ==
   process_index` only (a jsonl file is scanned line by line; a parquet file is read as a table
   and only this host's rows are converted).
-  Malformed rows (not an object, missing field, wrong type, empty, undecodable UTF-8, text the
-  tokenizer rejects, prompt longer than `max_prompt_tokens` tokens incl. BOS) are skipped,
-  logged with absl and listed in the `LoadReport` (`num_malformed`, `malformed_indices`,
-  `malformed` = [(row, reason)]); they never stop the load.
+  Malformed rows (invalid JSON, a JSON integer longer than Python's int-string limit of 4,300
+  digits, JSON nested deeper than the recursion limit, not an object, missing field, wrong type,
+  empty, undecodable UTF-8, a parquet value Python cannot represent, text the tokenizer rejects,
+  prompt longer than `max_prompt_tokens` tokens incl. BOS) are skipped, logged with absl and
+  listed in the `LoadReport` (`num_malformed`, `malformed_indices`, `malformed` = [(row,
+  reason)]); they never stop the load. Only the data errors a row can cause are caught
+  (`_ROW_ERRORS`: ValueError incl. UnicodeError, TypeError, OverflowError, RecursionError); any
+  other exception is a bug and propagates, noted with the path and row. File-level problems
+  (missing file, unreadable or corrupt parquet) raise an error naming the path. A parquet file is
+  converted for the columns used above only, so a bad value in another column never costs a row.
 - `render_messages(messages, chat_format)`: "chatml" (Qwen's `<|im_start|>role\\n...<|im_end|>`
   turns followed by the assistant header) or "plain" (contents joined by newlines).
 """
@@ -54,6 +60,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -233,6 +240,13 @@ class ArithmeticTask:
 _CHAT_FORMATS = ("chatml", "plain")
 _PROMPT_FIELDS = ("prompt", "problem", "question")
 _LOG_FIRST_N = 20
+# What one bad row can raise while it is parsed, converted and tokenized: json's errors (a
+# JSONDecodeError, or a ValueError for an integer over sys.get_int_max_str_digits() digits), a
+# RecursionError for nesting deeper than the interpreter's limit, UnicodeError (a ValueError),
+# pyarrow's conversion errors (ArrowInvalid is a ValueError; OverflowError for out-of-range
+# dates), a TypeError for a value of the wrong kind, and the tokenizer's ValueError. Anything
+# else (AttributeError, NameError, ...) is a bug and is not swallowed.
+_ROW_ERRORS = (ValueError, TypeError, OverflowError, RecursionError)
 
 
 class _Malformed(Exception):
@@ -277,6 +291,12 @@ def render_messages(messages: Sequence[dict[str, str]], chat_format: str = "chat
     if chat_format == "plain":
         return "\n".join(m["content"] for m in messages)
     raise ValueError(f"chat_format must be one of {_CHAT_FORMATS}, got {chat_format!r}")
+
+
+def _short(e: BaseException, limit: int = 300) -> str:
+    """An exception's message cut to `limit` characters (a reason line, not a data dump)."""
+    text = str(e)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _check_text(value: Any, what: str) -> str:
@@ -345,9 +365,17 @@ def _jsonl_rows(path: str, process_index: int, process_count: int):
                 yield index, _Malformed(f"undecodable UTF-8 ({e.reason} at byte {e.start})")
                 continue
             try:
-                yield index, json.loads(line)
+                row = json.loads(line)
             except json.JSONDecodeError as e:
-                yield index, _Malformed(f"invalid JSON ({e.msg} at column {e.colno})")
+                row = _Malformed(f"invalid JSON ({e.msg} at column {e.colno})")
+            except RecursionError:
+                row = _Malformed(
+                    f"invalid JSON: nested deeper than Python's recursion limit "
+                    f"({sys.getrecursionlimit()})"
+                )
+            except ValueError as e:  # e.g. an integer over the int-string digit limit.
+                row = _Malformed(f"invalid JSON value ({_short(e)})")
+            yield index, row
 
 
 def _parquet_rows(path: str, process_index: int, process_count: int):
@@ -356,18 +384,24 @@ def _parquet_rows(path: str, process_index: int, process_count: int):
         import pyarrow.parquet as pq
     except ImportError as e:  # pyarrow is a test extra; a parquet user needs it installed.
         raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from e
-    table = pq.read_table(path)
+    import pyarrow as pa
+
+    try:
+        table = pq.read_table(path)
+    except pa.ArrowException as e:  # A file-level problem: corrupt or not parquet.
+        raise ValueError(f"{path}: cannot read as parquet: {e}") from e
+    used = [c for c in (*_PROMPT_FIELDS, "reward_model", "answer") if c in table.column_names]
     indices = np.arange(process_index, table.num_rows, process_count)
-    shard = table.take(indices)
+    shard = table.select(used).take(indices)
     try:
         rows = shard.to_pylist()
-    except Exception:  # e.g. invalid UTF-8 in a string column: fall back to one row at a time.
+    except _ROW_ERRORS:  # e.g. invalid UTF-8 in a string column: convert one row at a time.
         rows = []
         for j in range(shard.num_rows):
             try:
                 rows.append(shard.slice(j, 1).to_pylist()[0])
-            except Exception as e:  # noqa: BLE001 - any conversion failure is this row's fault.
-                rows.append(_Malformed(f"undecodable row ({type(e).__name__}: {e})"))
+            except _ROW_ERRORS as e:
+                rows.append(_Malformed(f"undecodable row ({type(e).__name__}: {_short(e)})"))
     yield from zip(indices.tolist(), rows, strict=True)
 
 
@@ -389,6 +423,8 @@ def load_math_dataset(
         raise ValueError(
             f"need 0 <= process_index < process_count, got {process_index}, {process_count}"
         )
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"math dataset {path!r} does not exist; check the data path")
     ext = os.path.splitext(path)[1].lower()
     if ext in (".jsonl", ".json"):
         rows = _jsonl_rows(path, process_index, process_count)
@@ -408,18 +444,21 @@ def load_math_dataset(
             ex = _row_to_example(row, index, chat_format)
             try:
                 n_tokens = len(tokenizer.encode_ids(ex.prompt)) + int(add_bos)
-            except Exception as e:  # noqa: BLE001 - the tokenizer's message is the reason.
-                raise _Malformed(f"tokenizer rejected the prompt: {e}") from None
+            except _ROW_ERRORS as e:  # The tokenizer's message is the reason.
+                raise _Malformed(f"tokenizer rejected the prompt: {_short(e)}") from None
             if n_tokens > max_prompt_tokens:
                 raise _Malformed(
                     f"prompt has {n_tokens} tokens > max_prompt_tokens={max_prompt_tokens}"
                 )
-        except Exception as e:  # noqa: BLE001 - whatever is wrong with a row, it is skipped.
-            reason = str(e) if isinstance(e, _Malformed) else f"{type(e).__name__}: {e}"
+        except (_Malformed, *_ROW_ERRORS) as e:
+            reason = str(e) if isinstance(e, _Malformed) else f"{type(e).__name__}: {_short(e)}"
             report.malformed.append((index, reason))
             if report.num_malformed <= _LOG_FIRST_N:
                 logging.warning("%s: skipping malformed row %d: %s", path, index, reason)
             continue
+        except Exception as e:
+            e.add_note(f"while loading row {index} of {path}")
+            raise
         examples.append(ex)
     report.num_loaded = len(examples)
     if report.num_malformed:

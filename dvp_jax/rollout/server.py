@@ -17,6 +17,13 @@ cannot encode, text that is not UTF-8, or `max_tokens <= 0` gets `INVALID_ARGUME
 server keeps serving. SIGTERM / SIGINT stop the gRPC server (2 s grace) and the driver's threads,
 and the process exits 0.
 
+A `--host:--port` that cannot be bound (in use, privileged, not an address of this machine)
+stops the process before the model is loaded, with one line on stderr naming the address and
+why (e.g. `cannot bind 127.0.0.1:9000: address already in use; pick another --port or stop the
+process that holds it`) and exit status 1. `serve` binds the gRPC port before it starts
+JetStream's driver (whose detokenize thread is not a daemon and would keep the process alive),
+and stops the driver and the gRPC server on every path out, failures included.
+
 Checkpoints (exactly one of):
 * `--hf_checkpoint DIR`: a Hugging Face Qwen3 directory (config.json + safetensors), loaded by
   `dvp_jax.model.hf_import.load_hf` straight into the rollout dtype and layout.
@@ -35,9 +42,12 @@ Checkpoints (exactly one of):
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
+import socket
+import sys
 
 import grpc
 import jax
@@ -322,9 +332,73 @@ def warm_up(engine: RolloutEngine) -> None:
 # ----------------------------------------------------------------------------------------------
 # Serving.
 # ----------------------------------------------------------------------------------------------
+class PortUnavailableError(RuntimeError):
+    """`host:port` cannot be bound; the message is the one line the server exits with."""
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+_BIND_ADVICE = {
+    errno.EADDRINUSE: "address already in use; pick another --port or stop the process that "
+    "holds it",
+    errno.EACCES: "permission denied (ports below 1024 need privileges); pick another --port",
+    errno.EADDRNOTAVAIL: "not an address of this machine; check --host",
+}
+
+
+def bind_problem(host: str, port: int) -> str | None:
+    """Why gRPC could not listen on `host:port`, or None if a plain socket can bind it now.
+
+    Binds (no listen) a socket the way gRPC's listener does (SO_REUSEADDR on, SO_REUSEPORT
+    off), to every address `host` resolves to; like gRPC, one address that binds is enough.
+    The answer can be stale by the time gRPC binds: `serve` still handles its own failure.
+    """
+    if not 0 <= port <= 65535:  # getaddrinfo would wrap it modulo 2**16, gRPC too.
+        return f"cannot bind {_address(host, port)}: --port must be in 0..65535"
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        return f"cannot bind {_address(host, port)}: cannot resolve --host ({e})"
+    first_error = None
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(sockaddr)
+            return None
+        except OSError as e:
+            first_error = first_error or e
+    if first_error is None:
+        return f"cannot bind {_address(host, port)}: --host resolves to no address"
+    reason = _BIND_ADVICE.get(first_error.errno, first_error.strerror or str(first_error))
+    return f"cannot bind {_address(host, port)}: {reason}"
+
+
 async def serve(engine: RolloutEngine, host: str, port: int) -> None:
-    """Runs JetStream's driver + our validating servicer until SIGTERM / SIGINT."""
+    """Runs JetStream's driver + our validating servicer until SIGTERM / SIGINT.
+
+    Raises:
+        PortUnavailableError: `host:port` cannot be bound (nothing was started).
+    """
     orchestrator = _orchestrator()
+    # so_reuseport off: binding a port another process holds must fail, not share it.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    address = _address(host, port)
+    # Bind before the driver exists: its detokenize thread is not a daemon, so a driver left
+    # running by a failed bind kept the process alive. grpcio 1.85 raises RuntimeError
+    # ("Failed to bind to address ..."); older releases returned 0.
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        await server.stop(None)
+        problem = bind_problem(host, port) or f"cannot bind {address} (gRPC refused it)"
+        raise PortUnavailableError(problem)
+    address = _address(host, bound)  # The port gRPC chose when --port=0.
+
     driver = orchestrator.Driver(
         prefill_engines=[engine],
         generate_engines=[engine],
@@ -332,30 +406,32 @@ async def serve(engine: RolloutEngine, host: str, port: int) -> None:
         generate_params=[engine.params],
         interleaved_mode=True,
     )
-    # so_reuseport off: binding a port another process holds must fail, not share it.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    add_servicer(ValidatingOrchestrator(orchestrator.LLMOrchestrator(driver), engine), server)
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    if server.add_insecure_port(address) == 0:
-        driver.stop()
-        raise RuntimeError(f"could not bind {address}")
-    await server.start()
-    _log.info("serving on %s (%d slots)", address, engine.max_concurrent_decodes)
-    print(f"dvp_jax rollout server listening on {address}", flush=True)
+    try:
+        add_servicer(ValidatingOrchestrator(orchestrator.LLMOrchestrator(driver), engine), server)
+        await server.start()
+        _log.info("serving on %s (%d slots)", address, engine.max_concurrent_decodes)
+        print(f"dvp_jax rollout server listening on {address}", flush=True)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    _log.info("shutting down")
-    await server.stop(grace=2.0)
-    driver.stop()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        _log.info("shutting down")
+    finally:
+        try:
+            await server.stop(grace=2.0)
+        finally:
+            driver.stop()
     print("dvp_jax rollout server stopped", flush=True)
 
 
 def main(argv):
     del argv
+    # Before the model is loaded (minutes for a real checkpoint): a busy port fails at once.
+    problem = bind_problem(FLAGS.host, FLAGS.port)
+    if problem is not None:
+        sys.exit(problem)
     _orchestrator()
     if not FLAGS.verbose:
         # JetStream's orchestrator sets the root logger to DEBUG and logs every generate step.
@@ -363,7 +439,10 @@ def main(argv):
     _log.setLevel(logging.INFO)
     engine = build_engine()
     warm_up(engine)
-    asyncio.run(serve(engine, FLAGS.host, FLAGS.port))
+    try:
+        asyncio.run(serve(engine, FLAGS.host, FLAGS.port))
+    except PortUnavailableError as e:  # Taken since the check above.
+        sys.exit(str(e))
 
 
 if __name__ == "__main__":
