@@ -9,19 +9,37 @@ checkpoint holds two items: `state` (the `TrainState` pytree: params, optimizer,
 renames it when complete, so a checkpoint is never half-written; an interrupted save leaves the
 previous one as the latest. Saves are synchronous so that a kill right after `save` returns
 cannot lose it.
+
+Resuming (`Checkpointer.restore_latest`) tries the steps newest first. A step whose files were
+damaged after the fact (a truncated array file, a missing `state/_METADATA`, a missing item
+directory, unparsable JSON) is logged with its path and error and the next older step is tried.
+Once an intact step is restored, every newer damaged step directory is moved, not deleted, to
+`<workdir>/checkpoints/damaged/<step>-<UTC time>`, where Orbax no longer lists it, so the next
+save of that step number writes a fresh checkpoint and the next resume does not try it again.
+When every step is damaged nothing is moved and a `RuntimeError` lists the paths.
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
+import time
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from jax.experimental import multihost_utils
+
+ITEMS = ("state", "data", "extra")
+DAMAGED_DIR = "damaged"
 
 
 class Checkpointer:
+    """The checkpoints of one run: save, resume from the newest intact step, restore a step."""
+
     def __init__(self, workdir: str, keep: int):
         self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
         self.manager = ocp.CheckpointManager(
@@ -35,10 +53,15 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def save(self, step: int, state: Any, data_state: dict[str, Any], extra: dict) -> None:
-        """Saves step `step` (overwrites nothing: an existing step is skipped)."""
+        """Saves step `step` (overwrites nothing: an existing step is skipped).
+
+        Raises:
+          RuntimeError: Orbax declined the save (a newer step is already listed), which would
+            otherwise lose the checkpoint silently.
+        """
         if step in self.manager.all_steps():
             return
-        self.manager.save(
+        saved = self.manager.save(
             step,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
@@ -47,6 +70,11 @@ class Checkpointer:
             ),
         )
         self.manager.wait_until_finished()
+        if not saved:
+            raise RuntimeError(
+                f"checkpoint {step} was not saved: {self.directory} already holds the newer step "
+                f"{self.latest_step()}; resume from that step or use a new workdir"
+            )
         logging.info("saved checkpoint %d to %s", step, self.directory)
 
     def restore(self, abstract_state: Any, step: int | None = None):
@@ -68,8 +96,196 @@ class Checkpointer:
         logging.info("restored checkpoint %d from %s", step, self.directory)
         return restored["state"], restored["data"], restored["extra"]
 
+    def restore_latest(self, abstract_state: Any) -> tuple[int, Any, Any, dict] | None:
+        """Restores the newest intact step, setting aside newer damaged ones.
+
+        Steps are tried newest first. A step that fails to restore is logged (one warning line
+        naming its directory and the error) and the next older one is tried. After a success,
+        the newer damaged step directories are moved to `checkpoints/damaged/<step>-<time>`
+        (see the module docstring) and the manager re-lists the directory, so `latest_step`
+        and `save` see only intact steps. With several processes every process tries the same
+        step and they agree (all must succeed) before a step is accepted; only process 0 moves
+        directories.
+
+        Args:
+          abstract_state: as for `restore`.
+
+        Returns:
+          (step, state, data_state, extra) of the restored step, or None when the directory
+          holds no checkpoint.
+
+        Raises:
+          RuntimeError: every step failed to restore; the message lists each step directory
+            with its error. Nothing is moved, so the run can be inspected or repaired (a
+            layout that no longer matches `abstract_state` fails every step this way too).
+        """
+        steps = sorted(self.manager.all_steps(), reverse=True)
+        if not steps:
+            return None
+        damaged: list[tuple[str, str]] = []
+        for step in steps:
+            path = self._step_dir(step)
+            try:
+                _check_layout(path)
+                restored = self._restore_here(path, abstract_state)
+                error = None
+            except Exception as e:  # any failure means "do not resume from here"
+                restored, error = None, _one_line(e)
+            if error is not None:
+                _discard_abandoned_reads()
+            failed = _failed_processes(error is not None)
+            if not failed:
+                state, data_state, extra = restored
+                break
+            if error is None:
+                error = f"restored here but failed on process(es) {failed}"
+            logging.warning(
+                "checkpoint %d at %s is damaged or unreadable, trying an older step: %s",
+                step,
+                path,
+                error,
+            )
+            damaged.append((path, error))
+        else:
+            listing = "; ".join(f"{path}: {error}" for path, error in damaged)
+            raise RuntimeError(
+                f"no checkpoint under {self.directory} can be restored: {listing}. Nothing was "
+                "moved. If every step fails the same way, the checkpoints may be intact but no "
+                "longer match this run's state (a changed model or optimizer config); otherwise "
+                f"repair or remove the damaged step directories, or move {self.directory} away "
+                "to start the run afresh"
+            )
+        if damaged:
+            _discard_abandoned_reads()  # those still held by TensorStore at the first pass
+            moved = self._set_aside([path for path, _ in damaged])
+            logging.warning(
+                "resumed from checkpoint %d, the newest intact step; damaged newer step(s) "
+                "moved aside: %s",
+                step,
+                ", ".join(f"{src} -> {dst}" for src, dst in moved),
+            )
+        logging.info("restored checkpoint %d from %s", step, self.directory)
+        return step, state, data_state, extra
+
+    def _step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def _restore_here(self, path: str, abstract_state: Any) -> tuple[Any, Any, dict]:
+        """Restores one step directory in this process only.
+
+        Orbax's own restore ends in a barrier over all processes; a process that failed before
+        it would leave the others waiting, so this checkpointer is local to the process and
+        `restore_latest` makes the processes agree afterwards.
+        """
+        local = ocp.options.MultiprocessingOptions(
+            primary_host=jax.process_index(), active_processes={jax.process_index()}
+        )
+        handler = ocp.CompositeCheckpointHandler(
+            composite_options=ocp.CompositeOptions(multiprocessing_options=local)
+        )
+        with ocp.Checkpointer(handler, multiprocessing_options=local) as checkpointer:
+            restored = checkpointer.restore(
+                path,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state),
+                    data=ocp.args.JsonRestore(),
+                    extra=ocp.args.JsonRestore(),
+                ),
+            )
+        return restored["state"], restored["data"], restored["extra"]
+
+    def _set_aside(self, paths: list[str]) -> list[tuple[str, str]]:
+        """Moves damaged step directories under `checkpoints/damaged/` and re-lists the steps.
+
+        Only process 0 moves (and so knows the destinations); the others wait for it.
+
+        Returns:
+          (source, destination) of each move; on other processes the destination is the
+          `damaged` folder.
+        """
+        root = os.path.join(self.directory, DAMAGED_DIR)
+        moved = [(src, root) for src in paths]
+        if jax.process_index() == 0:
+            os.makedirs(root, exist_ok=True)
+            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+            moved = []
+            for src in paths:
+                dst = os.path.join(root, f"{os.path.basename(src)}-{stamp}")
+                n = 1
+                while os.path.exists(dst):  # the same step set aside twice within a second
+                    dst, n = os.path.join(root, f"{os.path.basename(src)}-{stamp}-{n}"), n + 1
+                try:
+                    os.rename(src, dst)
+                except OSError as e:
+                    raise RuntimeError(
+                        f"cannot move the damaged checkpoint {src} to {dst} ({e}); move or "
+                        "delete it by hand, then rerun"
+                    ) from e
+                moved.append((src, dst))
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("dvp_jax.checkpoint.set_aside")
+        self.manager.reload()
+        return moved
+
     def close(self):
         self.manager.close()
+
+
+def _check_layout(path: str) -> None:
+    """Raises FileNotFoundError naming the first missing item directory or state metadata."""
+    for item in ITEMS:
+        if not os.path.isdir(os.path.join(path, item)):
+            raise FileNotFoundError(f"missing item directory {os.path.join(path, item)}")
+    metadata = os.path.join(path, "state", "_METADATA")
+    if not os.path.isfile(metadata):
+        raise FileNotFoundError(f"missing {metadata}")
+
+
+def _one_line(error: BaseException) -> str:
+    """`Type: first line` of an error's root cause (TensorStore puts the reason there), then
+    the error raised, when different."""
+
+    def line(e: BaseException, limit: int) -> str:
+        text = str(e).strip().splitlines()
+        first = text[0].split(" See full TensorStore details")[0] if text else ""
+        return f"{type(e).__name__}: {first[:limit]}"
+
+    root = error
+    while (root.__cause__ or root.__context__) is not None:
+        root = root.__cause__ or root.__context__
+    if root is error:
+        return line(error, 400)
+    return f"{line(root, 400)} (raised as {line(error, 160)})"
+
+
+def _discard_abandoned_reads() -> None:
+    """Collects the array reads Orbax abandons when one read of a restore fails.
+
+    Each is a coroutine that, when garbage-collected, prints about 65 lines ("Exception ignored
+    in: <coroutine object _read_array_index_and_device_put>" and a TensorStore spec) that would
+    bury the one-line warning. They are collected now and only those reports are dropped; any
+    other report goes to the usual hook.
+    """
+    previous = sys.unraisablehook
+
+    def hook(report):
+        code = getattr(report.object, "cr_code", None)
+        if getattr(code, "co_name", "") != "_read_array_index_and_device_put":
+            previous(report)
+
+    sys.unraisablehook = hook
+    try:
+        gc.collect()
+    finally:
+        sys.unraisablehook = previous
+
+
+def _failed_processes(failed_here: bool) -> list[int]:
+    """Indices of the processes that failed (one process: [0] or [])."""
+    if jax.process_count() == 1:
+        return [0] if failed_here else []
+    flags = multihost_utils.process_allgather(np.int32(failed_here))
+    return [int(i) for i in np.flatnonzero(flags)]
 
 
 def abstract_like(state: Any, shardings: Any | None) -> Any:

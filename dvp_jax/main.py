@@ -1,8 +1,10 @@
 """Entry point: `python -m dvp_jax.main --config configs/tiny_cpu.py --workdir DIR`.
 
 Overrides: `--config.train.steps=10`, `--config.method=mis_dvp`, or a config argument
-`--config configs/tiny_cpu.py:rloo`. Rerunning with the same `--workdir` resumes from its latest
-checkpoint. Multi-process: on Cloud TPU VMs `jax.distributed.initialize()` auto-detects the slice
+`--config configs/tiny_cpu.py:rloo`. Rerunning with the same `--workdir` resumes from its newest
+intact checkpoint (a workdir started with a different config is refused, naming the fields).
+Exit status: 0 done, 75 preempted by SIGTERM (checkpoint saved: rerun to resume), 1 error.
+Multi-process: on Cloud TPU VMs `jax.distributed.initialize()` auto-detects the slice
 (`--distributed`); elsewhere pass `--coordinator_address`, `--num_processes` and `--process_id`.
 
 This module (with tests/conftest.py) is the only place that touches `jax.config`.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import logging as std_logging
 import os
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -35,6 +38,10 @@ _EXPORT_HF = flags.DEFINE_bool(
     "export_hf", True, "Export the final policy as Hugging Face safetensors."
 )
 flags.mark_flags_as_required(["config", "workdir"])
+
+# Exit status of a run stopped by SIGTERM after checkpointing (EX_TEMPFAIL: "try again"); a
+# rerun of the same command resumes it.
+PREEMPTED_EXIT_CODE = 75
 
 
 class _QuietLibraries:
@@ -89,17 +96,23 @@ def main(argv):
     from dvp_jax.model.hf_import import save_hf
     from dvp_jax.rollout.tokenizers import load_tokenizer
     from dvp_jax.train.config import ExperimentConfig
-    from dvp_jax.train.trainer import Trainer
+    from dvp_jax.train.trainer import Trainer, WorkdirMismatchError
 
     tokenizer = load_tokenizer(_CONFIG.value.data.tokenizer)
     try:
         cfg = ExperimentConfig.from_config_dict(_CONFIG.value, tokenizer.vocab_size)
     except ValueError as e:
         raise app.UsageError(str(e)) from None
-    trainer = Trainer(cfg, _WORKDIR.value)
+    try:
+        trainer = Trainer(cfg, _WORKDIR.value)
+    except WorkdirMismatchError as e:
+        raise app.UsageError(str(e)) from None
     try:
         summary = trainer.run()
-        if "preempted_at" not in summary:
+        if "preempted_at" in summary:
+            preempted = True
+        else:
+            preempted = False
             if _EXPORT_HF.value and jax.process_index() == 0:
                 from flax import nnx
 
@@ -116,6 +129,9 @@ def main(argv):
             logging.info("summary: %s", summary)
     finally:
         trainer.close()
+    if preempted:
+        # Distinct from success (0) and failure (1): "preempted, checkpoint saved, rerun".
+        sys.exit(PREEMPTED_EXIT_CODE)
 
 
 if __name__ == "__main__":

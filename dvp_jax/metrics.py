@@ -7,7 +7,8 @@ The loss and diagnostics functions in `dvp_jax.dvp` produce most of these keys; 
 are in docs/design.md section 2.
 
 `MetricsLog` writes one JSON row per step (`{"step": s, name: value, ...}`); `read_metrics` is
-the one reader (trainer summary, `plots.py`, `experiments/`).
+the one reader (trainer summary, `plots.py`, `experiments/`). `write_atomic` writes the run's
+other records (config.json, summary.json) so that a kill never leaves half a file.
 """
 
 from __future__ import annotations
@@ -152,6 +153,20 @@ def tail_mean(rows: Iterable[Mapping], name: str, last: int = 5) -> float | None
     return sum(values) / len(values) if values else None
 
 
+def write_atomic(path: str, text: str) -> None:
+    """Writes `text` to `path` through a temporary file and one rename: a reader (or a kill)
+    sees the old file or the new one, never a partial one."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp.")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
 class MetricsLog:
     """Appends checked rows to `<workdir>/metrics.jsonl` (process 0 writes; others only check)."""
 
@@ -165,19 +180,20 @@ class MetricsLog:
             with open(self.path, "a") as fh:
                 fh.write(json.dumps({"step": step, **metrics}) + "\n")
 
-    def truncate_after(self, step: int) -> None:
-        """Keeps only rows with `row["step"] <= step` (resume: later rows are redone).
+    def truncate_after(self, step: int | None) -> None:
+        """Resume at checkpoint `step`: keeps the rows written before that checkpoint.
 
-        The kept rows are written to a temporary file that replaces the log in one rename, so
-        a kill during the rewrite leaves either the old or the new log, never a partial one.
+        Those are the rows with `row["step"] <= step`, except the final-evaluation row
+        (`phase` 1), which is written after the last checkpoint and so is always redone.
+        `step=None` (a fresh start, no checkpoint) keeps nothing. The kept rows are written to a
+        temporary file that replaces the log in one rename, so a kill during the rewrite leaves
+        either the old or the new log, never a partial one.
         """
         if not (self.write and os.path.exists(self.path)):
             return
-        rows = [r for r in read_metrics(self.path) if r["step"] <= step]
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), prefix=".metrics.")
-        with os.fdopen(fd, "w") as fh:
-            fh.writelines(json.dumps(r) + "\n" for r in rows)
-        os.replace(tmp, self.path)
+        rows = [] if step is None else read_metrics(self.path)
+        rows = [r for r in rows if r["step"] <= step and r.get("phase") != 1.0]
+        write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in rows))
 
     def read(self) -> list[dict]:
         return read_metrics(self.path)

@@ -2,12 +2,14 @@
 
 Tolerances: values 1e-5 relative (fp32 vs the float64 reference, plus 1e-6 absolute for entries
 near 0); gradients 1e-4 relative to the reference (composed: matmul + softmax, fp32 accumulation
-over V) and, between chunk sizes, 1e-5 of the largest entry (entries that are sums of cancelling
-terms differ by summation order only).
+over V) and, between chunk sizes or between a mesh and one device, 1e-5 of the largest entry
+(entries that are sums of cancelling terms differ by summation order only; observed <= 2e-7 of
+the largest entry on the vocabulary-parallel mesh).
 """
 
 import functools
 import math
+import re
 
 import chex
 import jax
@@ -18,6 +20,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dvp_jax.dvp import pruning
+from dvp_jax.sharding import TRAIN_RULES
 from tests import reference as ref
 
 N, D, V = 24, 8, 50
@@ -241,3 +244,174 @@ def test_argument_errors():
         pruning.chunked_pruned_logprobs(h, w, y, log_rho=-1.0, temperature=0.0, chunk_size=8)
     with pytest.raises(ValueError, match="y must have shape"):
         pruning.chunked_pruned_logprobs(h, w, y[:3], log_rho=-1.0, chunk_size=8)
+    with pytest.raises(ValueError, match="precision must be"):
+        pruning.chunked_pruned_logprobs(h, w, y, log_rho=-1.0, chunk_size=8, precision="fp32")
+
+
+# Vocabulary-parallel path: a (data, fsdp, tensor) mesh with W [d, V] split over tensor on V.
+# V = 200 over tensor = 4 gives 50 local columns: chunks of 16 leave a ragged last chunk.
+VP_N, VP_D, VP_V, VP_CHUNK = 32, 8, 200, 16
+
+
+def _vp_inputs(v=VP_V):
+    h, w, y = _inputs(seed=8, n=VP_N, d=VP_D, v=v, scale=1.5)
+    y[::2] = np.argmax(h[::2] @ w, axis=-1)  # half the targets are safe for any rho
+    return h, w, y
+
+
+def _vp_weights():
+    return (jnp.linspace(-1.0, 1.0, VP_N), jnp.full(VP_N, 0.5), jnp.full(VP_N, 2.0))
+
+
+def _vp_value_and_grad(y, log_rho, mesh=None, g=None):
+    """jit(value_and_grad) over (h, W) of `_objective` (weights g, default `_vp_weights()`) at
+    tau = 0.7, chunks of `VP_CHUNK`."""
+    g = _vp_weights() if g is None else g
+
+    def fn(h, w):
+        out = pruning.chunked_pruned_logprobs(
+            h, w, y, log_rho=log_rho, temperature=0.7, chunk_size=VP_CHUNK, mesh=mesh
+        )
+        return _objective(out, g), out
+
+    return jax.jit(jax.value_and_grad(fn, argnums=(0, 1), has_aux=True))
+
+
+def _vp_mesh(shape, kind=AxisType.Auto):
+    return jax.make_mesh(shape, ("data", "fsdp", "tensor"), axis_types=(kind,) * 3)
+
+
+def _vp_put(mesh, h, w, y):
+    """Rows over (data, fsdp); W as `Sharder` lays it out (vocab on tensor when it divides V)."""
+    rows = P(("data", "fsdp"))
+    vocab = "tensor" if w.shape[1] % mesh.shape["tensor"] == 0 else None
+    return (
+        jax.device_put(h, NamedSharding(mesh, P(*rows, None))),
+        jax.device_put(w, NamedSharding(mesh, P("fsdp", vocab))),
+        jax.device_put(y, NamedSharding(mesh, rows)),
+    )
+
+
+def test_mesh_axes_follow_train_rules():
+    rules = dict(TRAIN_RULES)
+    assert (rules["vocab"], rules["embed"]) == (pruning.VOCAB_MESH_AXIS, pruning.EMBED_MESH_AXIS)
+    mesh = _vp_mesh((1, 2, 4))
+    assert pruning._mesh_axes(mesh, VP_N, VP_D, VP_V) == (("fsdp",), "tensor", "fsdp", 4)
+    # V not divisible by tensor: no vocabulary split, tensor joins the row axes.
+    assert pruning._mesh_axes(mesh, VP_N, VP_D, 201) == (("fsdp", "tensor"), None, "fsdp", 1)
+    # d not divisible by fsdp: W's d is not split on entry.
+    assert pruning._mesh_axes(mesh, VP_N, 7, VP_V) == (("fsdp",), "tensor", None, 4)
+
+
+@pytest.mark.parametrize(
+    "shape, axis_type, v, log_rho",
+    [
+        ((1, 2, 4), "auto", VP_V, -2.0),
+        ((1, 2, 4), "auto", VP_V, None),
+        ((2, 1, 4), "explicit", VP_V, -2.0),
+        ((2, 1, 4), "explicit", VP_V, None),
+        ((1, 2, 4), "auto", VP_V + 1, -2.0),  # V % tensor != 0: rows over tensor instead
+    ],
+)
+def test_vocab_parallel_equals_single_device(shape, axis_type, v, log_rho):
+    """Forward values and dh, dW on the mesh equal one device's. Auto axes get the mesh as an
+    argument (what the trainer does); Explicit axes are found from the arrays' types."""
+    kind = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}[axis_type]
+    mesh = _vp_mesh(shape, kind)
+    h, w, y = _vp_inputs(v)
+    (_, expect), expect_grads = _vp_value_and_grad(y, log_rho)(h, w)
+    if log_rho is not None:  # both sides of the safe set
+        assert 0 < int(np.sum(expect.in_safe)) < VP_N
+    hs, ws, ys = _vp_put(mesh, h, w, y)
+    vg = _vp_value_and_grad(ys, log_rho, mesh if kind == AxisType.Auto else None)
+    (_, got), (dh, dw) = vg(hs, ws)
+    chex.assert_trees_all_close(got, expect, rtol=1e-5, atol=1e-6)
+    for a, b in zip((dh, dw), expect_grads, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+    if v % shape[2] == 0:  # (else rows are split over tensor as well)
+        assert dh.sharding.is_equivalent_to(hs.sharding, 2)  # rows stay split
+        assert dw.sharding.is_equivalent_to(ws.sharding, 2)  # dW stays vocabulary-sharded
+
+
+def test_inside_callers_shard_map_equals_single_device():
+    """Called inside the caller's own shard_map (rows split over all 8 devices, W replicated):
+    the plain path runs per device and dW is summed over the row shards by autodiff."""
+    mesh = _vp_mesh((2, 2, 2))
+    h, w, y = _vp_inputs()
+    _, expect_grads = _vp_value_and_grad(y, -2.0)(h, w)
+    rows = P(("data", "fsdp", "tensor"))
+
+    def per_device(h, w, y, g):
+        return _vp_value_and_grad(y, -2.0, g=g)(h, w)[1]
+
+    in_specs = (P(*rows, None), P(), rows, (rows,) * 3)
+    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=(rows, P()))
+    grads = jax.jit(sharded)(h, w, y, _vp_weights())
+    for a, b in zip(grads, expect_grads, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+
+
+_COLLECTIVE = re.compile(
+    r"=\s*(.*?)\s(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\("
+)
+
+
+def _collectives(hlo: str) -> list[tuple[str, list[tuple[int, ...]]]]:
+    """(op, result shapes) of every collective in optimized HLO text."""
+    found = []
+    for line in hlo.splitlines():
+        match = _COLLECTIVE.search(line)
+        if match:
+            shapes = re.findall(r"[a-z]+[0-9]*\[([0-9,]*)\]", match.group(1))
+            found.append(
+                (match.group(2), [tuple(int(x) for x in s.split(",") if x) for s in shapes])
+            )
+    return found
+
+
+def _moves_vocab(collectives, v=VP_V) -> list:
+    """The collectives that produce an array with a full-vocabulary dimension."""
+    return [(op, shapes) for op, shapes in collectives if any(v in s for s in shapes)]
+
+
+def test_vocab_parallel_hlo_never_gathers_w_over_vocab():
+    """Compiled fwd + bwd on the tensor-sharded mesh: no collective produces a V-sized dim (W is
+    never gathered along V); W's local shard is gathered over fsdp only, to [d, V / 4]. The
+    control, the same call without a mesh (GSPMD partitions the chunk loop), does gather W to
+    [d / 2, V], so the check can fail."""
+    mesh = _vp_mesh((1, 2, 4))
+    h, w, y = _vp_put(mesh, *_vp_inputs())
+
+    def hlo(mesh_arg):
+        vg = _vp_value_and_grad(y, -2.0, mesh_arg)
+        return _collectives(vg.lower(h, w).compile().as_text())
+
+    new = hlo(mesh)
+    assert not _moves_vocab(new), new
+    kinds = {op for op, _ in new}
+    assert "all-reduce" in kinds and "reduce-scatter" in kinds, new  # the parse sees collectives
+    gathered = [s for op, shapes in new if op == "all-gather" for s in shapes]
+    assert (VP_D, VP_V // 4) in gathered, new  # the fsdp gather of the local shard
+    old = hlo(None)
+    assert any(op == "all-gather" for op, _ in _moves_vocab(old)), old
+
+
+@pytest.mark.parametrize("on_mesh", [False, True])
+def test_precision_reaches_every_matmul(on_mesh):
+    """Every dot of the forward and the custom-VJP backward carries the requested precision
+    (conftest's global default is HIGHEST, so an einsum that ignored the argument shows it)."""
+    h, w, y = _vp_inputs()
+    mesh = _vp_mesh((1, 2, 4)) if on_mesh else None
+    if mesh is not None:
+        h, w, y = _vp_put(mesh, h, w, y)
+
+    def fn(h, w):
+        out = pruning.chunked_pruned_logprobs(
+            h, w, y, log_rho=-2.0, chunk_size=VP_CHUNK, precision="high", mesh=mesh
+        )
+        return jnp.sum(out.logp)
+
+    text = jax.jit(jax.grad(fn, argnums=(0, 1))).lower(h, w).as_text()
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    assert len(dots) >= 5, text  # pass 1, pass 2, backward: logits, dh, dW
+    assert all("precision = [HIGH, HIGH]" in line for line in dots), dots

@@ -75,3 +75,19 @@ def synthetic_batch(
         old_logp=np.zeros_like(logp),
         old_in_safe=np.ones(logp.shape, bool),
     )
+
+
+def main_command(workdir, *extra, **overrides) -> tuple[list[str], dict[str, str]]:
+    """(argv, env) of `python -m dvp_jax.main` on the test-size tiny config, one CPU device."""
+    import sys
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "dvp_jax.main",
+        f"--config={TINY_CONFIG}",
+        f"--workdir={workdir}",
+        *cli_overrides(**overrides),
+        *extra,
+    ]
+    return cmd, {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}

@@ -360,3 +360,47 @@ def _build(section: str, cls, values: dict[str, Any], base=None):
             raise
         # Dataclass validators name their own class (`LossConfig.cap`); say where it was set.
         raise ValueError(f"config.{section}: {msg}") from None
+
+
+# What a rerun on an existing workdir may change: how long it runs, how often it evaluates,
+# saves and logs, where it runs (mesh, engine slots) and where the initial weights were read
+# from. Every other field decides the results and must equal the workdir's config.json.
+RESUMABLE_FIELDS = (
+    "train.steps",
+    "eval.",
+    "checkpoint.",
+    "log_every",
+    "plots",
+    "mesh.",
+    "rollout.max_concurrent_decodes",
+    "rollout.tensor_parallel",
+    "init_hf_path",
+)
+
+
+def flat_fields(cfg: ExperimentConfig) -> dict[str, Any]:
+    """{"section.field": value} of every field of a validated config (JSON-serialisable)."""
+    out = {}
+    for name, value in dataclasses.asdict(cfg).items():
+        if isinstance(value, dict):
+            out |= {f"{name}.{k}": v for k, v in value.items()}
+        else:
+            out[name] = value
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+
+def resume_mismatch(saved: dict[str, Any], current: ExperimentConfig) -> list[str]:
+    """The fields (other than `RESUMABLE_FIELDS`) whose value differs from a saved config.
+
+    Returns lines like "model.d_ff: workdir 64, now 128", sorted by field.
+    """
+    now = flat_fields(current)
+    diff = []
+    for key in sorted(set(saved) | set(now)):
+        if key.startswith(RESUMABLE_FIELDS):
+            continue
+        if saved.get(key, "<absent>") != now.get(key, "<absent>"):
+            diff.append(
+                f"{key}: workdir {saved.get(key, '<absent>')!r}, now {now.get(key, '<absent>')!r}"
+            )
+    return diff

@@ -4,7 +4,7 @@ RL from a random model learns nothing on the arithmetic task (no response is eve
 the small configs first fit the task's reference answers for `sft.steps` steps. The warm-up is
 its own phase: it gets the model's params, trains them with a fresh AdamW of its own and hands
 them back; the RL optimizer starts fresh afterwards. Its rows in metrics.jsonl have steps
--sft.steps+1 .. 0 (`sft_loss`, `phase_sft`).
+-sft.steps .. -1 (`sft_loss`, `phase_sft`); step 0 is the evaluation before RL.
 """
 
 from __future__ import annotations
@@ -66,8 +66,11 @@ def warm_up(
     chunk_size: int,
     seed: int,
     log: Callable[[int, dict[str, float]], None],
+    stop: Callable[[], bool] = lambda: False,
 ):
     """Trains `model`'s params for `cfg.steps` supervised steps; returns the new params.
+
+    Returns None instead when `stop()` turns true (checked after every step: preemption).
 
     Args:
       model: the (sharded) trainer model to start from.
@@ -78,7 +81,8 @@ def warm_up(
       max_len: longest example in tokens (prompt + response).
       chunk_size: vocabulary chunk of the log-probs.
       seed: seed of the phase's (unused) state key.
-      log: `log(step, metrics)` for the rows of this phase (step <= 0).
+      log: `log(step, metrics)` for the rows of this phase (step < 0).
+      stop: polled after each step; True abandons the warm-up (it is redone on resume).
     """
     logging.info("supervised warm-up: %d steps of batch %d", cfg.steps, cfg.batch_size)
     optimizer = make_optimizer(cfg.learning_rate, cfg.warmup_steps, 0.0, 1.0)
@@ -99,5 +103,8 @@ def warm_up(
         if (i + 1) % max(1, cfg.steps // 10) == 0 or i + 1 == cfg.steps:
             loss = float(metrics["sft_loss"])
             logging.info("sft %d/%d | loss %.4f", i + 1, cfg.steps, loss)
-            log(-cfg.steps + i + 1, {"sft_loss": loss, "phase_sft": 1.0})
+            log(i - cfg.steps, {"sft_loss": loss, "phase_sft": 1.0})
+        if stop():
+            logging.warning("supervised warm-up stopped at step %d/%d", i + 1, cfg.steps)
+            return None
     return state.params

@@ -45,6 +45,8 @@ def token_logprobs(
         log_rho=log_rho,
         temperature=temperature,
         chunk_size=chunk_size,
+        # On a mesh the vocabulary loop runs per tensor shard of W (no all-gather of W).
+        mesh=model.sharder.mesh,
     )
     return jax.tree.map(lambda x: x.reshape(b, t), out)
 

@@ -36,6 +36,7 @@ from dvp_jax.rollout.offline import generate_rollouts
 from dvp_jax.rollout.tokenizers import load_tokenizer
 from dvp_jax.sharding import TRAIN_RULES, MeshConfig, Sharder, init_sharded, make_mesh
 from dvp_jax.train import batch as batch_lib
+from dvp_jax.train import config as config_lib
 from dvp_jax.train import evaluation, sft
 from dvp_jax.train import step as step_lib
 from dvp_jax.train.config import ExperimentConfig
@@ -137,12 +138,38 @@ def build_engine(cfg: ExperimentConfig, tokenizer, model) -> RolloutEngine:
     )
 
 
+class WorkdirMismatchError(ValueError):
+    """The workdir holds a run started with a different config."""
+
+
+def check_workdir(cfg: ExperimentConfig, workdir: str) -> None:
+    """Raises `WorkdirMismatchError` (one line naming the fields) if `workdir`'s config.json
+    differs from `cfg` in a field a resumed run may not change (`config.RESUMABLE_FIELDS`)."""
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        return
+    with open(path) as fh:
+        saved = json.load(fh)
+    diff = config_lib.resume_mismatch(saved, cfg)
+    if diff:
+        raise WorkdirMismatchError(
+            f"{workdir} holds a run with a different config ({'; '.join(diff)}); rerun with "
+            "that config to resume it, or pass a new --workdir"
+        )
+
+
 class Trainer:
-    """Owns the model, engine, data and checkpoints of one run."""
+    """Owns the model, engine, data and checkpoints of one run.
+
+    Nothing is written to the workdir before `run()` knows the run fits it: the config is
+    checked against the workdir's config.json here, the checkpoint is restored in `run()`, and
+    only then are config.json, model_config.json, the metrics log and the event files touched.
+    """
 
     def __init__(self, cfg: ExperimentConfig, workdir: str):
         self.cfg = cfg
         self.workdir = os.path.abspath(workdir)
+        check_workdir(cfg, self.workdir)
         os.makedirs(self.workdir, exist_ok=True)
         self.is_lead = jax.process_index() == 0
         if cfg.train.prompts_per_step % jax.process_count():
@@ -196,16 +223,14 @@ class Trainer:
             )
         )
 
-        # Output.
+        # Output (the writer is made by `_open_outputs` once the run is known to fit).
         self.checkpointer = Checkpointer(self.workdir, cfg.checkpoint.keep)
-        self.writer = metric_writers.create_default_writer(
-            self.workdir, just_logging=not self.is_lead, asynchronous=False
-        )
         self.metrics_log = metrics_lib.MetricsLog(self.workdir, write=self.is_lead)
-        if self.is_lead:  # the architecture, for tools that read checkpoints (the server)
-            with open(os.path.join(self.workdir, "model_config.json"), "w") as fh:
-                json.dump(cfg.model.to_hf(), fh, indent=2)
+        self.writer = None
         self.preemption = _Preemption()
+        # Seconds of work in earlier attempts of this run (up to their last checkpoint).
+        self._earlier_wall_time = 0.0
+        self._attempt_start = time.time()
 
     # ==========================================================================================
     # Pieces
@@ -215,7 +240,29 @@ class Trainer:
         self.writer.write_scalars(step, metrics)
         self.metrics_log.append(step, metrics)
 
+    def _open_outputs(self, resumed_step: int | None) -> None:
+        """The run fits this workdir: trim the metrics log to the checkpoint (everything on a
+        fresh start), record the config and architecture, open the event-file writer."""
+        self.metrics_log.truncate_after(resumed_step)
+        if self.is_lead:
+            flat = config_lib.flat_fields(self.cfg)
+            metrics_lib.write_atomic(
+                os.path.join(self.workdir, "config.json"), json.dumps(flat, indent=2)
+            )
+            # The architecture as a Hugging Face config.json, for the server.
+            metrics_lib.write_atomic(
+                os.path.join(self.workdir, "model_config.json"),
+                json.dumps(self.cfg.model.to_hf(), indent=2),
+            )
+        self.writer = metric_writers.create_default_writer(
+            self.workdir, just_logging=not self.is_lead, asynchronous=False
+        )
+
+    def _wall_time(self) -> float:
+        return self._earlier_wall_time + time.time() - self._attempt_start
+
     def _save(self, step: int, extra: dict) -> None:
+        extra = {**extra, "wall_time_s": self._wall_time()}
         self.checkpointer.save(step, self.state, self.data.get_state(), extra)
 
     def _sync_weights(self) -> None:
@@ -254,11 +301,14 @@ class Trainer:
             sampling=sampling,
         )
 
-    def warm_up(self) -> None:
-        """Supervised warm-up (`train/sft.py`); RL then starts with a fresh optimizer."""
+    def warm_up(self) -> bool:
+        """Supervised warm-up (`train/sft.py`); RL then starts with a fresh optimizer.
+
+        Returns False if preempted (SIGTERM) during the warm-up.
+        """
         cfg = self.cfg
         if cfg.sft.steps == 0 or self.task is None:
-            return
+            return True
         params = sft.warm_up(
             nnx.merge(self.graphdef, self.state.params),
             self.task,
@@ -269,13 +319,17 @@ class Trainer:
             chunk_size=cfg.train.chunk_size,
             seed=cfg.train.seed,
             log=self._log,
+            stop=lambda: self.preemption.requested,
         )
+        if params is None:
+            return False
         self.state = jax.jit(
             lambda p, s: TrainState(
                 step=s.step, params=p, opt_state=self.optimizer.init(p), rng=s.rng
             ),
             out_shardings=self.state_sh,
         )(params, self.state)
+        return True
 
     # ==========================================================================================
     # One RL iteration: rollout -> rewards -> advantages -> update(s) -> weight sync
@@ -368,21 +422,29 @@ class Trainer:
     # The run
     # ==========================================================================================
     def run(self) -> dict[str, Any]:
+        """Trains to `train.steps`, resuming from the newest intact checkpoint of the workdir.
+
+        Returns the summary, or `{"preempted_at": step}` after SIGTERM (the running step was
+        finished and checkpointed; `"warm-up"` when SIGTERM came during the supervised warm-up,
+        which has no checkpoint and is redone on resume).
+        """
         cfg = self.cfg
-        start_time = time.time()
-        latest = self.checkpointer.latest_step()
-        if latest is None:
-            self.warm_up()
+        restored = self.checkpointer.restore_latest(abstract_like(self.state, self.state_sh))
+        if restored is None:
+            self._open_outputs(None)
+            if not self.warm_up():
+                logging.warning("preempted during the supervised warm-up: rerun to start again")
+                return {"preempted_at": "warm-up"}
             self._sync_weights()
             start_eval = self.evaluate(0)
             self._log(0, {**start_eval, "phase": 0.0})
             extra = {"start_eval": start_eval}
             self._save(0, extra)
         else:
-            abstract = abstract_like(self.state, self.state_sh)
-            self.state, data_state, extra = self.checkpointer.restore(abstract, latest)
+            latest, self.state, data_state, extra = restored
             self.data.set_state(data_state)
-            self.metrics_log.truncate_after(latest)
+            self._open_outputs(latest)
+            self._earlier_wall_time = float(extra.get("wall_time_s", 0.0))
             self._sync_weights()
             logging.info("resumed from step %d in %s", latest, self.workdir)
         start_eval = extra.get("start_eval", {})
@@ -423,10 +485,11 @@ class Trainer:
 
         final_eval = self.evaluate(cfg.train.steps)
         self._log(cfg.train.steps, {**final_eval, "phase": 1.0})
-        summary = self._summary(start_eval, final_eval, time.time() - start_time)
+        summary = self._summary(start_eval, final_eval, self._wall_time())
         if self.is_lead:
-            with open(os.path.join(self.workdir, "summary.json"), "w") as fh:
-                json.dump(summary, fh, indent=2)
+            metrics_lib.write_atomic(
+                os.path.join(self.workdir, "summary.json"), json.dumps(summary, indent=2)
+            )
         self.writer.flush()
         return summary
 
@@ -453,7 +516,8 @@ class Trainer:
 
     def close(self):
         self.checkpointer.close()
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 def train(cfg: ExperimentConfig, workdir: str) -> dict[str, Any]:
