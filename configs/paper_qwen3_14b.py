@@ -73,7 +73,7 @@ def get_config(method: str = "mis_dvp"):
     # accumulated over 64 micro-batches of 8 sequences (one per fsdp shard); see
     # experiments/scale_plan.py for the memory this implies.
     c.train.micro_batches = 64
-    c.train.remat = True  # 16k-token responses: recompute block activations in the backward
+    c.train.remat = "full"  # 16k-token responses: recompute block activations in the backward
 
     # RL from the base model: no supervised warm-up (the default sft.steps = 0).
     # AIME25 avg@16: 16 samples for each of the 30 problems (held-out data: EVAL_PATH above).

@@ -7,8 +7,8 @@ The loss and diagnostics functions in `dvp_jax.dvp` produce most of these keys; 
 are in docs/design.md section 2.
 
 `MetricsLog` writes one JSON row per step (`{"step": s, name: value, ...}`); `read_metrics` is
-the one reader (trainer summary, `plots.py`, `experiments/`). `write_atomic` writes the run's
-other records (config.json, summary.json) so that a kill never leaves half a file.
+the one reader (trainer summary, `plots.py`, `experiments/`). Paths go through `etils.epath`
+(`dvp_jax/workdir.py`), so the log may live in a `gs://` workdir.
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Mapping
 
 from absl import logging
+from etils import epath
+
+from dvp_jax.workdir import append_line, as_path, write_atomic
 
 # The E6 mismatch metrics (verl's definitions, `diagnostics.mismatch_metrics`). Each is logged
 # on the pruned log-probs and, prefixed `full_`, on the unpruned ones.
@@ -72,6 +74,7 @@ METRICS: dict[str, str] = {
     "rollout_s": "seconds spent generating the rollout batch",
     "train_s": "seconds spent in the jitted update(s)",
     "rollout_tok_s": "generated tokens per second",
+    "train_precision": "the trainer's dtype policy (a name: float32 is true fp32, mixed_bf16)",
     # ----- evaluation (train.evaluation)
     "eval_accuracy": "held-out avg@k: mean reward of k samples per held-out prompt",
     "eval_pass_at_k": "held-out pass@k",
@@ -110,23 +113,21 @@ def _is_declared(name: str) -> bool:
     return True
 
 
-def _path(workdir_or_file: str) -> str:
-    if os.path.isdir(workdir_or_file):
-        return os.path.join(workdir_or_file, "metrics.jsonl")
-    return workdir_or_file
+def _path(workdir_or_file: str | os.PathLike) -> epath.Path:
+    path = as_path(workdir_or_file)
+    return path / "metrics.jsonl" if path.is_dir() else path
 
 
-def read_metrics(workdir_or_file: str) -> list[dict]:
+def read_metrics(workdir_or_file: str | os.PathLike) -> list[dict]:
     """The rows of `<workdir>/metrics.jsonl` (or of the given file); [] if it does not exist.
 
     A torn last line (a run killed while writing it) is skipped with a warning; a bad line
     elsewhere is an error naming the file and the line.
     """
     path = _path(workdir_or_file)
-    if not os.path.exists(path):
+    if not path.exists():
         return []
-    with open(path) as fh:
-        lines = [line for line in fh.read().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
     rows = []
     for i, line in enumerate(lines):
         try:
@@ -153,32 +154,24 @@ def tail_mean(rows: Iterable[Mapping], name: str, last: int = 5) -> float | None
     return sum(values) / len(values) if values else None
 
 
-def write_atomic(path: str, text: str) -> None:
-    """Writes `text` to `path` through a temporary file and one rename: a reader (or a kill)
-    sees the old file or the new one, never a partial one."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp.")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 class MetricsLog:
-    """Appends checked rows to `<workdir>/metrics.jsonl` (process 0 writes; others only check)."""
+    """Appends checked rows to `<workdir>/metrics.jsonl` (process 0 writes; others only check).
 
-    def __init__(self, workdir: str, write: bool = True):
-        self.path = os.path.join(workdir, "metrics.jsonl")
+    The rows are also kept in memory, so a backend that cannot append (an object store) gets
+    the whole log rewritten atomically instead.
+    """
+
+    def __init__(self, workdir: str | os.PathLike, write: bool = True):
+        self.path = as_path(workdir) / "metrics.jsonl"
         self.write = write
+        self._rows: list[dict] = []
 
     def append(self, step: int, metrics: Mapping[str, float]) -> None:
         check(metrics)
         if self.write:
-            with open(self.path, "a") as fh:
-                fh.write(json.dumps({"step": step, **metrics}) + "\n")
+            row = json.dumps({"step": step, **metrics}) + "\n"
+            self._rows.append(row)
+            append_line(self.path, row, "".join(self._rows))
 
     def truncate_after(self, step: int | None) -> None:
         """Resume at checkpoint `step`: keeps the rows written before that checkpoint.
@@ -189,11 +182,13 @@ class MetricsLog:
         temporary file that replaces the log in one rename, so a kill during the rewrite leaves
         either the old or the new log, never a partial one.
         """
-        if not (self.write and os.path.exists(self.path)):
+        if not self.write:
             return
         rows = [] if step is None else read_metrics(self.path)
         rows = [r for r in rows if r["step"] <= step and r.get("phase") != 1.0]
-        write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in rows))
+        self._rows = [json.dumps(r) + "\n" for r in rows]
+        if self.path.exists() or self._rows:
+            write_atomic(self.path, "".join(self._rows))
 
     def read(self) -> list[dict]:
         return read_metrics(self.path)

@@ -8,6 +8,9 @@ table per use maps logical names to mesh axes of the mesh `(data, fsdp, tensor)`
 * `ROLLOUT_RULES`: parameters replicated over `data`/`fsdp` and split over `tensor` only, so
   decode steps need no parameter all-gathers; the KV cache is split by batch and by KV head.
 
+Both tables replicate `layers`, the leading axis of the stacked decoder-block parameters
+(`dvp_jax/model/transformer.py`), and `cache_layers`, the KV cache's.
+
 Parameter and activation names must never share a name, since a parameter dim and an
 activation dim may map to the same mesh axis in one spec (e.g. `embed -> fsdp` for params while
 `act_batch -> (data, fsdp)` for activations).
@@ -38,6 +41,9 @@ TRAIN_RULES: Rules = (
     ("head_dim", None),
     ("mlp", "tensor"),
     ("norm", None),
+    # The leading [L] axis of the stacked decoder-block parameters: never sharded, so each scan
+    # step slices one layer locally and gathers only that layer's fsdp shards.
+    ("layers", None),
     # activations
     ("act_batch", ("data", "fsdp")),
     ("act_seq", None),

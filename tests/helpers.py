@@ -13,7 +13,7 @@ def tiny_config(**overrides) -> ModelConfig:
     return ModelConfig.preset("tiny", **overrides)
 
 
-def tiny_model(seed: int = 0, policy=None, remat: bool = False, **overrides) -> Transformer:
+def tiny_model(seed: int = 0, policy=None, remat: bool | str = False, **overrides) -> Transformer:
     from dvp_jax.model import TRAIN_POLICY
 
     return Transformer(

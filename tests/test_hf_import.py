@@ -11,7 +11,7 @@ import torch
 
 from dvp_jax.model import PRESETS, ModelConfig, Transformer
 from dvp_jax.model.hf_import import load_hf, save_hf
-from dvp_jax.sharding import count_params
+from dvp_jax.sharding import TRAIN_RULES, MeshConfig, Sharder, count_params, make_mesh
 from tests.helpers import hf_qwen3
 
 # Our fp32 logits vs transformers' fp32 logits. Both are float32 with different summation
@@ -74,6 +74,32 @@ def test_export_reimport_round_trip_and_transformers_loads_it(tmp_path, tie):
     assert (
         np.abs(_ours(model, tokens, mask) - _theirs(hf_again, tokens, mask))[real].max() <= HF_ATOL
     )
+
+
+def test_sharded_load_stacks_layers_into_each_devices_shard(tmp_path):
+    """Loading onto a (2, 2, 2) mesh places each device's shard of the stacked block parameters
+    (read layer by layer); the values equal the single-device load exactly and layer i of a
+    stack is Hugging Face's layer i."""
+    _, path = hf_qwen3(tmp_path, tie=False, seed=5, num_hidden_layers=3)
+    single = load_hf(path)
+    sharder = Sharder(make_mesh(MeshConfig(2, 2, 2)), TRAIN_RULES)
+    sharded = load_hf(path, sharder=sharder)
+    q_proj = sharded.blocks.attn.q_proj[...]  # [L, d, n, h] = [3, 32, 4, 8]
+    assert q_proj.shape == (3, 32, 4, 8)
+    assert q_proj.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+    assert q_proj.addressable_shards[0].data.shape == (3, 16, 2, 8)
+    for (p1, v1), (p2, v2) in zip(
+        jax.tree.leaves_with_path(_params(single)),
+        jax.tree.leaves_with_path(_params(sharded)),
+        strict=True,
+    ):
+        assert p1 == p2
+        np.testing.assert_array_equal(np.asarray(v1), np.asarray(v2), err_msg=str(p1))
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(path, "model.safetensors"), framework="numpy") as f:
+        up = f.get_tensor("model.layers.2.mlp.up_proj.weight")  # [f, d]
+    np.testing.assert_array_equal(np.asarray(single.blocks.mlp.up[...])[2], up.T)
 
 
 def test_sharded_export_with_index(tmp_path):

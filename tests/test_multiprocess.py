@@ -44,4 +44,4 @@ def test_two_processes_match_one_process(tmp_path):
     for name in a.files:
         np.testing.assert_allclose(a[name], b[name], rtol=1e-6, atol=1e-6, err_msg=name)
     # The step really moved the params (so equality is not vacuous).
-    assert not np.allclose(a["layers/0/mlp/up"], 0.0)
+    assert not np.allclose(a["blocks/mlp/up"], 0.0)

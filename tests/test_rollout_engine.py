@@ -307,8 +307,8 @@ def test_sharded_engine_equals_single_device(fp32, master):
     |d mass| 2.2e-7 (2e-6 relative); bounds 1e-5 and 1e-5 relative."""
     mesh = make_mesh(MeshConfig(2, 1, 2), jax.devices()[:4])
     sharded = RolloutEngine(CFG, fp32.config, params=nnx.state(master), mesh=mesh)
-    q_proj = sharded.params["layers"][0]["attn"]["q_proj"].get_value()
-    assert q_proj.sharding.spec[1] == "tensor"
+    q_proj = sharded.params["blocks"]["attn"]["q_proj"].get_value()  # [L, d, n, h]
+    assert q_proj.sharding.spec[2] == "tensor"
     key = jax.random.key(3)
     a = generate_rollouts(fp32, PROMPTS, 2, key)
     b = generate_rollouts(sharded, PROMPTS, 2, key)

@@ -33,6 +33,11 @@ def test_rules_map_logical_names():
     assert train.spec(("act_batch", "act_seq", "act_embed"), (4, 8, 32)) == P(
         ("data", "fsdp"), None, None
     )
+    # The stacked decoder-block parameters' layer axis is never sharded: each scan step slices
+    # one layer locally (and, for training, gathers that layer's fsdp shards).
+    q_proj = ("layers", "embed", "q_heads", "head_dim")
+    assert train.spec(q_proj, (2, 32, 4, 8)) == P(None, "fsdp", "tensor", None)
+    assert rollout.spec(q_proj, (2, 32, 4, 8)) == P(None, None, "tensor", None)
     # A mesh axis that does not divide the dimension is dropped, not an error.
     assert train.spec(("vocab", "embed"), (63, 32)) == P(None, "fsdp")
     with pytest.raises(KeyError, match="no rule"):
@@ -51,6 +56,9 @@ def test_sharded_init_places_params_and_forward_matches_single_device():
     assert emb.addressable_shards[0].data.shape == (cfg.vocab_size // 2, cfg.d_model // 2)
     # Same values as eager init (jit may fuse the scale into the sampler: 1-ulp differences).
     np.testing.assert_allclose(np.asarray(emb), np.asarray(single.embed[...]), rtol=1e-6)
+    gate = sharded.blocks.mlp.gate[...]  # [L, d, f]: one layer's shard is [d/2, f/2]
+    assert gate.sharding.spec == P(None, "fsdp", "tensor")
+    assert gate.addressable_shards[0].data.shape == (cfg.n_layers, cfg.d_model // 2, cfg.d_ff // 2)
 
     tokens, positions, valid = padded_batch(
         np.random.default_rng(0), cfg.vocab_size, [8, 5, 8, 2], 8

@@ -2,18 +2,26 @@
 
 from dvp_jax.model.attention import KVCache
 from dvp_jax.model.config import (
+    MIXED_TRAIN_POLICY,
+    PRECISIONS,
     PRESETS,
+    REMAT_POLICIES,
     ROLLOUT_POLICY,
     TRAIN_POLICY,
+    TRAIN_PRECISIONS,
     DTypePolicy,
     ModelConfig,
 )
 from dvp_jax.model.transformer import Transformer
 
 __all__ = [
+    "MIXED_TRAIN_POLICY",
+    "PRECISIONS",
     "PRESETS",
+    "REMAT_POLICIES",
     "ROLLOUT_POLICY",
     "TRAIN_POLICY",
+    "TRAIN_PRECISIONS",
     "DTypePolicy",
     "KVCache",
     "ModelConfig",

@@ -10,17 +10,25 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 
 @dataclasses.dataclass(frozen=True)
 class DTypePolicy:
-    """Which dtype each part of the model uses.
+    """Which dtype each part of the model uses, and at which matmul precision.
 
     Attributes:
       param_dtype: dtype the parameters are stored in.
-      compute_dtype: dtype of activations and matmul inputs.
+      compute_dtype: dtype of activations and matmul inputs (parameters are cast to it at use).
       cache_dtype: dtype of the KV cache (may be lower than compute, e.g. float8_e4m3fn).
+      precision: the `jax.lax.Precision` of every matmul of the model (projections, attention
+        q.k and p.v, MLP, unembedding); a string ('default', 'high', 'highest') is converted.
+        With float32 inputs it decides what "fp32" means on an accelerator: `HIGHEST` is true
+        fp32 on every backend, `DEFAULT` is the backend's choice (exact on CPU, TF32 on recent
+        GPUs, one bf16 pass on TPUs). With bf16 inputs there is one pass whatever the value.
+        None defers to JAX's global `jax_default_matmul_precision`; the named policies never
+        use None, so what they compute does not depend on a global flag.
     Logits are always produced in float32 (matmul accumulates in fp32), and softmax / RMSNorm
     statistics always run in float32, whatever the policy.
     """
@@ -28,26 +36,65 @@ class DTypePolicy:
     param_dtype: Any = jnp.float32
     compute_dtype: Any = jnp.float32
     cache_dtype: Any = jnp.float32
+    precision: jax.lax.Precision | str | None = None
+
+    def __post_init__(self):
+        if isinstance(self.precision, str):
+            try:
+                precision = jax.lax.Precision(self.precision)
+            except ValueError:
+                raise ValueError(
+                    f"DTypePolicy.precision {self.precision!r} is not a matmul precision; "
+                    "allowed: 'default', 'high', 'highest' or a jax.lax.Precision"
+                ) from None
+            object.__setattr__(self, "precision", precision)
 
     @classmethod
     def named(cls, name: str) -> DTypePolicy:
-        """The policy called `name`, one of `PRECISIONS`."""
+        """The policy called `name`, one of `POLICY_NAMES` (`PRECISIONS` + `TRAIN_PRECISIONS`)."""
         if name not in _POLICIES:
-            raise ValueError(f"unknown dtype policy {name!r}; allowed: {PRECISIONS}")
+            raise ValueError(
+                f"unknown dtype policy {name!r}; allowed: rollout precisions {PRECISIONS}, "
+                f"trainer precisions {TRAIN_PRECISIONS}"
+            )
         return cls(*_POLICIES[name])
 
 
-# The precision names, the one list every config and engine option refers to:
-# (param, compute, KV cache) dtypes. float32 is the trainer; the others are rollout precisions.
+_HIGHEST, _DEFAULT = jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT
+
+# (param, compute, KV cache dtype, matmul precision) of each named policy (docs/design.md
+# section 4). "float32" is the trainer and, as a rollout dtype, removes the precision mismatch:
+# true fp32 matmuls on every backend. The bf16 policies take the backend's default precision
+# (bf16 inputs: one pass, fp32 accumulation). "mixed_bf16" is a trainer policy only: fp32 master
+# parameters cast to bf16 at use, bf16 activations, fp32 logits and loss statistics; in its
+# backward pass the transposes of the two fp32-output matmuls (attention scores, logits) take
+# the fp32 cotangent and run f32 x f32 at DEFAULT (TF32 on GPUs, one bf16 pass on TPUs).
 _POLICIES = {
-    "float32": (jnp.float32, jnp.float32, jnp.float32),
-    "bfloat16": (jnp.bfloat16, jnp.bfloat16, jnp.bfloat16),
-    "bfloat16_fp8kv": (jnp.bfloat16, jnp.bfloat16, jnp.float8_e4m3fn),
+    "float32": (jnp.float32, jnp.float32, jnp.float32, _HIGHEST),
+    "bfloat16": (jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, _DEFAULT),
+    "bfloat16_fp8kv": (jnp.bfloat16, jnp.bfloat16, jnp.float8_e4m3fn, _DEFAULT),
+    "mixed_bf16": (jnp.float32, jnp.bfloat16, jnp.bfloat16, _DEFAULT),
 }
-PRECISIONS = tuple(_POLICIES)
+# Rollout precisions: the one list `config.rollout.dtype`, `EngineConfig.dtype` and the server's
+# --dtype choose from. "mixed_bf16" is not one: as a rollout it would compute exactly what
+# "bfloat16" computes (parameters rounded to bf16 at use) while holding fp32 weights, twice
+# the memory for nothing.
+PRECISIONS = ("float32", "bfloat16", "bfloat16_fp8kv")
+# Trainer precisions: what `config.train.precision` chooses from (reported as `train_precision`).
+TRAIN_PRECISIONS = ("float32", "mixed_bf16")
+POLICY_NAMES = tuple(_POLICIES)
+assert set(PRECISIONS) | set(TRAIN_PRECISIONS) == set(_POLICIES)
+
+# Remat (rematerialisation) policies of the scanned decoder blocks in the training forward
+# (`Transformer(remat=...)`): "none" keeps every block activation for the backward pass; "full"
+# keeps only each block's input and recomputes the rest; "save_dots" also keeps every matmul
+# output; "save_dots_no_batch" keeps the projection and MLP matmul outputs but recomputes the
+# attention scores (dots with batch dimensions), MaxText's "minimal".
+REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch")
 
 
 TRAIN_POLICY = DTypePolicy.named("float32")
+MIXED_TRAIN_POLICY = DTypePolicy.named("mixed_bf16")
 ROLLOUT_POLICY = DTypePolicy.named("bfloat16")
 
 

@@ -5,20 +5,24 @@ Reads a local model directory (`config.json` plus one `model.safetensors` or sev
 layout so that `transformers` can load them (shards split by `huggingface_hub`, files written by
 `safetensors`; the tokenizer files come from the tokenizer's own `save_hf`). Nothing is downloaded.
 
-Layout differences are only transposes and head reshapes:
+Layout differences are transposes, head reshapes and the layer stack: our decoder-block
+parameters carry a leading `[L]` axis (`blocks.*`, docs/design.md section 3), so the L
+per-layer Hugging Face tensors of one kind are stacked on load and unstacked on save.
 
-| Hugging Face key (torch Linear: [out, in])     | ours                        |
-|------------------------------------------------|-----------------------------|
-| model.embed_tokens.weight [v, d]               | embed [v, d]                |
-| model.layers.i.self_attn.q_proj.weight [n*h, d] | layers.i.attn.q_proj [d, n, h] |
-| ...k_proj / v_proj.weight [k*h, d]             | ...k_proj / v_proj [d, k, h] |
-| ...o_proj.weight [d, n*h]                      | ...o_proj [n, h, d]         |
-| ...q_norm / k_norm.weight [h]                  | ...q_norm / k_norm.weight   |
-| ...input_layernorm / post_attention_layernorm  | ...input_norm / post_attn_norm |
-| ...mlp.gate_proj / up_proj.weight [f, d]       | ...mlp.gate / up [d, f]     |
-| ...mlp.down_proj.weight [d, f]                 | ...mlp.down [f, d]          |
-| model.norm.weight [d]                          | final_norm.weight [d]       |
-| lm_head.weight [v, d] (untied only)            | lm_head [d, v]              |
+| Hugging Face key (torch Linear: [out, in]) | ours; `[L, ...][i]`: layer i of a stack |
+|--------------------------------------------|------------------------------------------|
+| model.embed_tokens.weight [v, d]           | embed [v, d]                             |
+| model.layers.i.self_attn.q_proj.weight     | blocks.attn.q_proj [L, d, n, h][i]       |
+|   [n*h, d]                                 |                                          |
+| ...k_proj / v_proj.weight [k*h, d]         | blocks.attn.k_proj / v_proj [L, d, k, h][i] |
+| ...o_proj.weight [d, n*h]                  | blocks.attn.o_proj [L, n, h, d][i]       |
+| ...q_norm / k_norm.weight [h]              | blocks.attn.q_norm / k_norm.weight [L, h][i] |
+| ...input_layernorm.weight [d]              | blocks.input_norm.weight [L, d][i]       |
+| ...post_attention_layernorm.weight [d]     | blocks.post_attn_norm.weight [L, d][i]   |
+| ...mlp.gate_proj / up_proj.weight [f, d]   | blocks.mlp.gate / up [L, d, f][i]        |
+| ...mlp.down_proj.weight [d, f]             | blocks.mlp.down [L, f, d][i]             |
+| model.norm.weight [d]                      | final_norm.weight [d]                    |
+| lm_head.weight [v, d] (untied only)        | lm_head [d, v]                           |
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import ml_dtypes
@@ -42,12 +46,29 @@ from dvp_jax.model.config import TRAIN_POLICY, DTypePolicy, ModelConfig
 from dvp_jax.model.transformer import Transformer
 from dvp_jax.sharding import Sharder, state_shardings
 
-# (to ours, to HF) for one tensor, given the config.
+# (to ours, to HF) for one tensor (one layer's, for the stacked block parameters).
 Transform = tuple[Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray], np.ndarray]]
 
 
-def _key_map(cfg: ModelConfig) -> dict[tuple, tuple[str, tuple[int, ...], Transform]]:
-    """Our state path -> (HF key, HF shape, (hf_to_ours, ours_to_hf))."""
+class Entry(NamedTuple):
+    """How one of our parameters maps to Hugging Face tensors.
+
+    Attributes:
+      hf_keys: the Hugging Face keys: one for a plain parameter, L (layer order) for a stacked
+        block parameter.
+      hf_shape: the shape of each Hugging Face tensor.
+      transform: (hf_to_ours, ours_to_hf) for one tensor (one layer's slice when stacked).
+      stacked: whether our parameter is the stack `[L, ...]` of the per-layer tensors.
+    """
+
+    hf_keys: tuple[str, ...]
+    hf_shape: tuple[int, ...]
+    transform: Transform
+    stacked: bool
+
+
+def _key_map(cfg: ModelConfig) -> dict[tuple, Entry]:
+    """Our state path -> its `Entry` (Hugging Face keys, shape, transform, stacked or not)."""
     d, n, k, h, f, v = (
         cfg.d_model,
         cfg.n_heads,
@@ -70,45 +91,28 @@ def _key_map(cfg: ModelConfig) -> dict[tuple, tuple[str, tuple[int, ...], Transf
         lambda x: x.reshape(n * h, d).T,
     )
     table = {
-        ("embed",): ("model.embed_tokens.weight", (v, d), same),
-        ("final_norm", "weight"): ("model.norm.weight", (d,), same),
+        ("embed",): Entry(("model.embed_tokens.weight",), (v, d), same, False),
+        ("final_norm", "weight"): Entry(("model.norm.weight",), (d,), same, False),
     }
     if not cfg.tie_embeddings:
-        table[("lm_head",)] = ("lm_head.weight", (v, d), linear)
-    for i in range(cfg.n_layers):
-        hf = f"model.layers.{i}."
-        ours = ("layers", i)
-        table.update(
-            {
-                ours + ("input_norm", "weight"): (hf + "input_layernorm.weight", (d,), same),
-                ours + ("post_attn_norm", "weight"): (
-                    hf + "post_attention_layernorm.weight",
-                    (d,),
-                    same,
-                ),
-                ours + ("attn", "q_proj"): (
-                    hf + "self_attn.q_proj.weight",
-                    (n * h, d),
-                    heads_in(n),
-                ),
-                ours + ("attn", "k_proj"): (
-                    hf + "self_attn.k_proj.weight",
-                    (k * h, d),
-                    heads_in(k),
-                ),
-                ours + ("attn", "v_proj"): (
-                    hf + "self_attn.v_proj.weight",
-                    (k * h, d),
-                    heads_in(k),
-                ),
-                ours + ("attn", "o_proj"): (hf + "self_attn.o_proj.weight", (d, n * h), heads_out),
-                ours + ("attn", "q_norm", "weight"): (hf + "self_attn.q_norm.weight", (h,), same),
-                ours + ("attn", "k_norm", "weight"): (hf + "self_attn.k_norm.weight", (h,), same),
-                ours + ("mlp", "gate"): (hf + "mlp.gate_proj.weight", (f, d), linear),
-                ours + ("mlp", "up"): (hf + "mlp.up_proj.weight", (f, d), linear),
-                ours + ("mlp", "down"): (hf + "mlp.down_proj.weight", (d, f), linear),
-            }
-        )
+        table[("lm_head",)] = Entry(("lm_head.weight",), (v, d), linear, False)
+    # Our path under `blocks` -> (HF key after "model.layers.{i}.", HF shape, transform).
+    per_layer = {
+        ("input_norm", "weight"): ("input_layernorm.weight", (d,), same),
+        ("post_attn_norm", "weight"): ("post_attention_layernorm.weight", (d,), same),
+        ("attn", "q_proj"): ("self_attn.q_proj.weight", (n * h, d), heads_in(n)),
+        ("attn", "k_proj"): ("self_attn.k_proj.weight", (k * h, d), heads_in(k)),
+        ("attn", "v_proj"): ("self_attn.v_proj.weight", (k * h, d), heads_in(k)),
+        ("attn", "o_proj"): ("self_attn.o_proj.weight", (d, n * h), heads_out),
+        ("attn", "q_norm", "weight"): ("self_attn.q_norm.weight", (h,), same),
+        ("attn", "k_norm", "weight"): ("self_attn.k_norm.weight", (h,), same),
+        ("mlp", "gate"): ("mlp.gate_proj.weight", (f, d), linear),
+        ("mlp", "up"): ("mlp.up_proj.weight", (f, d), linear),
+        ("mlp", "down"): ("mlp.down_proj.weight", (d, f), linear),
+    }
+    for ours, (suffix, shape, transform) in per_layer.items():
+        keys = tuple(f"model.layers.{i}.{suffix}" for i in range(cfg.n_layers))
+        table[("blocks", *ours)] = Entry(keys, shape, transform, True)
     return table
 
 
@@ -149,8 +153,10 @@ def load_hf(
 ) -> Transformer:
     """Loads a Hugging Face Qwen3 directory into a (sharded) `Transformer`.
 
-    Each tensor is read on the host, transformed to our layout, cast to the policy's parameter
-    dtype and placed with `jax.make_array_from_callback`, so each device receives only its shard.
+    Each tensor is read on the host, transformed to our layout (per-layer tensors stacked on the
+    leading `[L]` axis of the block parameters), cast to the policy's parameter dtype and placed
+    with `jax.make_array_from_callback`, so each device receives only its shard. Every key and
+    shape is checked from the file headers before any tensor is read.
 
     Raises:
       ValueError: naming the tensor that is missing, mis-shaped or unexpected, or the
@@ -163,7 +169,7 @@ def load_hf(
     graphdef, abstract_state = nnx.split(abstract)
     shardings = state_shardings(abstract_state, sharder) if sharder.mesh is not None else None
     table = _key_map(cfg)
-    by_hf = {hf_key: ours for ours, (hf_key, _, _) in table.items()}
+    by_hf = {hf_key for entry in table.values() for hf_key in entry.hf_keys}
 
     handles = {}
     for file in _safetensors_files(path):
@@ -182,31 +188,73 @@ def load_hf(
             f"unexpected tensors in {path!r} (unsupported architecture?): "
             f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
         )
+    # Every tensor is checked (from the file headers) before anything is read or placed.
+    for entry in table.values():
+        for hf_key in entry.hf_keys:
+            if hf_key not in handles:
+                raise ValueError(f"tensor {hf_key!r} is missing from {path!r}")
+            shape = tuple(handles[hf_key].get_slice(hf_key).get_shape())
+            if shape != entry.hf_shape:
+                raise ValueError(
+                    f"tensor {hf_key!r} has shape {shape}, expected {entry.hf_shape} "
+                    f"for this config.json"
+                )
 
     flat_abstract = dict(nnx.to_flat_state(abstract_state))
     flat_shardings = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
     values = {}
-    for ours, (hf_key, hf_shape, (to_ours, _)) in table.items():
-        if hf_key not in handles:
-            raise ValueError(f"tensor {hf_key!r} is missing from {path!r}")
-        raw = handles[hf_key].get_tensor(hf_key)
-        if tuple(raw.shape) != hf_shape:
-            raise ValueError(
-                f"tensor {hf_key!r} has shape {tuple(raw.shape)}, expected {hf_shape} "
-                f"for this config.json"
-            )
-        target = flat_abstract[ours].get_value()
-        arr = np.ascontiguousarray(to_ours(raw.astype(np.float32)).astype(target.dtype))
+    for ours, entry in table.items():
+        dtype = flat_abstract[ours].get_value().dtype
+        to_ours = entry.transform[0]
+
+        def tensor(hf_key, to_ours=to_ours, dtype=dtype):  # one HF tensor in our layout
+            return to_ours(handles[hf_key].get_tensor(hf_key).astype(np.float32)).astype(dtype)
+
         sharding = flat_shardings[ours].get_value() if ours in flat_shardings else None
         if sharding is None:
-            values[ours] = jax.numpy.asarray(arr)
-        else:
-            values[ours] = jax.make_array_from_callback(
-                arr.shape, sharding, lambda idx, a=arr: a[idx]
-            )
+            parts = [tensor(key) for key in entry.hf_keys]
+            arr = np.stack(parts) if entry.stacked else parts[0]
+            values[ours] = jax.numpy.asarray(np.ascontiguousarray(arr))
+            continue
+        shape = flat_abstract[ours].get_value().shape
+        shards = _host_shards(entry, tensor, shape, sharding)
+        values[ours] = jax.make_array_from_callback(
+            shape, sharding, lambda index, s=shards, n=shape: s[_index_key(index, n)]
+        )
     for ours, var in nnx.to_flat_state(abstract_state):
         var.set_value(values[ours])
     return nnx.merge(graphdef, abstract_state)
+
+
+def _index_key(index, shape) -> tuple:
+    """A hashable form of a shard index (a tuple of slices, possibly shorter than `shape`)."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    return tuple(s.indices(n) for s, n in zip(index, shape, strict=True))
+
+
+def _host_shards(entry: Entry, tensor: Callable[[str], np.ndarray], shape, sharding) -> dict:
+    """This host's distinct shards of one parameter, keyed by `_index_key`.
+
+    Each Hugging Face tensor is read once; a stacked parameter is assembled layer by layer, so
+    host memory holds one layer's tensor plus this host's shards, never a second whole stack.
+    """
+    keys = {_index_key(i, shape) for i in sharding.addressable_devices_indices_map(shape).values()}
+    slices = {key: tuple(slice(*k) for k in key) for key in keys}
+    if not entry.stacked:
+        full = tensor(entry.hf_keys[0])
+        return {key: np.ascontiguousarray(full[idx]) for key, idx in slices.items()}
+    shards = {}
+    for layer, hf_key in enumerate(entry.hf_keys):
+        one = tensor(hf_key)
+        for key, idx in slices.items():
+            layers = range(shape[0])[idx[0]]
+            if layer not in layers:
+                continue
+            if key not in shards:
+                rest = one[idx[1:]]
+                shards[key] = np.empty((len(layers), *rest.shape), rest.dtype)
+            shards[key][layers.index(layer)] = one[idx[1:]]
+    return shards
 
 
 def save_hf(
@@ -229,11 +277,13 @@ def save_hf(
     cfg = model.cfg
     flat = dict(nnx.to_flat_state(nnx.state(model)))
     tensors: dict[str, np.ndarray] = {}
-    for ours, (hf_key, hf_shape, (_, to_hf)) in _key_map(cfg).items():
+    for ours, entry in _key_map(cfg).items():
         arr = np.asarray(jax.device_get(flat[ours].get_value())).astype(np.float32)
-        out = np.ascontiguousarray(to_hf(arr)).astype(dtype)
-        assert out.shape == hf_shape, (hf_key, out.shape, hf_shape)
-        tensors[hf_key] = out
+        parts = list(arr) if entry.stacked else [arr]  # unstack the [L] layer axis
+        for hf_key, part in zip(entry.hf_keys, parts, strict=True):
+            out = np.ascontiguousarray(entry.transform[1](part)).astype(dtype)
+            assert out.shape == entry.hf_shape, (hf_key, out.shape, entry.hf_shape)
+            tensors[hf_key] = out
 
     tmp = path.rstrip("/") + ".tmp"
     if os.path.exists(tmp):

@@ -2,6 +2,10 @@
 
 Einsum letters (docs/design.md section 5): b batch, t time, d model, n heads, k kv heads,
 h head dim, f ffw, v vocab.
+
+Layers built with `layers=L` hold a stack of L layers' parameters: each parameter gets a leading
+`[L]` axis with the logical name "layers" (replicated by both rule tables), and the module is
+called on one layer's slice inside `nnx.scan` (`dvp_jax/model/transformer.py`).
 """
 
 from __future__ import annotations
@@ -14,18 +18,48 @@ from dvp_jax.model.config import DTypePolicy
 from dvp_jax.sharding import Sharder
 
 
-def param(rngs: nnx.Rngs, shape, axes, std: float, dtype) -> nnx.Param:
-    """A normal(0, std) parameter tagged with its logical axis names."""
+def stacked(shape, axes, layers: int | None) -> tuple[tuple, tuple]:
+    """(shape, logical axes) with a leading `[layers]` axis named "layers" (unchanged if None)."""
+    if layers is None:
+        return tuple(shape), tuple(axes)
+    return (layers, *shape), ("layers", *axes)
+
+
+def param(rngs: nnx.Rngs, shape, axes, std: float, dtype, layers: int | None = None) -> nnx.Param:
+    """A normal(0, std) parameter tagged with its logical axis names.
+
+    With `layers=L` the parameter is `[L, *shape]` (one draw for the whole stack) and its axes
+    start with "layers".
+    """
+    shape, axes = stacked(shape, axes, layers)
     value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
-    return nnx.Param(value.astype(dtype), logical_axes=tuple(axes))
+    return nnx.Param(value.astype(dtype), logical_axes=axes)
+
+
+def matmul(spec: str, x: jax.Array, w: jax.Array, policy: DTypePolicy, **kwargs) -> jax.Array:
+    """`jnp.einsum(spec, x, w)` at the policy's matmul precision, `w` cast to the compute dtype.
+
+    Every matmul of the model goes through this function or passes `policy.precision` itself
+    (the attention's q.k and p.v), so the policy alone decides the precision (docs/design.md
+    section 3).
+    """
+    return jnp.einsum(spec, x, w.astype(policy.compute_dtype), precision=policy.precision, **kwargs)
 
 
 class RMSNorm(nnx.Module):
     """y = w * x / sqrt(mean(x^2) + eps) over the last axis (Qwen3RMSNorm)."""
 
-    def __init__(self, dim: int, eps: float, policy: DTypePolicy, axis_name: str = "norm"):
+    def __init__(
+        self,
+        dim: int,
+        eps: float,
+        policy: DTypePolicy,
+        axis_name: str = "norm",
+        layers: int | None = None,
+    ):
         self.eps = eps
-        self.weight = nnx.Param(jnp.ones((dim,), policy.param_dtype), logical_axes=(axis_name,))
+        shape, axes = stacked((dim,), (axis_name,), layers)
+        self.weight = nnx.Param(jnp.ones(shape, policy.param_dtype), logical_axes=axes)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # Statistics in float32 whatever the activation dtype; cast back before the scale, as
@@ -68,19 +102,20 @@ class MLP(nnx.Module):
         sharder: Sharder,
         *,
         rngs: nnx.Rngs,
+        layers: int | None = None,
     ):
         dt = policy.param_dtype
-        self.gate = param(rngs, (d_model, d_ff), ("embed", "mlp"), std, dt)
-        self.up = param(rngs, (d_model, d_ff), ("embed", "mlp"), std, dt)
-        self.down = param(rngs, (d_ff, d_model), ("mlp", "embed"), std, dt)
-        self.compute_dtype = policy.compute_dtype
+        self.gate = param(rngs, (d_model, d_ff), ("embed", "mlp"), std, dt, layers)
+        self.up = param(rngs, (d_model, d_ff), ("embed", "mlp"), std, dt, layers)
+        self.down = param(rngs, (d_ff, d_model), ("mlp", "embed"), std, dt, layers)
+        self.policy = policy
         self.sharder = sharder
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        cd = self.compute_dtype
+        p = self.policy
         # [b, t, d] x [d, f] -> [b, t, f]
-        gate = jnp.einsum("btd,df->btf", x, self.gate[...].astype(cd))
-        up = jnp.einsum("btd,df->btf", x, self.up[...].astype(cd))
+        gate = matmul("btd,df->btf", x, self.gate[...], p)
+        up = matmul("btd,df->btf", x, self.up[...], p)
         hidden = self.sharder.constrain(jax.nn.silu(gate) * up, ("act_batch", "act_seq", "act_mlp"))
         # [b, t, f] x [f, d] -> [b, t, d]
-        return jnp.einsum("btf,fd->btd", hidden, self.down[...].astype(cd))
+        return matmul("btf,fd->btd", hidden, self.down[...], p)

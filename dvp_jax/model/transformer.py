@@ -7,7 +7,11 @@
   real token and a KV cache holding the prompt.
 * `decode(tokens, positions, cache)`: one token per row at per-row positions, updating the cache.
 
-The dtype policy decides parameter, activation and cache dtypes; logits are always float32.
+The decoder blocks are one `Block` holding every layer's parameters stacked on a leading `[L]`
+axis (logical name "layers"); all three entry points run them under `nnx.scan`, so the program
+holds one compiled block body whatever the depth. The training forward may rematerialise each
+block (`remat`, one of `REMAT_POLICIES`). The dtype policy decides parameter, activation and
+cache dtypes and the matmul precision; logits are always float32.
 """
 
 from __future__ import annotations
@@ -17,21 +21,60 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dvp_jax.model.attention import CACHE_AXES, Attention, KVCache
-from dvp_jax.model.config import TRAIN_POLICY, DTypePolicy, ModelConfig
-from dvp_jax.model.layers import MLP, RMSNorm, param
+from dvp_jax.model.config import REMAT_POLICIES, TRAIN_POLICY, DTypePolicy, ModelConfig
+from dvp_jax.model.layers import MLP, RMSNorm, matmul, param
 from dvp_jax.sharding import Sharder
 
 ACT = ("act_batch", "act_seq", "act_embed")
 
+# jax.checkpoint policies of `REMAT_POLICIES` ("none" is no remat at all).
+_REMAT = {
+    "full": None,  # save nothing but the block's inputs
+    "save_dots": jax.checkpoint_policies.dots_saveable,
+    "save_dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _scan(fn, *, in_axes, out_axes):
+    """`nnx.scan` over the stacked blocks (axis 0 of their parameters).
+
+    The blocks only read their parameters, so no graph updates flow back
+    (`graph_updates=False`); this also lets a jit close over the model
+    (`jax.jit(model.prefill)`) instead of taking it as an argument.
+    """
+    return nnx.scan(fn, in_axes=in_axes, out_axes=out_axes, graph_updates=False)
+
+
+def remat_policy_name(remat: bool | str) -> str:
+    """`remat` as one of `REMAT_POLICIES`: False -> "none", True -> "full", names unchanged."""
+    if remat is True or remat is False:
+        return "full" if remat else "none"
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat policy {remat!r} is unknown; allowed: {REMAT_POLICIES} or a bool")
+    return remat
+
 
 class Block(nnx.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)).
 
-    def __init__(self, cfg: ModelConfig, policy: DTypePolicy, sharder: Sharder, *, rngs: nnx.Rngs):
-        self.input_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, policy)
-        self.attn = Attention(cfg, policy, sharder, rngs=rngs)
-        self.post_attn_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, policy)
-        self.mlp = MLP(cfg.d_model, cfg.d_ff, cfg.init_std, policy, sharder, rngs=rngs)
+    Built with `layers=L` it holds the parameters of L blocks, each with a leading `[L]` axis,
+    and its methods are called on one layer's slice (inside `nnx.scan`).
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        policy: DTypePolicy,
+        sharder: Sharder,
+        *,
+        rngs: nnx.Rngs,
+        layers: int | None = None,
+    ):
+        eps, ls = cfg.rms_norm_eps, layers
+        self.input_norm = RMSNorm(cfg.d_model, eps, policy, layers=ls)
+        self.attn = Attention(cfg, policy, sharder, rngs=rngs, layers=ls)
+        self.post_attn_norm = RMSNorm(cfg.d_model, eps, policy, layers=ls)
+        self.mlp = MLP(cfg.d_model, cfg.d_ff, cfg.init_std, policy, sharder, rngs=rngs, layers=ls)
         self.sharder = sharder
 
     def __call__(self, x, positions, mask):
@@ -40,7 +83,7 @@ class Block(nnx.Module):
         x = self.sharder.constrain(x + self.mlp(self.post_attn_norm(x)), ACT)
         return x, kv
 
-    def decode(self, x, positions, k_all, v_all, layer: int):
+    def decode(self, x, positions, k_all, v_all, layer):
         attn, k_all, v_all = self.attn.decode(self.input_norm(x), positions, k_all, v_all, layer)
         x = x + attn
         return x + self.mlp(self.post_attn_norm(x)), k_all, v_all
@@ -49,13 +92,19 @@ class Block(nnx.Module):
 class Transformer(nnx.Module):
     """Qwen3-style decoder LM.
 
+    Parameters: `embed [v, d]`, `blocks` (every layer's block parameters stacked on a leading
+    `[L]` axis, e.g. `blocks.attn.q_proj [L, d, n, h]`), `final_norm.weight [d]` and, untied,
+    `lm_head [d, v]`.
+
     Args:
       cfg: architecture.
-      policy: dtype policy (`TRAIN_POLICY` fp32, `ROLLOUT_POLICY` bf16).
+      policy: dtypes and matmul precision (`TRAIN_POLICY` fp32 at `highest`, `MIXED_TRAIN_POLICY`,
+        `ROLLOUT_POLICY` bf16).
       sharder: mesh + logical rules used for activation constraints (no-op without a mesh).
       rngs: parameter initialisation randomness.
-      remat: recompute each block's activations in the backward pass (full-sequence forward
-        only), trading compute for the memory of long training sequences.
+      remat: rematerialisation of each block in the backward pass of the full-sequence forward
+        (prefill and decode never remat): a bool (True is "full") or one of `REMAT_POLICIES`.
+        Trades compute for the memory of long training sequences.
     """
 
     def __init__(
@@ -65,19 +114,17 @@ class Transformer(nnx.Module):
         sharder: Sharder = Sharder(),
         *,
         rngs: nnx.Rngs,
-        remat: bool = False,
+        remat: bool | str = False,
     ):
         self.cfg = cfg
         self.policy = policy
         self.sharder = sharder
-        self.remat = remat
+        self.remat = remat_policy_name(remat)
         dt = policy.param_dtype
         self.embed = param(
             rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std, dt
         )
-        self.layers = nnx.List(
-            [Block(cfg, policy, sharder, rngs=rngs) for _ in range(cfg.n_layers)]
-        )
+        self.blocks = Block(cfg, policy, sharder, rngs=rngs, layers=cfg.n_layers)
         self.final_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, policy)
         if not cfg.tie_embeddings:
             self.lm_head = param(
@@ -92,10 +139,18 @@ class Transformer(nnx.Module):
         return self.lm_head[...]
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """[..., d] final hidden states -> [..., v] float32 logits (fp32 accumulation)."""
-        w = self.unembedding().astype(self.policy.compute_dtype)
+        """[..., d] final hidden states -> [..., v] float32 logits (fp32 accumulation).
+
+        W is cast to the compute dtype; the matmul runs at the policy's precision.
+        """
         # [..., d] x [d, v] -> [..., v]
-        return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
+        return matmul(
+            "...d,dv->...v",
+            hidden,
+            self.unembedding(),
+            self.policy,
+            preferred_element_type=jnp.float32,
+        )
 
     def _embed(self, tokens):
         x = jnp.take(self.embed[...], tokens, axis=0).astype(self.policy.compute_dtype)
@@ -114,27 +169,33 @@ class Transformer(nnx.Module):
         Returns:
           [b, t, v] float32 logits, or [b, t, d] hidden states in the compute dtype.
         """
-        hidden, _ = self._forward(tokens, positions, valid)
+        x, mask = self._embed(tokens), self._mask(tokens, valid)
+
+        # One block per scan step: x [b, t, d] is the carry, the block's parameters are sliced
+        # from the [L]-stacked ones; with remat only each block's input is saved (or as the
+        # policy says) and the rest is recomputed in the backward pass.
+        def block_fn(block, x, positions, mask):
+            return block(x, positions, mask)[0]
+
+        if self.remat != "none":
+            block_fn = nnx.remat(
+                block_fn, prevent_cse=False, policy=_REMAT[self.remat], graph_updates=False
+            )
+        scan = _scan(block_fn, in_axes=(0, nnx.Carry, None, None), out_axes=nnx.Carry)
+        hidden = self.final_norm(scan(self.blocks, x, positions, mask))
         if return_hidden:
             return hidden
         logits = self.logits(hidden)
         return self.sharder.constrain(logits, ("act_batch", "act_seq", "act_vocab"))
 
-    def _forward(self, tokens, positions, valid):
+    @staticmethod
+    def _mask(tokens, valid):
+        """[b, t(query), t(key)] bool: causal and the key is not padding."""
         b, t = tokens.shape
         if valid is None:
             valid = jnp.ones((b, t), bool)
         causal = jnp.tril(jnp.ones((t, t), bool))
-        mask = causal[None] & valid[:, None, :]  # [b, t(query), t(key)]
-        x = self._embed(tokens)
-        kvs = []
-        for block in self.layers:
-            if self.remat:
-                x, kv = nnx.remat(lambda b, *args: b(*args))(block, x, positions, mask)
-            else:
-                x, kv = block(x, positions, mask)
-            kvs.append(kv)
-        return self.final_norm(x), kvs
+        return causal[None] & valid[:, None, :]
 
     def prefill(self, tokens, lengths, cache_len: int):
         """Runs a right-padded prompt batch and returns its KV cache.
@@ -149,12 +210,20 @@ class Transformer(nnx.Module):
         b, p = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         valid = positions < lengths[:, None]
-        hidden, kvs = self._forward(tokens, positions, valid)
-        last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [b, d]
+        x, mask = self._embed(tokens), self._mask(tokens, valid)
         pad = ((0, 0), (0, cache_len - p), (0, 0), (0, 0))
         cd = self.policy.cache_dtype
-        k = jnp.stack([jnp.pad(k.astype(cd), pad) for k, _ in kvs])
-        v = jnp.stack([jnp.pad(v.astype(cd), pad) for _, v in kvs])
+
+        # Each scan step emits its layer's keys and values, padded to the cache length and cast
+        # to the cache dtype: the stacked outputs are the [L, b, S, k, h] cache.
+        def block_fn(block, x, positions, mask):
+            x, (k, v) = block(x, positions, mask)
+            return x, (jnp.pad(k.astype(cd), pad), jnp.pad(v.astype(cd), pad))
+
+        scan = _scan(block_fn, in_axes=(0, nnx.Carry, None, None), out_axes=(nnx.Carry, 0))
+        x, (k, v) = scan(self.blocks, x, positions, mask)
+        hidden = self.final_norm(x)
+        last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [b, d]
         cache = KVCache(
             self.sharder.constrain(k, CACHE_AXES), self.sharder.constrain(v, CACHE_AXES)
         )
@@ -171,8 +240,49 @@ class Transformer(nnx.Module):
           (logits [b, v] float32 predicting position `positions + 1`, updated KVCache).
         """
         x = self._embed(tokens[:, None])
-        k_all, v_all = cache
-        for i, block in enumerate(self.layers):
-            x, k_all, v_all = block.decode(x, positions, k_all, v_all, i)
+
+        # The whole cache rides in the scan carry and each step scatters its layer's new key and
+        # value into it (`Attention.decode`): the loop updates the donated buffer in place
+        # instead of emitting a second [L, b, S, k, h] cache as stacked outputs.
+        def block_fn(block, layer, carry, positions):
+            x, k_all, v_all = carry
+            return block.decode(x, positions, k_all, v_all, layer)
+
+        scan = _scan(block_fn, in_axes=(0, 0, nnx.Carry, None), out_axes=nnx.Carry)
+        layers = jnp.arange(self.cfg.n_layers, dtype=jnp.int32)
+        x, k_all, v_all = scan(self.blocks, layers, (x, *cache), positions)
         cache = KVCache(*(self.sharder.constrain(c, CACHE_AXES) for c in (k_all, v_all)))
         return self.logits(self.final_norm(x)[:, 0]), cache
+
+
+def stack_legacy_layers(tree: dict) -> dict:
+    """Converts parameters saved before the layers were stacked into the stacked layout.
+
+    Before issue 10 each block had its own entry, `layers.{i}.attn.q_proj [d, n, h]` (a pure
+    dict as `nnx.to_pure_dict` or an Orbax restore without a target gives it, integer or digit
+    string keys); now one `blocks.attn.q_proj [L, d, n, h]` holds all L. Applies at any depth,
+    so it also converts the param-shaped subtrees of a raw optimizer state (AdamW mu and nu).
+
+    Args:
+      tree: a nested dict; every dict with a "layers" key holding layers 0..L-1 is converted.
+    Returns:
+      The same tree with each such "layers" entry replaced by "blocks", whose leaves are the L
+      per-layer leaves stacked on a new leading axis.
+    Raises:
+      ValueError: naming the layer keys when they are not exactly 0..L-1.
+    """
+    if not isinstance(tree, dict):
+        return tree
+    out = {}
+    for key, value in tree.items():
+        if key == "layers" and isinstance(value, dict):
+            indices = sorted(int(i) for i in value)
+            if indices != list(range(len(value))):
+                raise ValueError(
+                    f"stack_legacy_layers: 'layers' keys {sorted(value)} are not 0..L-1"
+                )
+            per_layer = [value[i] if i in value else value[str(i)] for i in indices]
+            out["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+        else:
+            out[key] = stack_legacy_layers(value)
+    return out

@@ -17,7 +17,13 @@ import ml_collections
 
 from dvp_jax.dvp.losses import PRESETS as LOSS_PRESETS
 from dvp_jax.dvp.losses import LossConfig
-from dvp_jax.model.config import PRECISIONS, DTypePolicy, ModelConfig
+from dvp_jax.model.config import (
+    PRECISIONS,
+    REMAT_POLICIES,
+    TRAIN_PRECISIONS,
+    DTypePolicy,
+    ModelConfig,
+)
 from dvp_jax.model.config import PRESETS as MODEL_PRESETS
 from dvp_jax.sharding import MeshConfig
 
@@ -134,7 +140,12 @@ class TrainConfig:
     micro_batches: int = 1  # gradient accumulation
     updates_per_batch: int = 1  # > 1 uses the decoupled PPO clip (loss.ppo_clip_eps)
     chunk_size: int = 8192  # vocabulary chunk of the pruned logprobs
-    remat: bool = False  # recompute block activations in the backward pass (long responses)
+    # The trainer's dtype policy (TRAIN_PRECISIONS): "float32" is true fp32 (every matmul at
+    # `highest`); "mixed_bf16" computes in bf16 with fp32 params, logits and loss (speed).
+    precision: str = "float32"
+    # Rematerialise the block activations in the backward pass (REMAT_POLICIES): "none",
+    # "full" (long responses), or keep the matmul outputs ("save_dots", "save_dots_no_batch").
+    remat: str = "none"
     seed: int = 0
 
     def __post_init__(self):
@@ -148,6 +159,13 @@ class TrainConfig:
         _int("train.micro_batches", self.micro_batches, 1)
         _int("train.updates_per_batch", self.updates_per_batch, 1)
         _int("train.chunk_size", self.chunk_size, 1)
+        _check(
+            self.precision in TRAIN_PRECISIONS,
+            "train.precision",
+            f"one of {TRAIN_PRECISIONS}",
+            self.precision,
+        )
+        _check(self.remat in REMAT_POLICIES, "train.remat", f"one of {REMAT_POLICIES}", self.remat)
         _int("train.seed", self.seed, 0)
         batch = self.prompts_per_step * self.group_size
         _check(

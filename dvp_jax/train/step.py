@@ -40,13 +40,16 @@ def token_logprobs(
     b, t, d = hidden.shape
     out = chunked_pruned_logprobs(
         hidden.reshape(b * t, d),
-        model.unembedding(),
+        # In the compute dtype (bf16 under mixed_bf16): a bf16 x fp32 product would be promoted
+        # to an fp32 matmul. Logits still accumulate in float32.
+        model.unembedding().astype(model.policy.compute_dtype),
         tokens[:, 1:].reshape(b * t),
         log_rho=log_rho,
         temperature=temperature,
         chunk_size=chunk_size,
         # On a mesh the vocabulary loop runs per tensor shard of W (no all-gather of W).
         mesh=model.sharder.mesh,
+        precision=model.policy.precision,  # `highest` for the fp32 trainer (TRAIN_POLICY)
     )
     return jax.tree.map(lambda x: x.reshape(b, t), out)
 

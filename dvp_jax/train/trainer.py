@@ -29,7 +29,7 @@ from dvp_jax import metrics as metrics_lib
 from dvp_jax.checkpoint import Checkpointer, abstract_like
 from dvp_jax.data import pipeline
 from dvp_jax.dvp import advantages as adv
-from dvp_jax.model import TRAIN_POLICY, ModelConfig, Transformer
+from dvp_jax.model import DTypePolicy, ModelConfig, Transformer
 from dvp_jax.model.hf_import import load_hf, load_hf_config
 from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
 from dvp_jax.rollout.offline import generate_rollouts
@@ -96,16 +96,16 @@ def _check_same_architecture(ours, theirs, path: str) -> None:
 
 
 def build_model(cfg: ExperimentConfig, sharder: Sharder) -> Transformer:
-    """The fp32 trainer model, born sharded: from `model.hf_path` or a random init."""
+    """The trainer model (`train.precision`: true fp32 by default), born sharded: from
+    `model.hf_path` or a random init."""
+    policy = DTypePolicy.named(cfg.train.precision)
     if cfg.init_hf_path:
         _check_same_architecture(cfg.model, load_hf_config(cfg.init_hf_path), cfg.init_hf_path)
-        return load_hf(
-            cfg.init_hf_path, TRAIN_POLICY, sharder, cfg=cfg.model, remat=cfg.train.remat
-        )
+        return load_hf(cfg.init_hf_path, policy, sharder, cfg=cfg.model, remat=cfg.train.remat)
     return init_sharded(
         lambda: Transformer(
             cfg.model,
-            TRAIN_POLICY,
+            policy,
             sharder,
             rngs=nnx.Rngs(cfg.train.seed),
             remat=cfg.train.remat,
@@ -235,9 +235,10 @@ class Trainer:
     # ==========================================================================================
     # Pieces
     # ==========================================================================================
-    def _log(self, step: int, metrics: dict[str, float]) -> None:
+    def _log(self, step: int, metrics: dict[str, Any]) -> None:
         metrics_lib.check(metrics)
-        self.writer.write_scalars(step, metrics)
+        numbers = {k: v for k, v in metrics.items() if not isinstance(v, str)}
+        self.writer.write_scalars(step, numbers)  # event files hold numbers only
         self.metrics_log.append(step, metrics)
 
     def _open_outputs(self, resumed_step: int | None) -> None:
@@ -368,6 +369,7 @@ class Trainer:
             rollout_s=t_rollout,
             train_s=t_train,
             rollout_tok_s=n_tokens / max(t_rollout, 1e-9),
+            train_precision=cfg.train.precision,
         )
         return metrics
 
@@ -498,6 +500,7 @@ class Trainer:
             "steps": self.cfg.train.steps,
             "method": self.cfg.method,
             "rollout_dtype": self.cfg.rollout.dtype,
+            "train_precision": self.cfg.train.precision,
             "start_eval_accuracy": start_eval.get("eval_accuracy"),
             "eval_accuracy": final_eval.get("eval_accuracy"),
             "eval_pass_at_k": final_eval.get("eval_pass_at_k"),
