@@ -31,7 +31,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
 from jax.experimental import multihost_utils
+
+from dvp_jax.workdir import as_path
 
 ITEMS = ("state", "data", "extra")
 DAMAGED_DIR = "damaged"
@@ -41,7 +44,7 @@ class Checkpointer:
     """The checkpoints of one run: save, resume from the newest intact step, restore a step."""
 
     def __init__(self, workdir: str, keep: int):
-        self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+        self.directory = as_path(workdir) / "checkpoints"  # an epath: local, gs://, ...
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -168,9 +171,9 @@ class Checkpointer:
         return step, state, data_state, extra
 
     def _step_dir(self, step: int) -> str:
-        return os.path.join(self.directory, str(step))
+        return self.directory / str(step)
 
-    def _restore_here(self, path: str, abstract_state: Any) -> tuple[Any, Any, dict]:
+    def _restore_here(self, path: epath.Path, abstract_state: Any) -> tuple[Any, Any, dict]:
         """Restores one step directory in this process only.
 
         Orbax's own restore ends in a barrier over all processes; a process that failed before
@@ -203,19 +206,19 @@ class Checkpointer:
           (source, destination) of each move; on other processes the destination is the
           `damaged` folder.
         """
-        root = os.path.join(self.directory, DAMAGED_DIR)
+        root = self.directory / DAMAGED_DIR
         moved = [(src, root) for src in paths]
         if jax.process_index() == 0:
-            os.makedirs(root, exist_ok=True)
+            root.mkdir(parents=True, exist_ok=True)
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
             moved = []
             for src in paths:
-                dst = os.path.join(root, f"{os.path.basename(src)}-{stamp}")
+                dst = root / f"{src.name}-{stamp}"
                 n = 1
-                while os.path.exists(dst):  # the same step set aside twice within a second
-                    dst, n = os.path.join(root, f"{os.path.basename(src)}-{stamp}-{n}"), n + 1
+                while dst.exists():  # the same step set aside twice within a second
+                    dst, n = root / f"{src.name}-{stamp}-{n}", n + 1
                 try:
-                    os.rename(src, dst)
+                    src.rename(dst)
                 except OSError as e:
                     raise RuntimeError(
                         f"cannot move the damaged checkpoint {src} to {dst} ({e}); move or "
@@ -231,13 +234,13 @@ class Checkpointer:
         self.manager.close()
 
 
-def _check_layout(path: str) -> None:
+def _check_layout(path: epath.Path) -> None:
     """Raises FileNotFoundError naming the first missing item directory or state metadata."""
     for item in ITEMS:
-        if not os.path.isdir(os.path.join(path, item)):
-            raise FileNotFoundError(f"missing item directory {os.path.join(path, item)}")
-    metadata = os.path.join(path, "state", "_METADATA")
-    if not os.path.isfile(metadata):
+        if not (path / item).is_dir():
+            raise FileNotFoundError(f"missing item directory {path / item}")
+    metadata = path / "state" / "_METADATA"
+    if not metadata.is_file():
         raise FileNotFoundError(f"missing {metadata}")
 
 
@@ -299,24 +302,19 @@ def abstract_like(state: Any, shardings: Any | None) -> Any:
     )
 
 
-def state_item_dir(path: str) -> str:
-    """The `state` item of the latest step under a run workdir, a checkpoints dir or a step dir."""
-    path = os.path.abspath(path)
-    root = (
-        os.path.join(path, "checkpoints")
-        if os.path.isdir(os.path.join(path, "checkpoints"))
-        else path
-    )
-    if os.path.isdir(os.path.join(root, "state")):
-        return os.path.join(root, "state")
-    steps = [
-        int(d)
-        for d in os.listdir(root)
-        if d.isdigit() and os.path.isdir(os.path.join(root, d, "state"))
-    ]
+def state_item_dir(path: str | os.PathLike) -> epath.Path:
+    """The `state` item of the latest step under a run workdir, a checkpoints dir or a step dir.
+
+    Step directories set aside as damaged (`checkpoints/damaged/`) are not steps.
+    """
+    path = as_path(path)
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if (root / "state").is_dir():
+        return root / "state"
+    steps = [int(d.name) for d in root.iterdir() if d.name.isdigit() and (d / "state").is_dir()]
     if not steps:
-        raise FileNotFoundError(f"no trainer checkpoint (<step>/state) under {path!r}")
-    return os.path.join(root, str(max(steps)), "state")
+        raise FileNotFoundError(f"no trainer checkpoint (<step>/state) under {path}")
+    return root / str(max(steps)) / "state"
 
 
 def restore_params(path: str, target: Any) -> Any:

@@ -105,7 +105,7 @@ def main(argv):
         raise app.UsageError(str(e)) from None
     try:
         trainer = Trainer(cfg, _WORKDIR.value)
-    except WorkdirMismatchError as e:
+    except (WorkdirMismatchError, OSError) as e:  # a workdir that does not fit or cannot be written
         raise app.UsageError(str(e)) from None
     try:
         summary = trainer.run()
@@ -116,11 +116,14 @@ def main(argv):
             if _EXPORT_HF.value and jax.process_index() == 0:
                 from flax import nnx
 
-                path = os.path.join(trainer.workdir, "hf_export")
+                from dvp_jax.workdir import local_dir
+
+                export = trainer.workdir / "hf_export"
                 params = jax.device_get(trainer.state.params)
-                save_hf(nnx.merge(trainer.graphdef, params), path)
-                trainer.tokenizer.save_hf(path)  # so transformers loads model and tokenizer
-                logging.info("exported the policy and its tokenizer to %s", path)
+                with local_dir(export) as path:
+                    save_hf(nnx.merge(trainer.graphdef, params), path)
+                    trainer.tokenizer.save_hf(path)  # so transformers loads model and tokenizer
+                logging.info("exported the policy and its tokenizer to %s", export)
             if cfg.plots and jax.process_index() == 0:
                 from dvp_jax import plots
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import re
 
@@ -12,6 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dvp_jax.metrics import read_metrics, series  # noqa: E402
+from dvp_jax.workdir import as_path  # noqa: E402
 
 
 def _line(ax, rows, key, label=None, **kw):
@@ -37,19 +39,25 @@ def lt_bins(rows, last: int = 10) -> dict[str, np.ndarray]:
     return {k: np.asarray(v) for k, v in out.items()}
 
 
-def plot_run(workdir: str) -> list[str]:
-    """Writes reward/accuracy, PPL gap, excluded fractions and (1-p) bin plots; returns paths."""
+def plot_run(workdir: str | os.PathLike) -> list[str]:
+    """Writes reward/accuracy, PPL gap, excluded fractions and (1-p) bin plots; returns paths.
+
+    The workdir may be any epath (e.g. `gs://`): each PNG is rendered in memory, then written.
+    """
+    workdir = as_path(workdir)
     rows = read_metrics(workdir)
     if not rows:
         return []
     paths = []
 
     def save(fig, name):
-        path = os.path.join(workdir, name)
+        path = workdir / name
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=110)
         plt.close(fig)
-        paths.append(path)
+        path.write_bytes(png.getvalue())
+        paths.append(os.fspath(path))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     _line(ax, rows, "reward_mean", "train reward (rollouts)")

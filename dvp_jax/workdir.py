@@ -9,8 +9,11 @@ written.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 import uuid
+from collections.abc import Iterator
 
 from etils import epath
 
@@ -70,3 +73,21 @@ def append_line(path: epath.Path, line: str, rewrite: str) -> None:
     else:
         with open(path, "a") as fh:
             fh.write(line)
+
+
+@contextlib.contextmanager
+def local_dir(path: epath.Path) -> Iterator[str]:
+    """A local directory for writers that only know local files (safetensors, tokenizers).
+
+    Yields `path` itself when it is local; for a remote `path`, a temporary local directory
+    whose files are copied to `path` when the block ends without error.
+    """
+    path = as_path(path)
+    if not is_remote(path):
+        yield os.fspath(path)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        yield tmp
+        path.mkdir(parents=True, exist_ok=True)
+        for name in sorted(os.listdir(tmp)):
+            (path / name).write_bytes(epath.Path(tmp, name).read_bytes())

@@ -149,7 +149,7 @@ def test_damaged_latest_falls_back_to_previous_step(workdir, damage, caplog):
     # The resumed run reaches step 3 again: saving it writes a fresh checkpoint (not skipped).
     ckpt.save(3, _state(33), _data(33), _extra(33))
     ckpt.close()
-    assert state_item_dir(str(workdir)) == os.path.join(step3, "state")
+    assert os.fspath(state_item_dir(str(workdir))) == os.path.join(step3, "state")
     ckpt = Checkpointer(str(workdir), keep=5)
     caplog.clear()
     with caplog.at_level(logging.WARNING):

@@ -67,6 +67,8 @@ from typing import Any
 import numpy as np
 from absl import logging
 
+from dvp_jax.workdir import as_path
+
 # ----------------------------------------------------------------------------------------------
 # Examples
 # ----------------------------------------------------------------------------------------------
@@ -355,7 +357,7 @@ def _row_to_example(row: Any, index: int, chat_format: str) -> Example:
 
 def _jsonl_rows(path: str, process_index: int, process_count: int):
     """Yields (row index, parsed object or _Malformed) for this host's lines."""
-    with open(path, "rb") as f:
+    with as_path(path).open("rb") as f:
         for index, raw in enumerate(f):
             if index % process_count != process_index or not raw.strip():
                 continue
@@ -387,7 +389,8 @@ def _parquet_rows(path: str, process_index: int, process_count: int):
     import pyarrow as pa
 
     try:
-        table = pq.read_table(path)
+        with as_path(path).open("rb") as f:  # any epath backend (gs://...)
+            table = pq.read_table(f)
     except pa.ArrowException as e:  # A file-level problem: corrupt or not parquet.
         raise ValueError(f"{path}: cannot read as parquet: {e}") from e
     used = [c for c in (*_PROMPT_FIELDS, "reward_model", "answer") if c in table.column_names]
@@ -423,9 +426,9 @@ def load_math_dataset(
         raise ValueError(
             f"need 0 <= process_index < process_count, got {process_index}, {process_count}"
         )
-    if not os.path.exists(path):
+    if not as_path(path).exists():
         raise FileNotFoundError(f"math dataset {path!r} does not exist; check the data path")
-    ext = os.path.splitext(path)[1].lower()
+    ext = as_path(path).suffix.lower()
     if ext in (".jsonl", ".json"):
         rows = _jsonl_rows(path, process_index, process_count)
     elif ext == ".parquet":

@@ -44,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-import os
 import signal
 import socket
 import sys
@@ -67,6 +66,7 @@ from dvp_jax.sharding import (
     make_mesh,
     state_shardings,
 )
+from dvp_jax.workdir import as_path
 
 _log = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ def load_orbax_params(path: str, cfg: ModelConfig, policy: DTypePolicy, sharder:
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
     )
     with ocp.StandardCheckpointer() as checkpointer:
-        return checkpointer.restore(os.path.abspath(path), target)
+        return checkpointer.restore(as_path(path), target)
 
 
 def load_trainer_params(path: str, cfg: ModelConfig, policy: DTypePolicy, sharder: Sharder):
@@ -238,16 +238,12 @@ def load_trainer_params(path: str, cfg: ModelConfig, policy: DTypePolicy, sharde
 def _trainer_model_config(path: str) -> ModelConfig:
     if FLAGS.model_preset or FLAGS.model_config:
         return _model_config_from_flags()
-    candidates = [
-        os.path.join(path, "model_config.json"),
-        os.path.join(os.path.dirname(os.path.abspath(path)), "model_config.json"),
-    ]
-    for candidate in candidates:
-        if os.path.exists(candidate):
+    root = as_path(path)
+    for candidate in (root / "model_config.json", root.parent / "model_config.json"):
+        if candidate.exists():
             import json
 
-            with open(candidate) as f:
-                return ModelConfig.from_hf(json.load(f))
+            return ModelConfig.from_hf(json.loads(candidate.read_text()))
     raise app.UsageError(
         f"--trainer_checkpoint {path!r}: no model_config.json found there; pass --model_preset "
         "or --model_config"

@@ -41,6 +41,7 @@ from dvp_jax.train import evaluation, sft
 from dvp_jax.train import step as step_lib
 from dvp_jax.train.config import ExperimentConfig
 from dvp_jax.train.state import TrainState, init_train_state, make_optimizer
+from dvp_jax.workdir import as_path, check_writable, write_atomic
 
 # Key streams folded into the run's key: rollouts, evaluation.
 _ROLLOUT_STREAM, _EVAL_STREAM = 0, 1
@@ -145,11 +146,10 @@ class WorkdirMismatchError(ValueError):
 def check_workdir(cfg: ExperimentConfig, workdir: str) -> None:
     """Raises `WorkdirMismatchError` (one line naming the fields) if `workdir`'s config.json
     differs from `cfg` in a field a resumed run may not change (`config.RESUMABLE_FIELDS`)."""
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
+    path = as_path(workdir) / "config.json"
+    if not path.exists():
         return
-    with open(path) as fh:
-        saved = json.load(fh)
+    saved = json.loads(path.read_text())
     diff = config_lib.resume_mismatch(saved, cfg)
     if diff:
         raise WorkdirMismatchError(
@@ -168,9 +168,9 @@ class Trainer:
 
     def __init__(self, cfg: ExperimentConfig, workdir: str):
         self.cfg = cfg
-        self.workdir = os.path.abspath(workdir)
+        self.workdir = as_path(workdir)  # an epath: local, gs://, ...
         check_workdir(cfg, self.workdir)
-        os.makedirs(self.workdir, exist_ok=True)
+        check_writable(self.workdir)  # an unreachable or read-only workdir fails here, by name
         self.is_lead = jax.process_index() == 0
         if cfg.train.prompts_per_step % jax.process_count():
             raise ValueError(
@@ -247,16 +247,14 @@ class Trainer:
         self.metrics_log.truncate_after(resumed_step)
         if self.is_lead:
             flat = config_lib.flat_fields(self.cfg)
-            metrics_lib.write_atomic(
-                os.path.join(self.workdir, "config.json"), json.dumps(flat, indent=2)
-            )
+            write_atomic(self.workdir / "config.json", json.dumps(flat, indent=2))
             # The architecture as a Hugging Face config.json, for the server.
-            metrics_lib.write_atomic(
-                os.path.join(self.workdir, "model_config.json"),
+            write_atomic(
+                self.workdir / "model_config.json",
                 json.dumps(self.cfg.model.to_hf(), indent=2),
             )
         self.writer = metric_writers.create_default_writer(
-            self.workdir, just_logging=not self.is_lead, asynchronous=False
+            os.fspath(self.workdir), just_logging=not self.is_lead, asynchronous=False
         )
 
     def _wall_time(self) -> float:
@@ -489,9 +487,7 @@ class Trainer:
         self._log(cfg.train.steps, {**final_eval, "phase": 1.0})
         summary = self._summary(start_eval, final_eval, self._wall_time())
         if self.is_lead:
-            metrics_lib.write_atomic(
-                os.path.join(self.workdir, "summary.json"), json.dumps(summary, indent=2)
-            )
+            write_atomic(self.workdir / "summary.json", json.dumps(summary, indent=2))
         self.writer.flush()
         return summary
 

@@ -1,0 +1,56 @@
+"""Workdir paths through etils.epath (issue 12): gs:// stays remote, a path with spaces keeps
+everything inside the workdir, and an unwritable workdir fails by name before any work."""
+
+import os
+
+import pytest
+
+from dvp_jax.rollout.tokenizers import CharTokenizer
+from dvp_jax.train.config import ExperimentConfig
+from dvp_jax.train.trainer import Trainer
+from dvp_jax.workdir import as_path, is_remote, write_atomic
+from tests.train_utils import tiny_config_dict
+
+VOCAB = CharTokenizer().vocab_size
+
+
+def test_remote_paths_are_not_made_local():
+    assert os.fspath(as_path("gs://bucket/run")) == "gs://bucket/run"
+    assert is_remote(as_path("gs://bucket/run")) and not is_remote(as_path("run"))
+    # What os.path.abspath did to a gs:// workdir: a local directory named "gs:".
+    assert os.fspath(as_path("run")) == os.path.join(os.getcwd(), "run")
+
+
+def test_a_run_in_a_path_with_spaces_writes_only_inside_its_workdir(tmp_path, monkeypatch):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    workdir = tmp_path / "my runs" / "run 1"
+    cfg = ExperimentConfig.from_config_dict(tiny_config_dict(**{"train.steps": 1}), VOCAB)
+    trainer = Trainer(cfg, str(workdir))
+    try:
+        summary = trainer.run()
+    finally:
+        trainer.close()
+    assert summary["steps"] == 1
+    assert os.listdir(cwd) == []
+    assert sorted(os.listdir(tmp_path)) == ["cwd", "my runs"]
+    names = set(os.listdir(workdir))
+    assert {"metrics.jsonl", "summary.json", "config.json", "checkpoints"} <= names
+    assert not [n for n in names if n.startswith(".tmp.") or n.startswith(".write_probe")]
+
+
+def test_an_unwritable_workdir_fails_by_name_before_any_work(tmp_path):
+    blocker = tmp_path / "a file"
+    blocker.write_text("not a directory")
+    cfg = ExperimentConfig.from_config_dict(tiny_config_dict(), VOCAB)
+    with pytest.raises(OSError, match=r"workdir .*a file/run is not writable"):
+        Trainer(cfg, str(blocker / "run"))
+
+
+def test_write_atomic_replaces_whole_files(tmp_path):
+    path = tmp_path / "summary.json"
+    write_atomic(path, "old")
+    write_atomic(path, "new")
+    assert path.read_text() == "new"
+    assert os.listdir(tmp_path) == ["summary.json"]
