@@ -1,6 +1,6 @@
 """The paper's setting (docs/design.md section 1): MIS+DVP-RLOO, Qwen3-14B-Base, DAPO, AIME25.
 
-Command (on every worker of the slice; `experiments/launch.py --tpu` writes these commands):
+Command (on every worker of the slice; `python -m experiments.launch run ... --tpu` writes these):
   python -m dvp_jax.main --config configs/paper_qwen3_14b.py:mis_dvp --workdir gs://BUCKET/dvp14b \
     --config.data.path=/data/dapo_math_17k_filtered.parquet \
     --config.data.tokenizer=/data/Qwen3-14B-Base/tokenizer.json

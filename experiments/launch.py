@@ -23,18 +23,12 @@ from the summary.json files at the end; exit status 1 if any unit failed):
   python -m experiments.launch experiments/e000_smoke.py [--sweep NAME=VALUE ...] \
       [--parallel N] [--root DIR] [--dry_run] [--only 0,2] [--timeout SECONDS]
 
-Cloud TPU VM slice (multi-host: every worker runs the same command with `--distributed`, so
-`jax.distributed.initialize()` finds the other hosts from the TPU environment). Prints the
-commands; `--run` also executes them:
-  python -m experiments.launch experiments/e002_methods.py --tpu NAME --zone Z [--project P] \
-      --root gs://BUCKET/runs [--run] [--detach]
-  1. sync: `git ls-files` (tracked + untracked, not ignored) packed into a tarball, scp'd to every
-     worker and unpacked into `--remote_dir` (or `--sync git`: fetch and check out a commit of
-     `--git_remote` there); then `pip install -e .` plus `jax[tpu]` (skip with `--skip_install`).
-  2. one `gcloud compute tpus tpu-vm ssh NAME --worker=all --command=...` per unit, run one after
-     another (each unit uses the whole slice); with `--detach`, a single ssh that starts all units
-     in sequence under `nohup` on every worker and returns at once.
-  Multi-host checkpoints need storage every host sees: use a `gs://` root on TPU.
+Cloud TPU VM slice (multi-host; experiments/tpu.py): `ACTION --tpu NAME --zone Z ...` with
+ACTION one of create, setup, run, status, delete prints the gcloud commands (`--run` executes
+them), e.g.
+  python -m experiments.launch run experiments/e002_methods.py --tpu NAME --zone Z \
+      --root gs://BUCKET/runs [--sweep NAME=VALUE ...] [--run]
+The older `python -m experiments.launch EXPERIMENT --tpu NAME --zone Z ...` is setup + run.
 """
 
 from __future__ import annotations
@@ -67,7 +61,8 @@ DEFAULT_SUMMARY_KEYS = (
     "frac_responses_excluded",
     "wall_time_s",
 )
-SOURCE_TARBALL = "dvp_jax_src.tgz"
+# `python -m experiments.launch ACTION ...` with these actions goes to experiments/tpu.py.
+TPU_ACTIONS = ("create", "setup", "run", "status", "delete")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -331,149 +326,18 @@ def summary_table(results: Sequence[UnitResult], keys: Sequence[str]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------
-# Cloud TPU VM slice.
-# ------------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class TPUTarget:
-    name: str
-    zone: str
-    project: str | None = None
-    remote_dir: str = "dvp_jax"  # relative to the home directory of every worker
-    python: str = "python3"
-
-    def gcloud(self, verb: str, *args: str) -> list[str]:
-        argv = ["gcloud", "compute", "tpus", "tpu-vm", verb, *args, "--zone", self.zone]
-        return argv + (["--project", self.project] if self.project else [])
-
-    def ssh(self, remote_command: str) -> list[str]:
-        return self.gcloud("ssh", self.name, "--worker=all", f"--command={remote_command}")
-
-
-def tpu_sync_commands(
-    tpu: TPUTarget, sync: str, git_remote: str | None, git_ref: str | None, install: bool
-) -> list[tuple[str, list[str] | str]]:
-    """(description, command) pairs that put this repository on every worker.
-
-    A command is an argv list, or a string for the one local shell pipeline (run in REPO).
-    """
-    d = shlex.quote(tpu.remote_dir)
-    steps: list[tuple[str, list[str] | str]] = []
-    if sync == "scp":
-        tarball = os.path.join("/tmp", SOURCE_TARBALL)
-        pack = (
-            f"git ls-files -z --cached --others --exclude-standard | "
-            f"tar -czf {shlex.quote(tarball)} --null -T -"
-        )
-        steps.append(("pack the working tree (tracked + untracked, not ignored)", pack))
-        steps.append(
-            (
-                "copy it to every worker",
-                tpu.gcloud("scp", tarball, f"{tpu.name}:{SOURCE_TARBALL}", "--worker=all"),
-            )
-        )
-        unpack = f"mkdir -p {d} && tar -xzf {SOURCE_TARBALL} -C {d}"
-        steps.append(("unpack on every worker", tpu.ssh(unpack)))
-    elif sync == "git":
-        if not git_remote:
-            raise ValueError("--sync git needs --git_remote URL (a remote every worker can fetch)")
-        git_ref = git_ref or local_head()
-        r, ref = shlex.quote(git_remote), shlex.quote(git_ref)
-        fetch = (
-            f"(test -d {d}/.git || git clone {r} {d}) && cd {d} && git fetch {r} {ref} && "
-            f"git checkout --force FETCH_HEAD"
-        )
-        steps.append((f"check out {git_ref} of {git_remote} on every worker", tpu.ssh(fetch)))
-    else:
-        raise ValueError(f"--sync must be 'scp' or 'git', got {sync!r}")
-    if install:
-        py = shlex.quote(tpu.python)
-        pip = f"cd {d} && {py} -m pip install -q -e . 'jax[tpu]'"
-        steps.append(("install the package and jax[tpu] on every worker", tpu.ssh(pip)))
-    return steps
-
-
-def local_head() -> str:
-    """This checkout's HEAD commit (what `--sync git` checks out on the workers by default)."""
-    out = subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False
-    )
-    return out.stdout.strip() or "HEAD"
-
-
-def tpu_unit_remote_command(exp: Experiment, unit: WorkUnit, tpu: TPUTarget, root: str) -> str:
-    """The shell command every worker runs for one unit (log in REMOTE_DIR/logs/EXP/UNIT.log)."""
-    # --distributed: jax.distributed.initialize() finds the slice's other hosts by itself.
-    workdir = join_path(root, exp.name, unit.name)
-    argv = unit_argv(exp.config_flag, unit.overrides, workdir, tpu.python, ("--distributed",))
-    log_dir = f"logs/{exp.name}"
-    return (
-        f"cd {shlex.quote(tpu.remote_dir)} && mkdir -p {shlex.quote(log_dir)} && "
-        f"{shlex.join(argv)} > {shlex.quote(f'{log_dir}/{unit.name}.log')} 2>&1"
-    )
-
-
-def tpu_commands(
-    exp: Experiment,
-    tpu: TPUTarget,
-    root: str,
-    *,
-    sync: str = "scp",
-    git_remote: str | None = None,
-    git_ref: str | None = None,
-    install: bool = True,
-    detach: bool = False,
-) -> list[tuple[str, list[str] | str]]:
-    """Every command of a TPU launch, in order: sync, install, then the work units."""
-    steps = tpu_sync_commands(tpu, sync, git_remote, git_ref, install)
-    units = [(u, tpu_unit_remote_command(exp, u, tpu, root)) for u in exp.units]
-    if detach:
-        # All units in sequence in one background script per worker; ssh returns at once. A
-        # failed unit does not stop the next one (`;`), as in the blocking mode.
-        script = " ; ".join(f"( {cmd} )" for _, cmd in units)
-        remote = (
-            f"mkdir -p {shlex.quote(tpu.remote_dir)} && nohup bash -c {shlex.quote(script)} "
-            f"> {shlex.quote(f'{tpu.remote_dir}/{exp.name}.launch.log')} 2>&1 < /dev/null &"
-        )
-        steps.append(
-            (
-                f"start all {len(units)} units in the background: "
-                + ", ".join(u.name for u, _ in units),
-                tpu.ssh(remote),
-            )
-        )
-    else:
-        steps += [(f"work unit {u.name}", tpu.ssh(cmd)) for u, cmd in units]
-    return steps
-
-
-def run_tpu(steps: Sequence[tuple[str, list[str] | str]], execute: bool) -> int:
-    """Prints each command (shell-quoted) and, with `execute`, runs it; stops at a failed sync."""
-    failures = 0
-    for desc, cmd in steps:
-        print(f"# {desc}\n{cmd if isinstance(cmd, str) else shlex.join(cmd)}", flush=True)
-        if not execute:
-            continue
-        rc = subprocess.run(cmd, shell=isinstance(cmd, str), cwd=REPO, check=False).returncode
-        if rc:
-            print(f"[launch] exit {rc}: {desc}", file=sys.stderr, flush=True)
-            if not desc.startswith("work unit"):
-                return rc
-            failures += 1
-    return 1 if failures else 0
-
-
-# ------------------------------------------------------------------------------------------------
 # Command line.
 # ------------------------------------------------------------------------------------------------
 def parse_only(only: str | None) -> list[int] | None:
     """`--only 0,2` -> [0, 2]."""
-    return [int(i) for i in only.split(",")] if only else None
+    try:
+        return [int(i) for i in only.split(",")] if only else None
+    except ValueError:
+        raise ValueError(f"--only {only!r}: want comma-separated unit indices, e.g. 0,2") from None
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def add_experiment_args(p: argparse.ArgumentParser) -> None:
+    """The experiment and its sweep (shared by local runs and `run` on a TPU slice)."""
     p.add_argument("experiment", help="experiments/eNNN_name.py")
     p.add_argument(
         "--sweep",
@@ -487,59 +351,59 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help=f"root of the workdirs (default {DEFAULT_ROOT}; a gs:// path on TPU)",
     )
+    p.add_argument("--only", default=None, help="comma-separated unit indices to run")
+
+
+def experiment_from(args: argparse.Namespace) -> Experiment:
+    """The experiment of `add_experiment_args`'s flags, restricted to `--only`."""
+    exp = load_experiment(args.experiment, parse_assignments(args.sweep))
+    return select(exp, parse_only(args.only))
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    from experiments import tpu  # tpu.py imports this module
+
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Cloud TPU slices: python -m experiments.launch {create,setup,run,status,delete} "
+        "--help (experiments/tpu.py)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_experiment_args(p)
     p.add_argument("--parallel", type=int, default=1, help="local units run at a time")
     p.add_argument("--dry_run", action="store_true", help="print the local commands, run nothing")
-    p.add_argument("--only", default=None, help="comma-separated unit indices to run")
     p.add_argument("--timeout", type=float, default=None, help="seconds per local unit")
-    g = p.add_argument_group("Cloud TPU VM")
-    g.add_argument("--tpu", default=None, help="TPU VM (slice) name: switches to TPU mode")
-    g.add_argument("--zone", default=None)
-    g.add_argument("--project", default=None)
-    g.add_argument("--run", action="store_true", help="execute the printed gcloud commands")
+    g = p.add_argument_group("Cloud TPU VM (setup + run; see `launch.py setup/run --help`)")
+    tpu.add_slice_args(g, queued=False)
     g.add_argument("--detach", action="store_true", help="start all units under nohup, return")
-    g.add_argument("--sync", default="scp", choices=("scp", "git"))
-    g.add_argument("--git_remote", default=None)
-    g.add_argument("--git_ref", default=None, help="default: this checkout's HEAD commit")
-    g.add_argument("--remote_dir", default="dvp_jax", help="checkout dir, relative to $HOME")
-    g.add_argument("--remote_python", default="python3")
-    g.add_argument("--skip_install", action="store_true")
+    tpu.add_layout_args(g)
+    tpu.add_setup_args(g)
     args = p.parse_args(argv)
     if args.parallel < 1:
         p.error(f"--parallel must be >= 1, got {args.parallel}")
     if args.tpu and not args.zone:
-        p.error("--tpu needs --zone")
-    if not args.tpu and (args.run or args.detach or args.zone):
-        p.error("--run / --detach / --zone only apply with --tpu")
+        p.error("--tpu needs --zone (e.g. --zone us-east5-a)")
+    if not args.tpu and (args.run or args.detach or args.zone or args.stage):
+        p.error("--run / --detach / --zone / --stage only apply with --tpu")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in TPU_ACTIONS:
+        from experiments import tpu  # tpu.py imports this module
+
+        return tpu.main(argv)
     args = parse_args(argv)
     try:
-        exp = load_experiment(args.experiment, parse_assignments(args.sweep))
-        exp = select(exp, parse_only(args.only))
+        exp = experiment_from(args)
     except ValueError as e:
         raise SystemExit(f"[launch] {e}") from None
-    root = args.root or DEFAULT_ROOT
     if args.tpu:
-        if "://" not in root:
-            print(
-                f"[launch] warning: --root {root} is a local path on each worker; multi-host "
-                "checkpoints and summaries need shared storage (gs://...)",
-                file=sys.stderr,
-            )
-        tpu = TPUTarget(args.tpu, args.zone, args.project, args.remote_dir, args.remote_python)
-        steps = tpu_commands(
-            exp,
-            tpu,
-            root,
-            sync=args.sync,
-            git_remote=args.git_remote,
-            git_ref=args.git_ref,
-            install=not args.skip_install,
-            detach=args.detach,
-        )
-        return run_tpu(steps, execute=args.run)
+        from experiments import tpu
+
+        return tpu.legacy_main(args, exp)
+    root = args.root or DEFAULT_ROOT
     results = run_local(exp, root, args.parallel, args.dry_run, args.timeout)
     if args.dry_run:
         return 0
