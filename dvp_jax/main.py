@@ -86,6 +86,32 @@ def _init_jax():
     )
 
 
+def _export_hf(trainer) -> None:
+    """The final policy as Hugging Face safetensors + tokenizer files in `<workdir>/hf_export`.
+
+    With several processes the parameters are sharded over hosts: every process joins the
+    gather (`process_allgather`; a `device_get` of arrays other hosts hold would fail) and
+    process 0 writes. Each host then briefly holds the full fp32 parameters in host memory.
+    """
+    import jax
+    from flax import nnx
+    from jax.experimental import multihost_utils
+
+    from dvp_jax.model.hf_import import save_hf
+    from dvp_jax.workdir import local_dir
+
+    params = trainer.state.params
+    if jax.process_count() > 1:
+        params = multihost_utils.process_allgather(params, tiled=True)
+    if jax.process_index() != 0:
+        return
+    export = trainer.workdir / "hf_export"
+    with local_dir(export) as path:
+        save_hf(nnx.merge(trainer.graphdef, jax.device_get(params)), path)
+        trainer.tokenizer.save_hf(path)  # so transformers loads model and tokenizer
+    logging.info("exported the policy and its tokenizer to %s", export)
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -93,7 +119,6 @@ def main(argv):
     _init_jax()
     import jax
 
-    from dvp_jax.model.hf_import import save_hf
     from dvp_jax.rollout.tokenizers import load_tokenizer
     from dvp_jax.train.config import ExperimentConfig
     from dvp_jax.train.trainer import Trainer, WorkdirMismatchError
@@ -113,17 +138,8 @@ def main(argv):
             preempted = True
         else:
             preempted = False
-            if _EXPORT_HF.value and jax.process_index() == 0:
-                from flax import nnx
-
-                from dvp_jax.workdir import local_dir
-
-                export = trainer.workdir / "hf_export"
-                params = jax.device_get(trainer.state.params)
-                with local_dir(export) as path:
-                    save_hf(nnx.merge(trainer.graphdef, params), path)
-                    trainer.tokenizer.save_hf(path)  # so transformers loads model and tokenizer
-                logging.info("exported the policy and its tokenizer to %s", export)
+            if _EXPORT_HF.value:
+                _export_hf(trainer)
             if cfg.plots and jax.process_index() == 0:
                 from dvp_jax import plots
 

@@ -65,18 +65,27 @@ def evaluate(
 ) -> dict[str, float]:
     """Held-out accuracy avg@k (mean reward of k samples per prompt) and pass@k.
 
-    Samples with the rollout engine (its precision and min-p rule) and `sampling` (default the
-    engine's). Returns {} when there are no held-out prompts.
+    Each process evaluates its share of `examples` (every `process_count`-th, from its index)
+    with the rollout engine (its precision and min-p rule) and `sampling` (default the
+    engine's); the sums are then added over processes, so every host returns the same figures.
+    Returns {} when there are no held-out prompts.
     """
     if not examples:
         return {}
-    batch = generate_rollouts(
-        engine, [ex.prompt for ex in examples], k, key, prompt_len=prompt_len, sampling=sampling
-    )
-    r = rollout_rewards(
-        engine.tokenizer, batch, [ex.answer for ex in examples for _ in range(k)], kind
-    )
+    mine = list(examples)[jax.process_index() :: jax.process_count()]
+    sums = np.zeros(4, np.float64)  # reward sum, samples, pass@k sum, prompts
+    if mine:
+        batch = generate_rollouts(
+            engine, [ex.prompt for ex in mine], k, key, prompt_len=prompt_len, sampling=sampling
+        )
+        answers = [ex.answer for ex in mine for _ in range(k)]
+        r = rollout_rewards(engine.tokenizer, batch, answers, kind)
+        sums[:] = r.sum(), r.size, r.reshape(-1, k).max(axis=1).sum(), len(mine)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        sums = np.asarray(multihost_utils.process_allgather(sums)).sum(axis=0)
     return {
-        "eval_accuracy": float(np.mean(r)),
-        "eval_pass_at_k": float(np.mean(r.reshape(-1, k).max(axis=1))),
+        "eval_accuracy": float(sums[0] / sums[1]),
+        "eval_pass_at_k": float(sums[2] / sums[3]),
     }

@@ -66,11 +66,12 @@ def warm_up(
     chunk_size: int,
     seed: int,
     log: Callable[[int, dict[str, float]], None],
-    stop: Callable[[], bool] = lambda: False,
+    stop: Callable[[int], bool] = lambda step: False,
 ):
     """Trains `model`'s params for `cfg.steps` supervised steps; returns the new params.
 
-    Returns None instead when `stop()` turns true (checked after every step: preemption).
+    Returns None instead when `stop(step)` turns true (asked after every step, with the
+    phase's negative step number: preemption).
 
     Args:
       model: the (sharded) trainer model to start from.
@@ -82,7 +83,7 @@ def warm_up(
       chunk_size: vocabulary chunk of the log-probs.
       seed: seed of the phase's (unused) state key.
       log: `log(step, metrics)` for the rows of this phase (step < 0).
-      stop: polled after each step; True abandons the warm-up (it is redone on resume).
+      stop: asked after each step; True abandons the warm-up (it is redone on resume).
     """
     logging.info("supervised warm-up: %d steps of batch %d", cfg.steps, cfg.batch_size)
     optimizer = make_optimizer(cfg.learning_rate, cfg.warmup_steps, 0.0, 1.0)
@@ -104,7 +105,7 @@ def warm_up(
             loss = float(metrics["sft_loss"])
             logging.info("sft %d/%d | loss %.4f", i + 1, cfg.steps, loss)
             log(i - cfg.steps, {"sft_loss": loss, "phase_sft": 1.0})
-        if stop():
+        if stop(i - cfg.steps):
             logging.warning("supervised warm-up stopped at step %d/%d", i + 1, cfg.steps)
             return None
     return state.params

@@ -64,19 +64,33 @@ _ARCHITECTURE_FIELDS = tuple(
 
 
 class _Preemption:
-    """Turns SIGTERM into a flag the loop checks after each step (then checkpoints and exits)."""
+    """Whether the run should checkpoint and stop: SIGTERM, agreed on by every host.
 
-    def __init__(self):
-        self.requested = False
-        try:
-            signal.signal(signal.SIGTERM, self._handle)
-        except ValueError:  # not the main thread (e.g. inside a test runner thread)
-            pass
+    One process: a SIGTERM handler sets a flag. Several processes: JAX's distributed runtime
+    catches SIGTERM (its preemption notifier) and Orbax's `reached_preemption(step)` answers
+    True on every host at the same step, so all hosts enter the collective save together; no
+    Python handler is installed there (it would replace JAX's).
+    """
+
+    def __init__(self, checkpointer: Checkpointer):
+        self._checkpointer = checkpointer
+        self._requested = False
+        if jax.process_count() == 1:
+            try:
+                signal.signal(signal.SIGTERM, self._handle)
+            except ValueError:  # not the main thread (e.g. inside a test runner thread)
+                pass
 
     def _handle(self, signum, frame):
         del signum, frame
         logging.warning("SIGTERM received: checkpointing after the current step")
-        self.requested = True
+        self._requested = True
+
+    def reached(self, step: int) -> bool:
+        """Call after step `step` on every host (the same steps on all of them)."""
+        if jax.process_count() == 1:
+            return self._requested
+        return self._checkpointer.manager.reached_preemption(step)
 
 
 # ==============================================================================================
@@ -227,7 +241,7 @@ class Trainer:
         self.checkpointer = Checkpointer(self.workdir, cfg.checkpoint.keep)
         self.metrics_log = metrics_lib.MetricsLog(self.workdir, write=self.is_lead)
         self.writer = None
-        self.preemption = _Preemption()
+        self.preemption = _Preemption(self.checkpointer)
         # Seconds of work in earlier attempts of this run (up to their last checkpoint).
         self._earlier_wall_time = 0.0
         self._attempt_start = time.time()
@@ -318,7 +332,7 @@ class Trainer:
             chunk_size=cfg.train.chunk_size,
             seed=cfg.train.seed,
             log=self._log,
-            stop=lambda: self.preemption.requested,
+            stop=self.preemption.reached,  # polled with the (negative) warm-up step
         )
         if params is None:
             return False
@@ -471,13 +485,14 @@ class Trainer:
                     metrics["frac_responses_excluded"],
                 )
             progress(step)
+            preempted = self.preemption.reached(step)  # every host asks at every step
             if (
-                (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
+                preempted
+                or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
                 or step == cfg.train.steps
-                or self.preemption.requested
             ):
                 self._save(step, extra)
-            if self.preemption.requested:
+            if preempted:
                 logging.warning(
                     "preempted: checkpoint saved at step %d; rerun the same command to resume", step
                 )
