@@ -6,21 +6,62 @@ positions `0 .. pos`, so a decode step at position `p` attends to cache position
 
 `Attention(..., layers=L)` holds the parameters of L layers (leading `[L]` axis) and is called on
 one layer's slice inside `nnx.scan`; every matmul runs at the policy's precision.
+
+Full-sequence attention (training forward and prefill) computes, per query head n of KV group
+k = n // g, `out[t] = sum_s softmax_s(q[t] . k[s] / sqrt(h) + mask[t, s]) v[s]` with
+`mask[t, s] = 0` where `s <= t` and key s is valid, a large negative number elsewhere, by one of
+`ATTENTION_IMPLS` (`DTypePolicy.attention_impl`, resolved by `select_attention_impl`):
+
+* "xla": the explicit einsum softmax (`_masked_softmax_attention`): T x T scores in float32,
+  both matmuls at the policy's precision. Any `valid` pattern; a query with no visible key
+  (a padding row, e.g. left padding) gets a uniform softmax over all keys: finite, never NaN.
+* "dot_product": `jax.nn.dot_product_attention(implementation="xla")` with `is_causal` and the
+  key mask: the same values as "xla" (padding rows included); its matmuls take the policy's
+  precision through a scoped `jax.default_matmul_precision` (the function has no precision
+  argument), so a float32 policy stays `highest`.
+* "cudnn": cuDNN flash attention through `jax.nn.dot_product_attention(implementation=
+  "cudnn")`, 16-bit compute only, no T x T array. Key padding reaches the kernel as per-row
+  key lengths (cuDNN's PADDING_CAUSAL mask), which is exact when each row's valid tokens are a
+  prefix (right padding: every batch the trainer, the rollout prefill and the tests build).
+  A row whose `valid` is not a prefix cannot be expressed this way: its output is NaN (a loud
+  failure instead of a silently wrong mask); use "xla" or "dot_product" for left padding.
+* "splash": the Pallas splash-attention kernel (`jax.experimental.pallas.ops.tpu.
+  splash_attention`), TPU and 16-bit compute only, T a multiple of 128; causal block mask,
+  padding as segment ids (valid = 1, padding = 0), so any `valid` pattern is exact on valid
+  queries and a padding query attends to padding keys (never an empty row). On a multi-device
+  mesh the kernel call is not partitioned by the `Sharder` (XLA replicates its operands);
+  running it per shard under `shard_map` over batch and heads is the follow-up for a v5p slice.
+
+On CPU "auto" is "xla"; on an NVIDIA GPU "cudnn" and on a TPU "splash" for 16-bit compute
+dtypes where the shapes allow, "xla" otherwise (a float32 policy never runs a fused kernel:
+neither kernel runs fp32 matmuls at the policy's precision). Decode (one query against the
+cache) always runs the explicit path.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from dvp_jax.model.config import DTypePolicy, ModelConfig
+from dvp_jax.model.config import ATTENTION_IMPLS, DTypePolicy, ModelConfig
 from dvp_jax.model.layers import RMSNorm, matmul, param, rope
 from dvp_jax.sharding import Sharder
 
 CACHE_AXES = ("cache_layers", "cache_batch", "cache_seq", "act_kv_heads", "act_head_dim")
+
+# Backend names (`jax.default_backend()`, or a device's platform) of each fused kernel. JAX's
+# cuDNN attention is NVIDIA-only; on a ROCm "gpu" set attention_impl to "xla" or "dot_product".
+_GPU_BACKENDS = ("gpu", "cuda")
+_TPU_BACKENDS = ("tpu",)
+_FUSED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# The splash kernel's default tiles (BlockSizes.get_default()) are 128 x 128 blocks.
+_SPLASH_BLOCK = 128
 
 
 class KVCache(NamedTuple):
@@ -59,6 +100,211 @@ def _masked_softmax_attention(q, k, v, mask, policy: DTypePolicy):
     probs = jax.nn.softmax(scores, axis=-1).astype(policy.compute_dtype)
     # [b, k, g, t, s] x [b, s, k, h] -> [b, t, k, g, h]
     return matmul("bkgts,bskh->btkgh", probs, v, policy)
+
+
+def causal_mask(valid: jax.Array) -> jax.Array:
+    """[b, t(query), s(key)] bool: the key is at or before the query and is not padding.
+
+    Args:
+      valid: [b, t] bool, False on padding.
+    """
+    t = valid.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    return causal[None] & valid[:, None, :]
+
+
+def select_attention_impl(
+    impl: str, backend: str, compute_dtype, seq_len: int, head_dim: int
+) -> str:
+    """The attention kernel that runs: "auto" resolved, an explicit choice checked.
+
+    Args:
+      impl: `DTypePolicy.attention_impl`, one of `ATTENTION_IMPLS`.
+      backend: the platform name, e.g. `jax.default_backend()`: "cpu", "gpu" / "cuda", "tpu".
+      compute_dtype: the policy's compute dtype (the dtype of q, k, v).
+      seq_len: T, the query and key length.
+      head_dim: h.
+    Returns:
+      One of "xla", "dot_product", "cudnn", "splash". "auto" gives "cudnn" on a GPU and
+      "splash" on a TPU (T and h multiples of 128) for a bfloat16 / float16 compute dtype, and
+      "xla" otherwise (CPU, float32 policies, other shapes).
+    Raises:
+      ValueError: naming the field, for an unknown name, a fused kernel on a backend that cannot
+        run it, a fused kernel under a float32 policy, or splash with T not a multiple of 128.
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(
+            f"DTypePolicy.attention_impl {impl!r} is unknown; allowed: {ATTENTION_IMPLS}"
+        )
+    fused_dtype = jnp.dtype(compute_dtype) in _FUSED_DTYPES
+    if impl == "auto":
+        if backend in _GPU_BACKENDS and fused_dtype:
+            return "cudnn"
+        tiled = seq_len % _SPLASH_BLOCK == 0 and head_dim % _SPLASH_BLOCK == 0
+        if backend in _TPU_BACKENDS and fused_dtype and tiled:
+            return "splash"
+        return "xla"
+    if impl in ("cudnn", "splash"):
+        backends = _GPU_BACKENDS if impl == "cudnn" else _TPU_BACKENDS
+        if backend not in backends:
+            raise ValueError(
+                f"DTypePolicy.attention_impl={impl!r} runs only on backend {backends}, this "
+                f"program runs on {backend!r}; use 'auto', 'xla' or 'dot_product'"
+            )
+        if not fused_dtype:
+            raise ValueError(
+                f"DTypePolicy.attention_impl={impl!r} needs a bfloat16 or float16 compute "
+                f"dtype, the policy computes in {jnp.dtype(compute_dtype).name}: the fused "
+                "kernels do not run float32 matmuls at the policy's precision; use 'xla' or "
+                "'dot_product' (or 'auto') for a float32 policy"
+            )
+        if impl == "splash" and seq_len % _SPLASH_BLOCK:
+            raise ValueError(
+                f"DTypePolicy.attention_impl='splash' needs the sequence length to be a "
+                f"multiple of {_SPLASH_BLOCK} (the kernel's block), got {seq_len}; pad the "
+                "batch to a multiple or use 'xla'"
+            )
+    return impl
+
+
+def full_attention(q, k, v, valid, policy: DTypePolicy, backend: str | None = None):
+    """Causal, key-padded GQA attention of a whole sequence by the policy's kernel.
+
+    Computes the module docstring's equation with the kernel `select_attention_impl` picks for
+    `policy.attention_impl`; with "auto", a shape cuDNN refuses (NotImplementedError at trace
+    time, e.g. a head dim over its limit) falls back to "xla" with a warning.
+
+    Args:
+      q: [b, t, n, h] queries (head n uses KV head n // g).
+      k, v: [b, t, k, h] keys and values.
+      valid: [b, t] bool, False on padding keys.
+      policy: compute dtype, matmul precision and `attention_impl`.
+      backend: platform name; default `jax.default_backend()`.
+    Returns:
+      [b, t, n, h] in the compute dtype.
+    """
+    b, t, n, h = q.shape
+    backend = backend or jax.default_backend()
+    impl = select_attention_impl(policy.attention_impl, backend, policy.compute_dtype, t, h)
+    if impl == "dot_product":
+        return _dot_product_attention(q, k, v, valid, policy.precision)
+    if impl == "splash":
+        return _splash_attention(q, k, v, valid)
+    if impl == "cudnn":
+        try:
+            return _cudnn_attention(q, k, v, valid)
+        except NotImplementedError as err:
+            if policy.attention_impl != "auto":
+                raise
+            logging.warning(
+                "attention_impl 'auto': cuDNN attention refused q %s, k %s (%s); running the "
+                "explicit path, which holds the T x T scores",
+                q.shape,
+                k.shape,
+                err,
+            )
+    kv = k.shape[2]
+    grouped = q.reshape(b, t, kv, n // kv, h)
+    out = _masked_softmax_attention(grouped, k, v, causal_mask(valid), policy)
+    return out.reshape(b, t, n, h)
+
+
+def _matmul_precision(precision: jax.lax.Precision | None):
+    """A scoped `jax.default_matmul_precision` for code without a precision argument.
+
+    Only the trace of the `with` body sees it (each dot records its precision when it is
+    traced, and its transposes reuse it), so nothing global changes.
+    """
+    if precision is None:
+        return contextlib.nullcontext()
+    return jax.default_matmul_precision(jax.lax.Precision(precision).name.lower())
+
+
+def _dot_product_attention(q, k, v, valid, precision):
+    """`jax.nn.dot_product_attention` on XLA with the explicit path's mask semantics.
+
+    `is_causal` and the key mask `valid[:, None, None, :]` (broadcast over heads and queries)
+    combine into `causal_mask(valid)`; a query with no visible key gets the same uniform
+    softmax as the explicit path (every logit the same large negative number). The function's
+    float32 q.k and p.v matmuls take `precision` (bf16 q.k runs its BF16_BF16_F32 algorithm).
+
+    Args:
+      q: [b, t, n, h]; k, v: [b, t, k, h]; valid: [b, t] bool.
+      precision: the policy's matmul precision.
+    Returns:
+      [b, t, n, h] in q's dtype.
+    """
+    with _matmul_precision(precision):
+        return jax.nn.dot_product_attention(
+            q, k, v, mask=valid[:, None, None, :], is_causal=True, implementation="xla"
+        )
+
+
+def _cudnn_attention(q, k, v, valid, implementation: str = "cudnn"):
+    """cuDNN flash attention; key padding as per-row key lengths (right padding only).
+
+    cuDNN's PADDING_CAUSAL mask with key lengths `L = sum(valid)` and query length T equals
+    `causal_mask(valid)` when each row's valid tokens are the prefix `[0, L)`. Other rows
+    (left padding) come out NaN. A row with no valid token gets `L = 1` (its queries attend
+    to key 0; cuDNN is not asked for an empty softmax): finite, and its output is padding.
+
+    Args:
+      q: [b, t, n, h]; k, v: [b, t, k, h] in bfloat16 / float16; valid: [b, t] bool.
+      implementation: "cudnn"; tests pass "xla" to check these semantics on CPU (the same
+        `jax.nn.dot_product_attention` contract, computed by XLA).
+    Returns:
+      [b, t, n, h] in q's dtype.
+    """
+    t = valid.shape[1]
+    lengths = jnp.sum(valid, axis=-1, dtype=jnp.int32)  # [b]
+    prefix = jnp.all(valid == (jnp.arange(t)[None, :] < lengths[:, None]), axis=-1)  # [b]
+    out = jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        is_causal=True,
+        key_value_seq_lengths=jnp.maximum(lengths, 1),
+        implementation=implementation,
+    )
+    return jnp.where(prefix[:, None, None, None], out, jnp.nan)
+
+
+def _splash_attention(q, k, v, valid, interpret: bool = False):
+    """The Pallas splash-attention kernel (TPU); padding as segment ids.
+
+    A causal `MultiHeadMask` of T x T blocks, and segment ids `valid` (1 real, 0 padding):
+    a query attends to keys at or before it in its own segment, which is `causal_mask(valid)`
+    on valid queries, and every row keeps its diagonal (the kernel forbids empty rows). The
+    kernel does not scale the scores, so q is scaled by 1/sqrt(h) in float32 and cast back to
+    its dtype first (one extra rounding of q in bf16, as MaxText does).
+
+    Args:
+      q: [b, t, n, h]; k, v: [b, t, k, h]; valid: [b, t] bool; T a multiple of 128.
+      interpret: run the kernel in the Pallas interpreter (tests, on CPU).
+    Returns:
+      [b, t, n, h] in q's dtype.
+    """
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as splash,
+    )
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_mask as splash_mask,
+    )
+
+    b, t, n, h = q.shape
+    mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((t, t))] * n)
+    kernel = splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1, interpret=interpret)
+    segments = valid.astype(jnp.int32)
+    q = (q.astype(jnp.float32) * np.float32(h**-0.5)).astype(q.dtype)
+    # The kernel takes one row's heads first: [n, t, h] queries, [k, t, h] keys and values.
+    heads_first = (0, 2, 1, 3)
+    out = jax.vmap(kernel)(
+        q.transpose(heads_first),
+        k.transpose(heads_first),
+        v.transpose(heads_first),
+        segment_ids=splash.SegmentIds(q=segments, kv=segments),
+    )
+    return out.transpose(heads_first)
 
 
 class Attention(nnx.Module):
@@ -117,16 +363,16 @@ class Attention(nnx.Module):
         b, t = q.shape[:2]
         return q.reshape(b, t, self.cfg.n_kv_heads, self.cfg.group_size, self.cfg.head_dim)
 
-    def __call__(self, x, positions, mask):
-        """Full-sequence attention.
+    def __call__(self, x, positions, valid):
+        """Full-sequence causal attention by the policy's kernel (`full_attention`).
 
         Args:
-          x: [b, t, d]; positions: [b, t]; mask: [b, t, t] bool (query, key).
+          x: [b, t, d]; positions: [b, t]; valid: [b, t] bool, False on padding keys.
         Returns:
           (out [b, t, d], (k, v) each [b, t, k, h]) so that prefill can fill a cache.
         """
         q, k, v = self._qkv(x, positions)
-        attn = _masked_softmax_attention(self._group(q), k, v, mask, self.policy)
+        attn = full_attention(q, k, v, valid, self.policy)
         return self._out(attn), (k, v)
 
     def decode(self, x, positions, k_all, v_all, layer):

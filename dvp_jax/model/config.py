@@ -29,6 +29,16 @@ class DTypePolicy:
         GPUs, one bf16 pass on TPUs). With bf16 inputs there is one pass whatever the value.
         None defers to JAX's global `jax_default_matmul_precision`; the named policies never
         use None, so what they compute does not depend on a global flag.
+      attention_impl: the kernel of the full-sequence attention (training forward and prefill;
+        decode always runs the explicit path), one of `ATTENTION_IMPLS`: "xla" the explicit
+        einsum softmax at `precision`; "dot_product" `jax.nn.dot_product_attention` on XLA, its
+        matmuls at `precision`; "cudnn" cuDNN flash attention (NVIDIA GPU, 16-bit compute);
+        "splash" the Pallas splash kernel (TPU, 16-bit compute); "auto" (default) picks per
+        backend, compute dtype and shape (`dvp_jax.model.attention.select_attention_impl`):
+        a fused kernel only for a 16-bit compute dtype on GPU / TPU, the explicit path
+        otherwise, so a float32 policy is true fp32 on every backend. Part of the policy
+        because the kernel decides the attention's numerics (which dtypes it takes, its
+        accumulation order, whether `precision` reaches its matmuls).
     Logits are always produced in float32 (matmul accumulates in fp32), and softmax / RMSNorm
     statistics always run in float32, whatever the policy.
     """
@@ -37,8 +47,14 @@ class DTypePolicy:
     compute_dtype: Any = jnp.float32
     cache_dtype: Any = jnp.float32
     precision: jax.lax.Precision | str | None = None
+    attention_impl: str = "auto"
 
     def __post_init__(self):
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"DTypePolicy.attention_impl {self.attention_impl!r} is unknown; allowed: "
+                f"{ATTENTION_IMPLS}"
+            )
         if isinstance(self.precision, str):
             try:
                 precision = jax.lax.Precision(self.precision)
@@ -50,14 +66,15 @@ class DTypePolicy:
             object.__setattr__(self, "precision", precision)
 
     @classmethod
-    def named(cls, name: str) -> DTypePolicy:
-        """The policy called `name`, one of `POLICY_NAMES` (`PRECISIONS` + `TRAIN_PRECISIONS`)."""
+    def named(cls, name: str, attention_impl: str = "auto") -> DTypePolicy:
+        """The policy called `name`, one of `POLICY_NAMES` (`PRECISIONS` + `TRAIN_PRECISIONS`),
+        with the attention kernel `attention_impl` (one of `ATTENTION_IMPLS`)."""
         if name not in _POLICIES:
             raise ValueError(
                 f"unknown dtype policy {name!r}; allowed: rollout precisions {PRECISIONS}, "
                 f"trainer precisions {TRAIN_PRECISIONS}"
             )
-        return cls(*_POLICIES[name])
+        return cls(*_POLICIES[name], attention_impl=attention_impl)
 
 
 _HIGHEST, _DEFAULT = jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT
@@ -91,6 +108,10 @@ assert set(PRECISIONS) | set(TRAIN_PRECISIONS) == set(_POLICIES)
 # output; "save_dots_no_batch" keeps the projection and MLP matmul outputs but recomputes the
 # attention scores (dots with batch dimensions), MaxText's "minimal".
 REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch")
+
+# Attention kernels of the full-sequence forward (`DTypePolicy.attention_impl`; the selection
+# logic and each kernel's contract are in `dvp_jax/model/attention.py`).
+ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cudnn", "splash")
 
 
 TRAIN_POLICY = DTypePolicy.named("float32")

@@ -11,7 +11,8 @@ The decoder blocks are one `Block` holding every layer's parameters stacked on a
 axis (logical name "layers"); all three entry points run them under `nnx.scan`, so the program
 holds one compiled block body whatever the depth. The training forward may rematerialise each
 block (`remat`, one of `REMAT_POLICIES`). The dtype policy decides parameter, activation and
-cache dtypes and the matmul precision; logits are always float32.
+cache dtypes, the matmul precision and the attention kernel of the forward and prefill
+(`attention_impl`, `dvp_jax/model/attention.py`); logits are always float32.
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg.d_model, cfg.d_ff, cfg.init_std, policy, sharder, rngs=rngs, layers=ls)
         self.sharder = sharder
 
-    def __call__(self, x, positions, mask):
-        attn, kv = self.attn(self.input_norm(x), positions, mask)
+    def __call__(self, x, positions, valid):
+        attn, kv = self.attn(self.input_norm(x), positions, valid)
         x = self.sharder.constrain(x + attn, ACT)
         x = self.sharder.constrain(x + self.mlp(self.post_attn_norm(x)), ACT)
         return x, kv
@@ -164,38 +165,33 @@ class Transformer(nnx.Module):
           tokens: [b, t] int32 token ids.
           positions: [b, t] int32 positions (RoPE); need not start at 0 (left padding).
           valid: [b, t] bool, False on padding. Padding keys are never attended to, so padding
-            never changes the outputs at real tokens. Default: all valid.
+            never changes the outputs at real tokens. Default: all valid. Any pattern works
+            except under the "cudnn" kernel, which needs right padding (each row's valid
+            tokens a prefix) and gives NaN on other rows (`dvp_jax/model/attention.py`).
           return_hidden: return final normed hidden states [b, t, d] instead of logits.
         Returns:
           [b, t, v] float32 logits, or [b, t, d] hidden states in the compute dtype.
         """
-        x, mask = self._embed(tokens), self._mask(tokens, valid)
+        x = self._embed(tokens)
+        if valid is None:
+            valid = jnp.ones(tokens.shape, bool)
 
         # One block per scan step: x [b, t, d] is the carry, the block's parameters are sliced
         # from the [L]-stacked ones; with remat only each block's input is saved (or as the
         # policy says) and the rest is recomputed in the backward pass.
-        def block_fn(block, x, positions, mask):
-            return block(x, positions, mask)[0]
+        def block_fn(block, x, positions, valid):
+            return block(x, positions, valid)[0]
 
         if self.remat != "none":
             block_fn = nnx.remat(
                 block_fn, prevent_cse=False, policy=_REMAT[self.remat], graph_updates=False
             )
         scan = _scan(block_fn, in_axes=(0, nnx.Carry, None, None), out_axes=nnx.Carry)
-        hidden = self.final_norm(scan(self.blocks, x, positions, mask))
+        hidden = self.final_norm(scan(self.blocks, x, positions, valid))
         if return_hidden:
             return hidden
         logits = self.logits(hidden)
         return self.sharder.constrain(logits, ("act_batch", "act_seq", "act_vocab"))
-
-    @staticmethod
-    def _mask(tokens, valid):
-        """[b, t(query), t(key)] bool: causal and the key is not padding."""
-        b, t = tokens.shape
-        if valid is None:
-            valid = jnp.ones((b, t), bool)
-        causal = jnp.tril(jnp.ones((t, t), bool))
-        return causal[None] & valid[:, None, :]
 
     def prefill(self, tokens, lengths, cache_len: int):
         """Runs a right-padded prompt batch and returns its KV cache.
@@ -210,18 +206,18 @@ class Transformer(nnx.Module):
         b, p = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         valid = positions < lengths[:, None]
-        x, mask = self._embed(tokens), self._mask(tokens, valid)
+        x = self._embed(tokens)
         pad = ((0, 0), (0, cache_len - p), (0, 0), (0, 0))
         cd = self.policy.cache_dtype
 
         # Each scan step emits its layer's keys and values, padded to the cache length and cast
         # to the cache dtype: the stacked outputs are the [L, b, S, k, h] cache.
-        def block_fn(block, x, positions, mask):
-            x, (k, v) = block(x, positions, mask)
+        def block_fn(block, x, positions, valid):
+            x, (k, v) = block(x, positions, valid)
             return x, (jnp.pad(k.astype(cd), pad), jnp.pad(v.astype(cd), pad))
 
         scan = _scan(block_fn, in_axes=(0, nnx.Carry, None, None), out_axes=(nnx.Carry, 0))
-        x, (k, v) = scan(self.blocks, x, positions, mask)
+        x, (k, v) = scan(self.blocks, x, positions, valid)
         hidden = self.final_norm(x)
         last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [b, d]
         cache = KVCache(

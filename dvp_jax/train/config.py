@@ -18,6 +18,7 @@ import ml_collections
 from dvp_jax.dvp.losses import PRESETS as LOSS_PRESETS
 from dvp_jax.dvp.losses import LossConfig
 from dvp_jax.model.config import (
+    ATTENTION_IMPLS,
     PRECISIONS,
     REMAT_POLICIES,
     TRAIN_PRECISIONS,
@@ -143,6 +144,9 @@ class TrainConfig:
     # The trainer's dtype policy (TRAIN_PRECISIONS): "float32" is true fp32 (every matmul at
     # `highest`); "mixed_bf16" computes in bf16 with fp32 params, logits and loss (speed).
     precision: str = "float32"
+    # Full-sequence attention kernel (ATTENTION_IMPLS): "auto" picks cuDNN on GPU / splash on
+    # TPU for bf16 compute and the explicit XLA path otherwise (always for float32).
+    attention_impl: str = "auto"
     # Rematerialise the block activations in the backward pass (REMAT_POLICIES): "none",
     # "full" (long responses), or keep the matmul outputs ("save_dots", "save_dots_no_batch").
     remat: str = "none"
@@ -166,6 +170,12 @@ class TrainConfig:
             self.precision,
         )
         _check(self.remat in REMAT_POLICIES, "train.remat", f"one of {REMAT_POLICIES}", self.remat)
+        _check(
+            self.attention_impl in ATTENTION_IMPLS,
+            "train.attention_impl",
+            f"one of {ATTENTION_IMPLS}",
+            self.attention_impl,
+        )
         _int("train.seed", self.seed, 0)
         batch = self.prompts_per_step * self.group_size
         _check(

@@ -1,0 +1,348 @@
+"""Fused attention kernels against the explicit einsum softmax (issue 10 item 3).
+
+The explicit path ("xla") is the reference. On CPU "dot_product" (`jax.nn.dot_product_attention`
+on XLA) runs as it does anywhere; the cuDNN branch's mask semantics (causal + key lengths) run
+through the same `jax.nn.dot_product_attention` contract computed by XLA; the splash kernel runs
+in the Pallas interpreter. The selection logic is checked per backend name.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dvp_jax.model import TRAIN_POLICY, DTypePolicy, Transformer, attention
+from dvp_jax.model.attention import full_attention, select_attention_impl
+from dvp_jax.model.config import ATTENTION_IMPLS, POLICY_NAMES
+from tests.helpers import tiny_config
+
+B16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+
+
+def _qkv(t: int, dtype, b: int = 4, n: int = 4, kv: int = 2, h: int = 8, seed: int = 0):
+    """Random GQA queries [b, t, n, h] and keys / values [b, t, kv, h] (2 query heads per KV)."""
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.normal(size=(b, t, m, h)) for m in (n, kv, kv))
+    return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+def _valid(t: int, kinds) -> jax.Array:
+    """[len(kinds), t] bool rows: ("right", L) the prefix [0, L); ("left", P) all but the first
+    P tokens (left padding: queries 0..P-1 see no key); ("none",) an all-padding row."""
+    ar = np.arange(t)
+    rows = {"right": lambda n: ar < n, "left": lambda n: ar >= n, "none": lambda: ar < 0}
+    return jnp.asarray(np.stack([rows[kind](*args) for kind, *args in kinds]))
+
+
+def _attend(impl: str, name: str = "float32"):
+    """full_attention under the named policy with `impl`, as a function of (q, k, v, valid)."""
+    policy = DTypePolicy.named(name, attention_impl=impl)
+    return jax.jit(lambda q, k, v, valid: full_attention(q, k, v, valid, policy))
+
+
+def _grads(fn, q, k, v, valid, cotangent):
+    """d/d(q, k, v) of sum(fn(q, k, v) * cotangent)."""
+
+    def loss(q, k, v):
+        return jnp.sum(fn(q, k, v, valid).astype(F32) * cotangent)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+
+def _max_diff(a, b, where=None) -> float:
+    d = jnp.abs(jnp.asarray(a, F32) - jnp.asarray(b, F32))
+    return float(d[where].max() if where is not None else d.max())
+
+
+# ---------------------------------------------------------------------------------------------
+# Selection
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "backend, dtype, t, h, expected",
+    [
+        ("cpu", F32, 256, 128, "xla"),
+        ("cpu", B16, 256, 128, "xla"),
+        ("gpu", B16, 100, 8, "cudnn"),
+        ("cuda", F16, 256, 128, "cudnn"),
+        ("gpu", F32, 256, 128, "xla"),  # the fp32 trainer stays on the explicit path
+        ("tpu", B16, 256, 128, "splash"),
+        ("tpu", B16, 100, 128, "xla"),  # T not a multiple of the kernel's 128 block
+        ("tpu", B16, 256, 64, "xla"),
+        ("tpu", F32, 256, 128, "xla"),
+    ],
+)
+def test_auto_picks_the_kernel_per_backend_dtype_and_shape(backend, dtype, t, h, expected):
+    assert select_attention_impl("auto", backend, dtype, t, h) == expected
+
+
+def test_explicit_choices_are_checked_against_backend_and_dtype():
+    for backend in ("cpu", "gpu", "tpu"):
+        for impl in ("xla", "dot_product"):
+            assert select_attention_impl(impl, backend, F32, 16, 8) == impl
+    assert select_attention_impl("cudnn", "gpu", B16, 17, 8) == "cudnn"
+    assert select_attention_impl("splash", "tpu", B16, 256, 64) == "splash"
+    with pytest.raises(ValueError, match="'cudnn' runs only on backend.*'cpu'"):
+        select_attention_impl("cudnn", "cpu", B16, 16, 8)
+    with pytest.raises(ValueError, match="'splash' runs only on backend.*'gpu'"):
+        select_attention_impl("splash", "gpu", B16, 256, 128)
+    with pytest.raises(ValueError, match="'cudnn' needs a bfloat16 or float16.*float32"):
+        select_attention_impl("cudnn", "gpu", F32, 16, 8)
+    with pytest.raises(
+        ValueError, match="'splash' needs the sequence length.*multiple of 128.*got 100"
+    ):
+        select_attention_impl("splash", "tpu", B16, 100, 128)
+    with pytest.raises(ValueError, match="attention_impl 'flash' is unknown.*allowed"):
+        select_attention_impl("flash", "gpu", B16, 16, 8)
+    with pytest.raises(ValueError, match="attention_impl 'flash' is unknown.*splash"):
+        DTypePolicy(attention_impl="flash")
+    # Every named policy defaults to "auto"; a named policy takes another kernel by name.
+    assert {DTypePolicy.named(n).attention_impl for n in POLICY_NAMES} == {"auto"}
+    assert DTypePolicy.named("mixed_bf16", attention_impl="cudnn").attention_impl == "cudnn"
+    assert set(ATTENTION_IMPLS) == {"auto", "xla", "dot_product", "cudnn", "splash"}
+
+
+def test_a_fused_kernel_the_backend_cannot_run_is_refused_by_the_model():
+    policy = DTypePolicy.named("bfloat16", attention_impl="cudnn")
+    tokens = jnp.zeros((1, 4), jnp.int32)
+
+    def forward():
+        return Transformer(tiny_config(), policy, rngs=nnx.Rngs(0))(tokens, jnp.arange(4)[None])
+
+    with pytest.raises(ValueError, match="'cudnn' runs only on backend.*'cpu'"):
+        jax.eval_shape(forward)  # traced: the check needs no parameters
+
+
+def test_auto_on_cpu_lowers_to_the_explicit_path():
+    q, k, v = _qkv(16, F32)
+    valid = _valid(16, [("right", 16), ("right", 9), ("left", 5), ("none",)])
+    texts = {
+        impl: jax.jit(_attend(impl)).lower(q, k, v, valid).as_text() for impl in ("auto", "xla")
+    }
+    assert texts["auto"] == texts["xla"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels against the explicit path
+# ---------------------------------------------------------------------------------------------
+# Right padding, full rows, left padding (queries with no visible key) and an all-padding row.
+KINDS = [("right", 16), ("right", 9), ("left", 5), ("none",)]
+
+
+@pytest.mark.parametrize(
+    "name, atol",
+    [
+        # Same operations in the same order (one fp32 einsum per matmul, fp32 softmax): equal
+        # to fp32 rounding; observed 0.
+        ("float32", 1e-6),
+        # bf16 q, k, v and probabilities: a different fusion may round one bf16 value
+        # differently (one bf16 ulp at |x| ~ 2 is 1.6e-2); observed 0.
+        ("bfloat16", 1.6e-2),
+        ("mixed_bf16", 1.6e-2),
+    ],
+)
+def test_dot_product_equals_explicit_forward_and_gradients(name, atol):
+    policy = DTypePolicy.named(name)
+    q, k, v = _qkv(16, policy.compute_dtype)
+    valid = _valid(16, KINDS)
+    explicit, fused = _attend("xla", name), _attend("dot_product", name)
+    a, b = explicit(q, k, v, valid), fused(q, k, v, valid)
+    assert a.dtype == b.dtype == policy.compute_dtype
+    assert np.isfinite(np.asarray(b, F32)).all()
+    # Every row, padding rows included: a query with no visible key (left padding, the
+    # all-padding row) gets the same uniform softmax over all keys in both.
+    print(f"{name}: dot_product vs explicit max |d out| = {_max_diff(a, b):.3e}")
+    np.testing.assert_allclose(np.asarray(a, F32), np.asarray(b, F32), atol=atol, rtol=0)
+    cotangent = jnp.asarray(np.random.default_rng(1).normal(size=a.shape), F32)
+    for ga, gb, what in zip(
+        _grads(explicit, q, k, v, valid, cotangent),
+        _grads(fused, q, k, v, valid, cotangent),
+        "qkv",
+        strict=True,
+    ):
+        print(f"{name}: d{what} max diff = {_max_diff(ga, gb):.3e}")
+        scale = float(jnp.abs(ga.astype(F32)).max())
+        np.testing.assert_allclose(
+            np.asarray(ga, F32), np.asarray(gb, F32), atol=atol * max(scale, 1.0), rtol=0
+        )
+
+
+def test_cudnn_mask_semantics_equal_explicit_on_right_padding_and_nan_on_left():
+    """The cuDNN branch gives padding to the kernel as key lengths with a causal mask; through
+    XLA (same `jax.nn.dot_product_attention` contract) this equals the explicit path on every
+    right-padded row, stays finite on an all-padding row and is NaN on a left-padded row."""
+    q, k, v = _qkv(16, F32)
+    valid = _valid(16, KINDS)
+    cudnn_on_xla = jax.jit(functools.partial(attention._cudnn_attention, implementation="xla"))
+    explicit = _attend("xla")
+    a, c = explicit(q, k, v, valid), cudnn_on_xla(q, k, v, valid)
+    right = np.array([True, True, False, False])
+    np.testing.assert_allclose(a[right], c[right], atol=1e-6, rtol=0)
+    assert np.isfinite(np.asarray(c[3])).all()  # all padding: finite (and unused)
+    assert np.isnan(np.asarray(c[2])).all()  # left padding cannot be given as lengths
+    cotangent = jnp.asarray(np.random.default_rng(1).normal(size=a.shape), F32)
+    cotangent = cotangent * right[:, None, None, None]
+    for ga, gc in zip(
+        _grads(explicit, q, k, v, valid, cotangent),
+        _grads(
+            lambda q, k, v, valid: jnp.where(
+                right[:, None, None, None], cudnn_on_xla(q, k, v, valid), 0.0
+            ),
+            q,
+            k,
+            v,
+            valid,
+            cotangent,
+        ),
+        strict=True,
+    ):
+        np.testing.assert_allclose(ga[right], gc[right], atol=1e-6, rtol=0)
+
+
+def test_splash_kernel_in_the_interpreter_equals_explicit():
+    """The TPU splash branch (segment ids for padding, GQA, q pre-scaled) run by the Pallas
+    interpreter on CPU: equal to the explicit path on valid queries, forward and gradients, to
+    1e-5 (blockwise online softmax: another summation order); finite on padding queries."""
+    t = 128  # one kernel block
+    q, k, v = _qkv(t, F32, b=3)
+    valid = _valid(t, [("right", 100), ("left", 30), ("none",)])
+    splash = jax.jit(functools.partial(attention._splash_attention, interpret=True))
+    explicit = _attend("xla")
+    a, s = explicit(q, k, v, valid), splash(q, k, v, valid)
+    assert np.isfinite(np.asarray(s)).all()
+    print(f"splash (interpreted) vs explicit max |d out| = {_max_diff(a, s, valid):.3e}")
+    np.testing.assert_allclose(a[valid], s[valid], atol=1e-5, rtol=0)
+    # The loss reads valid queries only (as the trainer's does).
+    cotangent = jnp.asarray(np.random.default_rng(1).normal(size=a.shape), F32)
+    cotangent = cotangent * valid[:, :, None, None]
+    for ga, gs in zip(
+        _grads(explicit, q, k, v, valid, cotangent),
+        _grads(splash, q, k, v, valid, cotangent),
+        strict=True,
+    ):
+        print(f"splash grad max diff = {_max_diff(ga, gs):.3e}")
+        np.testing.assert_allclose(ga, gs, atol=1e-5 * float(jnp.abs(ga).max()), rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole model under each kernel
+# ---------------------------------------------------------------------------------------------
+def _batch(t: int):
+    """Right-padded rows and one left-padded row (explicit positions), [3, t]."""
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(1, 64, size=(3, t)).astype(np.int32))
+    valid = _valid(t, [("right", t), ("right", t // 2 + 1), ("left", 3)])
+    positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0).astype(jnp.int32)
+    return tokens, positions, valid
+
+
+def _models(name: str, impls, seed: int = 11) -> dict:
+    """{impl: (graphdef, params)}: one set of parameters, a graph per attention kernel (the
+    kernel is a static attribute of the policy; only the first model is built, the others are
+    traced with eval_shape)."""
+
+    def build(impl):
+        policy = DTypePolicy.named(name, attention_impl=impl)
+        return Transformer(tiny_config(), policy, rngs=nnx.Rngs(seed))
+
+    params = nnx.split(build(impls[0]))[1]
+    return {impl: (nnx.split(nnx.eval_shape(lambda i=impl: build(i)))[0], params) for impl in impls}
+
+
+def test_model_forward_gradients_and_prefill_equal_under_xla_and_dot_product():
+    tokens, positions, valid = _batch(12)
+
+    def run(params, graphdef):
+        def loss(params):
+            logp = jax.nn.log_softmax(nnx.merge(graphdef, params)(tokens, positions, valid))
+            return jnp.sum(jnp.where(valid, logp[..., 5], 0.0))
+
+        logits = nnx.merge(graphdef, params)(tokens, positions, valid)
+        value, grads = jax.value_and_grad(loss)(params)
+        prefill = nnx.merge(graphdef, params).prefill(tokens[:2], jnp.array([12, 7]), 16)
+        return logits, value, grads, prefill
+
+    results = {}
+    # "auto" lowers to "xla" on CPU (test above).
+    for impl, (graphdef, params) in _models("float32", ("xla", "dot_product")).items():
+        results[impl] = jax.tree.leaves(jax.jit(run, static_argnums=1)(params, graphdef))
+    # fp32 model: the same attention values (see the kernel test) at every position, the
+    # left-padded row's padding positions included; logits, loss, every gradient, the prefill
+    # logits and KV cache. Tolerances: 1e-5 for a composed fp32 computation (design.md 5.8).
+    for a, b in zip(results["xla"], results["dot_product"], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_model_forward_under_the_fused_branches_on_cpu(monkeypatch):
+    """The model's bf16 forward through the cuDNN branch (its mask given to XLA) and the splash
+    branch (Pallas interpreter) on CPU, with this backend let through the selection: equal to
+    the explicit path on real tokens to bf16 rounding."""
+    monkeypatch.setattr(attention, "_GPU_BACKENDS", ("cpu",))
+    monkeypatch.setattr(attention, "_TPU_BACKENDS", ("cpu",))
+    monkeypatch.setattr(
+        attention,
+        "_cudnn_attention",
+        functools.partial(attention._cudnn_attention, implementation="xla"),
+    )
+    monkeypatch.setattr(
+        attention,
+        "_splash_attention",
+        functools.partial(attention._splash_attention, interpret=True),
+    )
+    tokens, positions, valid = _batch(128)
+    right = np.array([True, True, False])  # cuDNN: right padding only
+
+    models = _models("mixed_bf16", ("xla", "cudnn", "splash"))
+
+    def forward(impl):
+        graphdef, params = models[impl]
+        return jax.jit(lambda p: nnx.merge(graphdef, p)(tokens, positions, valid))(params)
+
+    ref = forward("xla")
+    scale = float(jnp.abs(ref).max())
+    for impl, rows in (("cudnn", right), ("splash", np.ones(3, bool))):
+        logits = forward(impl)
+        where = valid & rows[:, None]
+        diff = _max_diff(ref, logits, where)
+        print(f"mixed_bf16 model, {impl} vs xla: max |d logits| = {diff:.3e} (scale {scale:.2f})")
+        # bf16 activations: the branches round q (splash pre-scales it) and the probabilities
+        # at other points than the explicit path; the gap stays far below the logit scale.
+        assert diff < 0.02 * scale, (impl, diff, scale)
+        if impl == "cudnn":
+            assert np.isnan(np.asarray(logits[2])).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Precision
+# ---------------------------------------------------------------------------------------------
+_PRECISION = re.compile(r"stablehlo\.dot_general .*?precision = \[(\w+), (\w+)\]")
+
+
+def _train_step_precisions(policy, global_precision):
+    graphdef, params = nnx.split(Transformer(tiny_config(), policy, rngs=nnx.Rngs(0)))
+    tokens, positions, valid = _batch(8)
+
+    def loss(params):
+        logits = nnx.merge(graphdef, params)(tokens, positions, valid)
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 3])
+
+    with jax.default_matmul_precision(global_precision):
+        text = jax.jit(jax.value_and_grad(loss)).lower(params).as_text()
+    return [m for m in _PRECISION.findall(text)], len(re.findall(r"dot_general", text))
+
+
+def test_dot_product_attention_takes_the_policy_precision():
+    # float32 trainer under a "default" global flag: every dot, attention's forward and
+    # backward included, is HIGHEST (the scoped default_matmul_precision reaches
+    # jax.nn.dot_product_attention's einsums).
+    found, n_dots = _train_step_precisions(DTypePolicy.named("float32", "dot_product"), "default")
+    assert len(found) == n_dots > 10
+    assert set(found) == {("HIGHEST", "HIGHEST")}, found
+    # bf16 rollout policy under a "highest" global flag: no dot is HIGHEST (its bf16 q.k runs
+    # the BF16_BF16_F32 algorithm, the rest at the policy's DEFAULT).
+    found, _ = _train_step_precisions(DTypePolicy.named("bfloat16", "dot_product"), "highest")
+    assert found and ("HIGHEST", "HIGHEST") not in found, found
+    assert TRAIN_POLICY.attention_impl == "auto"
