@@ -1,15 +1,47 @@
-"""Train-step throughput of the jitted DVP-RLOO step on this machine's CPU.
+"""Train-step throughput, MFU, compile time and peak memory of the jitted DVP-RLOO step.
 
-Prints one JSON line: for the tiny and a ~50M-parameter config, tokens/s of `rl_update`
-(forward + chunked pruned logprobs + loss + backward + AdamW), CPU MFU against a measured
-`jnp.dot` peak, and the time ratio when the tokens per step double (expect <= 2.2x).
+Times `dvp_jax.train.step.rl_update` (forward + chunked pruned log-probs + loss + backward +
+AdamW; the MIS+DVP preset) jitted by `step.jit_step` with the state donated, on one device of
+the default backend (cpu, gpu or tpu, from `jax.default_backend()`). Prints one JSON line with,
+per configuration measured:
 
-  python benchmarks/train_step.py [--quick]
+* `tok_s`: tokens (batch x seq, every position goes through the model) per second, median step;
+* `mfu`: model FLOP/s over the peak. Model FLOPs per token are 6 N_matmul (matmul parameters of
+  the blocks and the unembedding, forward + backward) + 6 L T n_heads head_dim (causal
+  attention); recomputation (remat, the chunked loss's fourth matmul) is not counted. The peak
+  is the device's dense bf16 peak from `PEAK_BF16` on GPU/TPU (whatever `--policy`: an fp32
+  step is measured against the same peak), and a `jnp.dot` measured in this process in the
+  policy's compute dtype on CPU (`matmul_peak_gflops`);
+* `compile_s`: wall seconds of `.lower(...).compile()` of the step (tracing, lowering and XLA);
+* peak memory: `peak_bytes_in_use` of the device's `memory_stats()` where the backend has it
+  (GPU, TPU; the process-lifetime peak, state included), else the compiled executable's
+  `memory_analysis()` argument + output + temp bytes, less the donated (aliased) bytes
+  (`peak_memory_source` says which); `temp_gib` is the executable's scratch (activations,
+  gradients in flight) on every backend.
+
+Commands:
+
+  python benchmarks/train_step.py [--quick]        # CPU figures as before: "tiny" and "50m",
+                                                   # plus the time ratio at 2x the tokens
+  python benchmarks/train_step.py --preset qwen3_0_6b --batch 1 --seq 128 --quick   # CPU
+  python benchmarks/train_step.py --preset small --compile-layers 2,24   # compile vs depth
+  # H200 target (issue 10): qwen3_0_6b rl_step at 8 x 4096 tokens, mixed policy, >= 40% MFU;
+  # compile of the 28-layer step <= 15 s. Remat is needed until attention is fused (without
+  # it the fp32 [8, 16, 4096, 4096] scores of 28 layers would be kept: 240 GB).
+  python benchmarks/train_step.py --preset qwen3_0_6b --policy mixed_bf16 --batch 8 \
+      --seq 4096 --remat save_dots_no_batch
+
+`--preset` is a benchmark size ("tiny": d=128, 2 layers, V=64, the old figures; "small":
+d=256, 2 layers, V=8192; "50m": d=512, 12 layers, V=8192) or a `ModelConfig` preset
+(`qwen3_0_6b` ... `qwen3_14b`; ModelConfig's own 32-wide "tiny" is the test size and is not
+offered here). `--layers` overrides the depth. Default batch x seq: 64 x 32 (tiny), 8 x 256
+(small), 8 x 128 (50m), 8 x 4096 for the Qwen3 presets (issue 10's H200 shape).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -23,6 +55,7 @@ from flax import nnx
 
 from dvp_jax.dvp.losses import LossConfig
 from dvp_jax.model import ModelConfig, Transformer
+from dvp_jax.model.config import PRESETS, REMAT_POLICIES, TRAIN_PRECISIONS, DTypePolicy
 from dvp_jax.sharding import Sharder, count_params
 from dvp_jax.train import step as step_lib
 from dvp_jax.train.state import init_train_state, make_optimizer
@@ -31,7 +64,8 @@ from dvp_jax.train.state import init_train_state, make_optimizer
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.train_utils import synthetic_batch  # noqa: E402
 
-CONFIGS = {
+# Benchmark sizes (they take precedence over ModelConfig presets of the same name).
+SIZES = {
     "tiny": ModelConfig(
         vocab_size=64,
         d_model=128,
@@ -40,6 +74,17 @@ CONFIGS = {
         n_kv_heads=2,
         head_dim=32,
         d_ff=256,
+        tie_embeddings=True,
+    ),
+    # The width of the compile-time-vs-depth check (issue 10: 2 and 24 layers, same width).
+    "small": ModelConfig(
+        vocab_size=8192,
+        d_model=256,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=64,
+        d_ff=1024,
         tie_embeddings=True,
     ),
     "50m": ModelConfig(
@@ -53,6 +98,54 @@ CONFIGS = {
         tie_embeddings=True,
     ),
 }
+PRESET_NAMES = tuple(SIZES) + tuple(p for p in PRESETS if p not in SIZES)
+# Default (batch rows, sequence length) of a preset run: the old CPU sizes for the benchmark
+# sizes, issue 10's H200 target (8 x 4096) for the Qwen3 presets.
+DEFAULT_SHAPE = {"tiny": (64, 32), "small": (8, 256), "50m": (8, 128)}
+QWEN_SHAPE = (8, 4096)
+
+# Dense (no sparsity) bf16 tensor-core / MXU peak per device, FLOP/s, matched as lower-case
+# substrings of `jax.devices()[0].device_kind` in this order (more specific names first).
+# NVIDIA datasheets give bf16 "with sparsity"; dense is half. H100 SXM: 1,979 sparse -> 989;
+# H100 PCIe: 1,513 -> 756; H200 (SXM): same tensor cores as H100 SXM, 1,979 -> 989 (issue 10
+# used 790 TFLOP/s, which no datasheet gives; we use the datasheet); H200 NVL: 1,671 -> 835;
+# A100 (SXM and PCIe): 312 dense. Cloud TPU system-architecture pages: v5p 459, v5e 197,
+# v4 275, v6e 918 per chip. JAX names v5p "TPU v5" and v5e "TPU v5 lite".
+PEAK_BF16 = (
+    ("h200 nvl", 835e12, "NVIDIA H200 NVL datasheet, 1,671 TFLOP/s sparse / 2"),
+    ("h200", 989e12, "NVIDIA H200 datasheet (SXM), 1,979 TFLOP/s sparse / 2"),
+    ("h100 pcie", 756e12, "NVIDIA H100 datasheet (PCIe), 1,513 TFLOP/s sparse / 2"),
+    ("h100", 989e12, "NVIDIA H100 datasheet (SXM), 1,979 TFLOP/s sparse / 2"),
+    ("a100", 312e12, "NVIDIA A100 datasheet, 312 TFLOP/s dense"),
+    ("tpu v5 lite", 197e12, "Cloud TPU v5e docs, 197 TFLOP/s per chip"),
+    ("tpu v5e", 197e12, "Cloud TPU v5e docs, 197 TFLOP/s per chip"),
+    ("tpu v5p", 459e12, "Cloud TPU v5p docs, 459 TFLOP/s per chip"),
+    ("tpu v5", 459e12, "Cloud TPU v5p docs, 459 TFLOP/s per chip"),
+    ("tpu v6 lite", 918e12, "Cloud TPU v6e docs, 918 TFLOP/s per chip"),
+    ("tpu v6e", 918e12, "Cloud TPU v6e docs, 918 TFLOP/s per chip"),
+    ("tpu v4", 275e12, "Cloud TPU v4 docs, 275 TFLOP/s per chip"),
+)
+GiB = 2**30
+
+
+def device_peak(device_kind: str) -> tuple[float | None, str]:
+    """(dense bf16 FLOP/s, source) of a device kind from `PEAK_BF16`, or (None, reason)."""
+    kind = device_kind.lower()
+    for key, flops, source in PEAK_BF16:
+        if key in kind:
+            return flops, source
+    return None, f"device kind {device_kind!r} not in PEAK_BF16 (add its datasheet peak)"
+
+
+def model_config(preset: str, layers: int | None) -> ModelConfig:
+    """The benchmark size or ModelConfig preset `preset`, with `layers` overriding the depth."""
+    if preset in SIZES:
+        cfg = SIZES[preset]
+    elif preset in PRESETS:
+        cfg = PRESETS[preset]
+    else:
+        raise ValueError(f"--preset {preset!r} is unknown; allowed: {PRESET_NAMES}")
+    return cfg if layers is None else dataclasses.replace(cfg, n_layers=layers)
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -64,82 +157,261 @@ def _median_time(fn, repeats: int) -> float:
     return float(np.median(times))
 
 
-def matmul_peak_flops(n: int = 2048, repeats: int = 5) -> float:
-    """Measured fp32 FLOP/s of one jitted n x n x n `jnp.dot` (the MFU denominator)."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+def matmul_peak_flops(n: int = 2048, repeats: int = 5, dtype=jnp.float32) -> float:
+    """Measured FLOP/s of one jitted n x n x n `jnp.dot` in `dtype` (the CPU MFU denominator)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
     dot = jax.jit(jnp.dot)
     jax.block_until_ready(dot(a, b))
     return 2 * n**3 / _median_time(lambda: dot(a, b), repeats)
 
 
-def train_flops_per_token(cfg: ModelConfig, n_params: int, length: int) -> float:
-    """6 N (matmul params, fwd + bwd) + causal attention 6 * L * T * n_heads * head_dim."""
-    attn = 6 * cfg.n_layers * length * cfg.n_heads * cfg.head_dim  # QK^T and PV, /2 causal, x3
-    return 6 * n_params + attn
+def train_flops_per_token(cfg: ModelConfig, length: int) -> float:
+    """Model FLOPs per trained token: 6 N_matmul + causal attention 6 L T n_heads head_dim.
+
+    N_matmul counts the matmul weights of the blocks (q, k, v, o, gate, up, down) and the
+    unembedding [d, V]; the embedding lookup and the norms do no matmul. Attention: q.k and p.v
+    are 2 T n h multiply-adds per token and layer each, halved by the causal mask, x3 for
+    forward + backward.
+    """
+    d, n, k, h, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+    per_layer = 2 * d * n * h + 2 * d * k * h + 3 * d * f
+    n_matmul = cfg.n_layers * per_layer + d * cfg.vocab_size
+    return 6 * n_matmul + 6 * cfg.n_layers * length * n * h
 
 
-def measure(name: str, rows: int, length: int, repeats: int, peak: float) -> dict:
-    cfg = CONFIGS[name]
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
-    n_params = count_params(nnx.state(model))
+def _build(cfg: ModelConfig, policy: str, remat: str):
+    """(model, state, step_fn): a random model, its train state and the `jit_step`-ed update.
+
+    The state holds its own copy of the parameters: drop `model` once it is counted.
+    """
+    model = Transformer(cfg, DTypePolicy.named(policy), rngs=nnx.Rngs(0), remat=remat)
     optimizer = make_optimizer(1e-4, 0, 0.0, 1.0)
-    graphdef, state, _ = init_train_state(model, optimizer, 0, Sharder())
-    fn = jax.jit(
-        lambda s, b: step_lib.rl_update(
-            s,
-            b,
+    graphdef, state, state_sh = init_train_state(model, optimizer, 0, Sharder())
+    fn = step_lib.jit_step(
+        functools.partial(
+            step_lib.rl_update,
             graphdef=graphdef,
             optimizer=optimizer,
             loss_cfg=LossConfig.preset("mis_dvp"),
             chunk_size=min(8192, cfg.vocab_size),
             micro_batches=1,
         ),
-        donate_argnums=0,
+        state_sh,
+        None,
+        Sharder(),
     )
-    holder = {"state": state}
+    return model, state, fn
 
-    def run(batch):
-        holder["state"], metrics = fn(holder["state"], batch)
-        return metrics["loss"]
 
+def _batch(cfg: ModelConfig, rows: int, length: int):
+    return jax.tree.map(jnp.asarray, synthetic_batch(cfg.vocab_size, rows, length, length // 4))
+
+
+def _compile(fn, state, batch) -> tuple[object, float]:
+    t = time.perf_counter()
+    compiled = fn.lower(state, batch).compile()
+    return compiled, time.perf_counter() - t
+
+
+def _memory(compiled) -> dict:
+    """Peak memory: the device's allocator peak where it has one, else the executable's."""
     out = {}
-    for scale in (1, 2):
-        batch = jax.tree.map(
-            jnp.asarray, synthetic_batch(cfg.vocab_size, rows * scale, length, length // 4)
-        )
-        jax.block_until_ready(run(batch))  # compile + warm up
-        out[scale] = _median_time(functools.partial(run, batch), repeats)
+    analysis = compiled.memory_analysis()
+    if analysis is not None:
+        out["temp_gib"] = analysis.temp_size_in_bytes / GiB
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        out["peak_memory_gib"] = stats["peak_bytes_in_use"] / GiB
+        out["peak_memory_source"] = "memory_stats.peak_bytes_in_use"
+    elif analysis is not None:
+        a = analysis
+        total = a.argument_size_in_bytes + a.output_size_in_bytes + a.temp_size_in_bytes
+        out["peak_memory_gib"] = (total - a.alias_size_in_bytes) / GiB
+        out["peak_memory_source"] = "memory_analysis argument+output+temp-alias"
+    return out
+
+
+def measure(
+    cfg: ModelConfig,
+    rows: int,
+    length: int,
+    repeats: int,
+    peak: float | None,
+    *,
+    policy: str = "float32",
+    remat: str = "none",
+    scaling: bool = False,
+) -> dict:
+    """Compile, then time the step on a random batch of `rows` x `length` tokens.
+
+    With `scaling`, also times `2 * rows` rows and reports the time ratio (expect <= 2.2x).
+    """
+    model, state, fn = _build(cfg, policy, remat)
+    holder = {"state": state}
+    out = {"params": count_params(nnx.state(model)), "tokens_per_step": rows * length}
+    del model
+    times = {}
+    for scale in (1, 2) if scaling else (1,):
+        batch = _batch(cfg, rows * scale, length)
+        compiled, compile_s = _compile(fn, holder["state"], batch)
+        if scale == 1:
+            out["compile_s"] = compile_s
+
+        def run(compiled=compiled, batch=batch):
+            holder["state"], metrics = compiled(holder["state"], batch)
+            return metrics["loss"]
+
+        jax.block_until_ready(run())  # warm-up
+        times[scale] = _median_time(run, repeats)
+        if scale == 1:
+            out |= _memory(compiled)
     tokens = rows * length
-    flops = train_flops_per_token(cfg, n_params, length) * tokens
-    return {
-        f"{name}_params": n_params,
-        f"{name}_tokens_per_step": tokens,
-        f"{name}_step_s": out[1],
-        f"{name}_tok_s": tokens / out[1],
-        f"{name}_mfu": flops / out[1] / peak,
-        f"{name}_2x_tokens_time_ratio": out[2] / out[1],
-    }
+    out["step_s"] = times[1]
+    out["tok_s"] = tokens / times[1]
+    if peak:
+        out["mfu"] = train_flops_per_token(cfg, length) * tokens / times[1] / peak
+    if scaling:
+        out["2x_tokens_time_ratio"] = times[2] / times[1]
+    return out
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="fewer repeats, smaller batches")
-    args = parser.parse_args()
+def compile_seconds(cfg: ModelConfig, rows: int, length: int, policy: str, remat: str) -> float:
+    """Lower + compile seconds of the step, from abstract shapes (nothing is allocated)."""
+    optimizer = make_optimizer(1e-4, 0, 0.0, 1.0)
+    policy_ = DTypePolicy.named(policy)
+    graphdef = nnx.graphdef(
+        nnx.eval_shape(lambda: Transformer(cfg, policy_, rngs=nnx.Rngs(0), remat=remat))
+    )
+    state = jax.eval_shape(
+        lambda: init_train_state(
+            Transformer(cfg, policy_, rngs=nnx.Rngs(0), remat=remat), optimizer, 0, Sharder()
+        )[1]
+    )
+    fn = step_lib.jit_step(
+        functools.partial(
+            step_lib.rl_update,
+            graphdef=graphdef,
+            optimizer=optimizer,
+            loss_cfg=LossConfig.preset("mis_dvp"),
+            chunk_size=min(8192, cfg.vocab_size),
+            micro_batches=1,
+        ),
+        None,
+        None,
+        Sharder(),
+    )
+    batch = jax.eval_shape(lambda: _batch(cfg, rows, length))
+    return _compile(fn, state, batch)[1]
+
+
+def _round(result: dict) -> dict:
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer repeats (without --preset also the old smaller batches)",
+    )
+    parser.add_argument(
+        "--preset",
+        choices=PRESET_NAMES,
+        default=None,
+        help="one configuration (default: the old pair 'tiny' and '50m')",
+    )
+    parser.add_argument("--policy", choices=TRAIN_PRECISIONS, default="float32")
+    parser.add_argument("--remat", choices=REMAT_POLICIES, default="none")
+    parser.add_argument("--batch", type=int, default=None, help="rows per step")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per row")
+    parser.add_argument("--layers", type=int, default=None, help="override the preset's depth")
+    parser.add_argument(
+        "--compile-layers",
+        default=None,
+        metavar="L1,L2,...",
+        help="only compile the step (abstract shapes) at these depths, in interleaved rounds "
+        "(2 with --quick, else 3), and report each depth's fastest",
+    )
+    args = parser.parse_args(argv)
     repeats = 3 if args.quick else 5
-    peak = matmul_peak_flops(1024 if args.quick else 2048, repeats)
+    backend = jax.default_backend()
+    device = jax.devices()[0]
     result = {
-        "backend": jax.default_backend(),
+        "backend": backend,
+        "device_kind": device.device_kind,
         "devices": jax.device_count(),
-        "matmul_peak_gflops": peak / 1e9,
+        "devices_used": 1,
+        "policy": args.policy,
+        "remat": args.remat,
     }
-    result.update(
-        measure("tiny", rows=64 if not args.quick else 16, length=32, repeats=repeats, peak=peak)
-    )
-    result.update(
-        measure("50m", rows=8 if not args.quick else 2, length=128, repeats=repeats, peak=peak)
-    )
-    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}))
+    compute_dtype = DTypePolicy.named(args.policy).compute_dtype
+    peak = None
+    if args.compile_layers:
+        pass  # nothing runs: no MFU, no peak
+    elif backend == "cpu":
+        peak = matmul_peak_flops(1024 if args.quick else 2048, repeats, compute_dtype)
+        result["matmul_peak_gflops"] = peak / 1e9
+        result["peak_source"] = f"measured {jnp.dtype(compute_dtype).name} jnp.dot"
+    else:
+        peak, result["peak_source"] = device_peak(device.device_kind)
+        if peak:
+            result["peak_tflops"] = peak / 1e12
+
+    if args.preset is None:  # the old invocation: "tiny" and "50m" with the 2x-tokens ratio
+        if any(v is not None for v in (args.batch, args.seq, args.layers, args.compile_layers)):
+            parser.error("--batch, --seq, --layers and --compile-layers need --preset")
+        for name, rows, length in (
+            ("tiny", 16 if args.quick else 64, 32),
+            ("50m", 2 if args.quick else 8, 128),
+        ):
+            cfg = model_config(name, None)
+            m = measure(
+                cfg,
+                rows,
+                length,
+                repeats,
+                peak,
+                policy=args.policy,
+                remat=args.remat,
+                scaling=True,
+            )
+            result |= {f"{name}_{k}": v for k, v in m.items()}
+        print(json.dumps(_round(result)))
+        return
+
+    cfg = model_config(args.preset, args.layers)
+    rows, length = DEFAULT_SHAPE.get(args.preset, QWEN_SHAPE)
+    rows = rows if args.batch is None else args.batch
+    length = length if args.seq is None else args.seq
+    if rows < 1 or length < 4:
+        parser.error(
+            f"--batch must be >= 1 and --seq >= 4 (a quarter is prompt), got {rows}, {length}"
+        )
+    result |= {"preset": args.preset, "n_layers": cfg.n_layers, "d_model": cfg.d_model}
+    result |= {"batch": rows, "seq": length}
+    if args.compile_layers:
+        depths = [int(x) for x in args.compile_layers.split(",")]
+        # Interleaved rounds, the fastest of each depth: the first compile of a process also
+        # pays one-off costs (JAX and XLA warm-up) that are not the step's.
+        seconds = {n: [] for n in depths}
+        for _ in range(2 if args.quick else 3):
+            for n in depths:
+                c = dataclasses.replace(cfg, n_layers=n)
+                seconds[n].append(compile_seconds(c, rows, length, args.policy, args.remat))
+        for n in depths:
+            result[f"compile_s_{n}_layers"] = min(seconds[n])
+        result["compile_s_rounds"] = {n: [round(x, 2) for x in v] for n, v in seconds.items()}
+        result["compile_ratio_deepest_to_shallowest"] = (
+            result[f"compile_s_{max(depths)}_layers"] / result[f"compile_s_{min(depths)}_layers"]
+        )
+        del result["n_layers"]
+    else:
+        result |= measure(cfg, rows, length, repeats, peak, policy=args.policy, remat=args.remat)
+    print(json.dumps(_round(result)))
 
 
 if __name__ == "__main__":
