@@ -3,30 +3,58 @@
 Used by the trainer (save / resume) and by the rollout server (serve a run's latest params);
 it sits at the package top so neither imports the other.
 
-One `CheckpointManager` per workdir (`<workdir>/checkpoints`), keeping the last K steps. Each
-checkpoint holds two items: `state` (the `TrainState` pytree: params, optimizer, step, RNG) and
-`data` (the grain iterator state as JSON). Orbax writes each step into a temporary directory and
-renames it when complete, so a checkpoint is never half-written; an interrupted save leaves the
-previous one as the latest. Saves are synchronous so that a kill right after `save` returns
-cannot lose it.
+One `CheckpointManager` per workdir (`<workdir>/checkpoints`), keeping the last `keep` steps and
+deciding which steps to save: `save_interval_steps=every` (multiples of `every`; `every=0`: no
+interval, only the steps the caller forces), plus Orbax's own initial-save and preemption
+policies. The trainer asks at every step and forces step 0, the final step and the SIGTERM step.
+Each checkpoint holds three items:
+
+- `state`: the `TrainState` pytree (params, optimizer, step, RNG), `StandardSave`;
+- `data`: the data iterator through Grain's Orbax handler (`grain.checkpoint.CheckpointSave`),
+  which writes one `process_<i>-of-<n>.json` per host, so every host resumes its own shard's
+  position. The file holds the iterator's `get_state()` dict as JSON (for a `PromptIterator`
+  that includes its pipeline fingerprint, so a resume with a differently configured pipeline
+  fails naming the differing fields; a resume with another number of processes finds no
+  `process_<i>-of-<n>.json` and fails naming the file);
+- `extra`: small JSON (start-of-run eval, wall time).
+
+Atomicity: Orbax writes each step into a temporary directory and renames it when complete, so a
+checkpoint is never half-written; an interrupted save leaves the previous one as the latest
+(old steps beyond `keep` are deleted only after the new one is complete).
+
+Saves are asynchronous (`enable_async_checkpointing=True`): `save` returns once the arrays
+are copied to host memory and the data and extra items are written (Grain's handler is
+synchronous, so the iterator position is the one at the `save` call), and the array files are
+written in a background thread while the next step runs. What is guaranteed:
+the state saved is the one passed (the device-to-host copy is done before `save` returns, so
+the trainer may donate the buffers to the next step); a new save first waits for the previous
+one; `wait()` blocks until the last save is on disk and re-raises its error, and `close()`
+calls it, so the trainer waits before it preempts or exits. A SIGKILL during the background
+write leaves an uncommitted step (a temporary directory, or on gs:// a step without its commit
+file), which Orbax does not list: the resume starts from the previous complete step, bit-exact
+(tests/test_trainer.py, tests/test_faults.py). Pass `asynchronous=False` for saves that are on
+disk when `save` returns.
 
 Resuming (`Checkpointer.restore_latest`) tries the steps newest first. A step whose files were
 damaged after the fact (a truncated array file, a missing `state/_METADATA`, a missing item
-directory, unparsable JSON) is logged with its path and error and the next older step is tried.
-Once an intact step is restored, every newer damaged step directory is moved, not deleted, to
-`<workdir>/checkpoints/damaged/<step>-<UTC time>`, where Orbax no longer lists it, so the next
-save of that step number writes a fresh checkpoint and the next resume does not try it again.
-When every step is damaged nothing is moved and a `RuntimeError` lists the paths.
+directory or `data/process_<i>-of-<n>.json`, unparsable JSON) is logged with its path and error
+and the next older step is tried. Once an intact step is restored, every newer damaged step
+directory is moved, not deleted, to `<workdir>/checkpoints/damaged/<step>-<UTC time>`, where
+Orbax no longer lists it, so the next save of that step number writes a fresh checkpoint and
+the next resume does not try it again. When every step is damaged nothing is moved and a
+`RuntimeError` lists the paths.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import os
 import sys
 import time
 from typing import Any
 
+import grain.checkpoint as grain_checkpoint
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -43,63 +71,97 @@ DAMAGED_DIR = "damaged"
 class Checkpointer:
     """The checkpoints of one run: save, resume from the newest intact step, restore a step."""
 
-    def __init__(self, workdir: str, keep: int):
+    def __init__(self, workdir: str, keep: int, every: int = 0, *, asynchronous: bool = True):
+        """Opens (creating it if needed) `<workdir>/checkpoints`.
+
+        Args:
+          workdir: the run directory (any epath: local, gs://, ...).
+          keep: the number of newest steps kept (`max_to_keep`).
+          every: `save_interval_steps`: `save` writes the multiples of `every` (and forced
+            steps); 0 means no interval, only forced steps (and Orbax's preemption and
+            initial saves).
+          asynchronous: write the arrays in a background thread (module docstring).
+        """
+        if every < 0:
+            raise ValueError(f"checkpoint.every must be >= 0 (0: only forced saves), got {every}")
         self.directory = as_path(workdir) / "checkpoints"  # an epath: local, gs://, ...
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep, create=True, enable_async_checkpointing=False
+                save_interval_steps=every if every > 0 else None,
+                max_to_keep=keep,
+                create=True,
+                enable_async_checkpointing=asynchronous,
             ),
         )
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, state: Any, data_state: dict[str, Any], extra: dict) -> None:
-        """Saves step `step` (overwrites nothing: an existing step is skipped).
+    def save(self, step: int, state: Any, data: Any, extra: dict, *, force: bool = False) -> bool:
+        """Saves step `step` if the manager's policy asks for it (or `force`).
+
+        The manager's policy: multiples of `every`, the first save of an empty directory, and
+        a preemption step agreed by all hosts (`reached_preemption`). The same call must be
+        made on every host (the decision depends only on the step and the shared directory).
+        An existing step is never overwritten (skipped).
+
+        Args:
+          step: the step number.
+          state: the `TrainState` pytree.
+          data: the data iterator (a `PromptIterator`, a grain `DatasetIterator`, or anything
+            with `get_state() -> JSON-able dict` / `set_state(dict)`); its state is read now.
+          extra: small JSON-able dict.
+          force: save even off the interval (step 0, the final step, SIGTERM).
+
+        Returns:
+          Whether a save was started (with `asynchronous`, `wait()` for it to be on disk).
 
         Raises:
-          RuntimeError: Orbax declined the save (a newer step is already listed), which would
-            otherwise lose the checkpoint silently.
+          RuntimeError: `step` is older than the newest step in the directory (Orbax would
+            decline or misorder it); resume from that step or use a new workdir.
         """
         if step in self.manager.all_steps():
-            return
-        saved = self.manager.save(
+            return False
+        latest = self.latest_step()
+        if latest is not None and step < latest:
+            raise RuntimeError(
+                f"checkpoint {step} was not saved: {self.directory} already holds the newer step "
+                f"{latest}; resume from that step or use a new workdir"
+            )
+        if not (force or self.manager.should_save(step)):
+            return False
+        self.manager.save(
             step,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
-                data=ocp.args.JsonSave(data_state),
+                data=grain_checkpoint.CheckpointSave(item=_IteratorItem(data)),
                 extra=ocp.args.JsonSave(extra),
             ),
+            force=True,
         )
-        self.manager.wait_until_finished()
-        if not saved:
-            raise RuntimeError(
-                f"checkpoint {step} was not saved: {self.directory} already holds the newer step "
-                f"{self.latest_step()}; resume from that step or use a new workdir"
-            )
-        logging.info("saved checkpoint %d to %s", step, self.directory)
+        logging.info("saving checkpoint %d to %s", step, self.directory)
+        return True
 
-    def restore(self, abstract_state: Any, step: int | None = None):
-        """Restores (state, data_state, extra) at `step` (default: latest) into the given layout.
+    def wait(self) -> None:
+        """Blocks until the last save is on disk; re-raises an error of its background write."""
+        self.manager.wait_until_finished()
+
+    def restore(self, abstract_state: Any, data: Any, step: int | None = None):
+        """Restores (state, data, extra) at `step` (default: latest) into the given layout.
 
         Args:
           abstract_state: a TrainState of `jax.ShapeDtypeStruct`s carrying the target shardings
             (from `jax.eval_shape` + the step's shardings), so every array lands sharded.
+          data: the data iterator (as for `save`), set in place to the saved position and
+            returned.
         """
         step = self.latest_step() if step is None else step
-        restored = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state),
-                data=ocp.args.JsonRestore(),
-                extra=ocp.args.JsonRestore(),
-            ),
-        )
+        restored = self.manager.restore(step, args=_restore_args(abstract_state, data))
         logging.info("restored checkpoint %d from %s", step, self.directory)
-        return restored["state"], restored["data"], restored["extra"]
+        return restored["state"], data, restored["extra"]
 
-    def restore_latest(self, abstract_state: Any) -> tuple[int, Any, Any, dict] | None:
+    def restore_latest(self, abstract_state: Any, data: Any) -> tuple[int, Any, Any, dict] | None:
         """Restores the newest intact step, setting aside newer damaged ones.
 
         Steps are tried newest first. A step that fails to restore is logged (one warning line
@@ -112,10 +174,12 @@ class Checkpointer:
 
         Args:
           abstract_state: as for `restore`.
+          data: the data iterator, set in place to the restored step's position (a failed
+            step may have set it; the step finally restored sets it again).
 
         Returns:
-          (step, state, data_state, extra) of the restored step, or None when the directory
-          holds no checkpoint.
+          (step, state, data, extra) of the restored step, or None when the directory holds
+          no checkpoint (`data` untouched).
 
         Raises:
           RuntimeError: every step failed to restore; the message lists each step directory
@@ -130,7 +194,7 @@ class Checkpointer:
             path = self._step_dir(step)
             try:
                 _check_layout(path)
-                restored = self._restore_here(path, abstract_state)
+                restored = self._restore_here(path, abstract_state, data)
                 error = None
             except Exception as e:  # any failure means "do not resume from here"
                 restored, error = None, _one_line(e)
@@ -138,7 +202,7 @@ class Checkpointer:
                 _discard_abandoned_reads()
             failed = _failed_processes(error is not None)
             if not failed:
-                state, data_state, extra = restored
+                state, _, extra = restored
                 break
             if error is None:
                 error = f"restored here but failed on process(es) {failed}"
@@ -168,12 +232,14 @@ class Checkpointer:
                 ", ".join(f"{src} -> {dst}" for src, dst in moved),
             )
         logging.info("restored checkpoint %d from %s", step, self.directory)
-        return step, state, data_state, extra
+        return step, state, data, extra
 
     def _step_dir(self, step: int) -> str:
         return self.directory / str(step)
 
-    def _restore_here(self, path: epath.Path, abstract_state: Any) -> tuple[Any, Any, dict]:
+    def _restore_here(
+        self, path: epath.Path, abstract_state: Any, data: Any
+    ) -> tuple[Any, Any, dict]:
         """Restores one step directory in this process only.
 
         Orbax's own restore ends in a barrier over all processes; a process that failed before
@@ -187,15 +253,8 @@ class Checkpointer:
             composite_options=ocp.CompositeOptions(multiprocessing_options=local)
         )
         with ocp.Checkpointer(handler, multiprocessing_options=local) as checkpointer:
-            restored = checkpointer.restore(
-                path,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state),
-                    data=ocp.args.JsonRestore(),
-                    extra=ocp.args.JsonRestore(),
-                ),
-            )
-        return restored["state"], restored["data"], restored["extra"]
+            restored = checkpointer.restore(path, args=_restore_args(abstract_state, data))
+        return restored["state"], data, restored["extra"]
 
     def _set_aside(self, paths: list[str]) -> list[tuple[str, str]]:
         """Moves damaged step directories under `checkpoints/damaged/` and re-lists the steps.
@@ -231,17 +290,64 @@ class Checkpointer:
         return moved
 
     def close(self):
-        self.manager.close()
+        """Waits for the last save (re-raising its error), then closes the manager."""
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
+
+
+class _IteratorItem:
+    """An iterator as Grain's checkpoint handler sees it (its non-`DatasetIterator` branch).
+
+    The handler writes `get_state()` (bytes: the iterator's state dict as JSON) to
+    `data/process_<i>-of-<n>.json` and restores with `set_state(bytes)` then
+    `start_prefetch()`. Going through bytes keeps the iterator's own `get_state`/`set_state`
+    (a `PromptIterator` checks its pipeline fingerprint there).
+    """
+
+    def __init__(self, iterator: Any):
+        self.iterator = iterator
+
+    def get_state(self) -> bytes:
+        return json.dumps(self.iterator.get_state(), indent=2, sort_keys=True).encode()
+
+    def set_state(self, state: bytes) -> None:
+        self.iterator.set_state(json.loads(state.decode()))
+
+    def start_prefetch(self) -> None:
+        start = getattr(self.iterator, "start_prefetch", None)
+        if start is not None:
+            start()
+
+
+def _restore_args(abstract_state: Any, data: Any) -> ocp.args.Composite:
+    return ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state),
+        data=grain_checkpoint.CheckpointRestore(item=_IteratorItem(data)),
+        extra=ocp.args.JsonRestore(),
+    )
+
+
+def data_file(path: epath.Path) -> epath.Path:
+    """This process's iterator-state file in a step directory (Grain's handler's name)."""
+    return path / "data" / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
 
 
 def _check_layout(path: epath.Path) -> None:
-    """Raises FileNotFoundError naming the first missing item directory or state metadata."""
+    """Raises FileNotFoundError naming the first missing item directory, the state metadata or
+    this process's iterator-state file."""
     for item in ITEMS:
         if not (path / item).is_dir():
             raise FileNotFoundError(f"missing item directory {path / item}")
     metadata = path / "state" / "_METADATA"
     if not metadata.is_file():
         raise FileNotFoundError(f"missing {metadata}")
+    if not data_file(path).is_file():
+        raise FileNotFoundError(
+            f"missing {data_file(path)} (this process's data iterator state; a checkpoint "
+            "saved with another number of processes has other files)"
+        )
 
 
 def _one_line(error: BaseException) -> str:

@@ -1,9 +1,11 @@
-"""Resuming from damaged checkpoints (`Checkpointer.restore_latest`, issue 13).
+"""Checkpoints: the save interval, the data iterator through Grain's handler, async saves, and
+resuming from damaged checkpoints (`Checkpointer.restore_latest`, issues 12 and 13).
 
 Steps 1, 2 and 3 of a tiny `TrainState` (real AdamW state, one 128x128 float32 matrix of random
-values so its array file is the largest file of the `state` item and does not compress) are
-saved once; each test damages a copy of that directory. The last test runs two CPU processes
-where only one of them sees the damage.
+values so its array file is the largest file of the `state` item and does not compress) and of
+a real prompt iterator (`make_prompt_iterator` on the arithmetic task, advanced `step` batches)
+are saved once, asynchronously; each test damages a copy of that directory. The last test runs
+two CPU processes where only one of them sees the damage.
 """
 
 import gc
@@ -20,6 +22,9 @@ import portpicker
 import pytest
 
 from dvp_jax.checkpoint import Checkpointer, abstract_like, state_item_dir
+from dvp_jax.data.pipeline import make_prompt_iterator
+from dvp_jax.data.tasks import ArithmeticTask
+from dvp_jax.rollout.tokenizers import CharTokenizer
 from dvp_jax.train.state import TrainState, make_optimizer
 from tests.train_utils import REPO
 
@@ -34,8 +39,25 @@ def _state(seed: int) -> TrainState:
     return TrainState(step=jnp.int32(seed), params=params, opt_state=opt_state, rng=rng)
 
 
-def _data(seed: int) -> dict:
-    return {"grain": {"next_index": 10 * seed}}
+def _data(seed: int, batch_size: int = 2):
+    """A prompt iterator that has yielded `seed` batches (`seed=0`: a fresh one)."""
+    it = make_prompt_iterator(
+        ArithmeticTask(),
+        CharTokenizer(),
+        batch_size=batch_size,
+        max_prompt_len=16,
+        process_index=0,
+        process_count=1,
+    )
+    for _ in range(seed):
+        next(it)
+    return it
+
+
+def _next_batches(it, n: int = 3) -> list[tuple]:
+    return [
+        (b.tokens.tolist(), b.indices.tolist(), b.answers) for b in (next(it) for _ in range(n))
+    ]
 
 
 def _extra(seed: int) -> dict:
@@ -46,10 +68,16 @@ def _extra(seed: int) -> dict:
 def saved(tmp_path_factory):
     """A workdir holding intact steps 1, 2, 3 (copied by each test before damaging it)."""
     workdir = tmp_path_factory.mktemp("template")
-    ckpt = Checkpointer(str(workdir), keep=5)
+    ckpt = Checkpointer(str(workdir), keep=5)  # asynchronous
     for step in (1, 2, 3):
-        ckpt.save(step, _state(step), _data(step), _extra(step))
-    ckpt.close()
+        state, data = _state(step), _data(step)
+        assert ckpt.save(step, state, data, _extra(step), force=True)
+        # The async guarantees: `save` returns once it holds host copies of the arrays and the
+        # iterator position, so the caller may delete (donate) the arrays and iterate on.
+        for leaf in jax.tree.leaves(state):
+            leaf.delete()
+        _next_batches(data, 5)
+    ckpt.close()  # waits for the background writes
     return workdir
 
 
@@ -63,15 +91,19 @@ def _abstract():
     return abstract_like(_state(0), None)
 
 
-def _assert_restored(result, step, seed):
+def _assert_restored(result, step, seed, data=None):
+    """`data`: the iterator passed to the restore (it must have been set in place)."""
     assert result is not None
-    got_step, state, data_state, extra = result
+    got_step, state, restored_data, extra = result
     assert got_step == step
     expected = _state(seed)
     assert jax.tree.structure(state) == jax.tree.structure(expected)
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # bit-exact
-    assert data_state == _data(seed)
+    if data is not None:
+        assert restored_data is data
+    # The restored iterator yields exactly the batches the saved one would have yielded next.
+    assert _next_batches(restored_data) == _next_batches(_data(seed))
     assert extra == _extra(seed)
 
 
@@ -95,6 +127,10 @@ def _delete_data_item(step_dir):
     shutil.rmtree(os.path.join(step_dir, "data"))
 
 
+def _delete_data_file(step_dir):
+    os.remove(os.path.join(step_dir, "data", "process_0-of-1.json"))
+
+
 def _garble_extra_json(step_dir):
     with open(os.path.join(step_dir, "extra", "metadata"), "w") as f:
         f.write('{"start_eval": ')
@@ -104,6 +140,7 @@ DAMAGE = {
     "truncated_array_file": _truncate_largest_state_file,
     "missing_state_metadata": _delete_state_metadata,
     "missing_data_item": _delete_data_item,
+    "missing_data_file": _delete_data_file,
     "unparsable_extra_json": _garble_extra_json,
 }
 
@@ -130,12 +167,13 @@ def test_damaged_latest_falls_back_to_previous_step(workdir, damage, caplog):
     # The fault: restoring the damaged step raises (a raw Orbax/TensorStore/JSON error); before
     # `restore_latest` the trainer resumed exactly like this and the run could not restart.
     with pytest.raises(Exception):  # noqa: B017, PT011 - the raw error differs per damage
-        ckpt.restore(_abstract(), 3)
+        ckpt.restore(_abstract(), _data(0), 3)
 
+    data = _data(0)
     with caplog.at_level(logging.WARNING):
-        result = ckpt.restore_latest(_abstract())
+        result = ckpt.restore_latest(_abstract(), data)
     gc.collect()
-    _assert_restored(result, step=2, seed=2)
+    _assert_restored(result, step=2, seed=2, data=data)
     skipped = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
     assert len(skipped) == 1 and step3 in skipped[0], caplog.text
     assert "\n" not in skipped[0]
@@ -147,13 +185,13 @@ def test_damaged_latest_falls_back_to_previous_step(workdir, damage, caplog):
     assert ckpt.latest_step() == 2 and list(ckpt.manager.all_steps()) == [1, 2]
 
     # The resumed run reaches step 3 again: saving it writes a fresh checkpoint (not skipped).
-    ckpt.save(3, _state(33), _data(33), _extra(33))
+    assert ckpt.save(3, _state(33), _data(33), _extra(33), force=True)
     ckpt.close()
     assert os.fspath(state_item_dir(str(workdir))) == os.path.join(step3, "state")
     ckpt = Checkpointer(str(workdir), keep=5)
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        result = ckpt.restore_latest(_abstract())
+        result = ckpt.restore_latest(_abstract(), _data(0))
     _assert_restored(result, step=3, seed=33)
     assert not [r for r in caplog.records if "is damaged" in r.getMessage()], caplog.text
     ckpt.close()
@@ -161,7 +199,7 @@ def test_damaged_latest_falls_back_to_previous_step(workdir, damage, caplog):
 
 def test_empty_directory_returns_none(tmp_path):
     ckpt = Checkpointer(str(tmp_path / "run"), keep=2)
-    assert ckpt.restore_latest(_abstract()) is None
+    assert ckpt.restore_latest(_abstract(), _data(0)) is None
     ckpt.close()
 
 
@@ -171,7 +209,7 @@ def test_every_step_damaged_raises_listing_paths_and_moves_nothing(workdir):
         _delete_data_item(step_dir)
     ckpt = Checkpointer(str(workdir), keep=5)
     with pytest.raises(RuntimeError, match="no checkpoint under .* can be restored") as info:
-        ckpt.restore_latest(_abstract())
+        ckpt.restore_latest(_abstract(), _data(0))
     for step_dir in steps:
         assert step_dir in str(info.value)
         assert os.path.isdir(step_dir)
@@ -188,11 +226,11 @@ def test_layout_mismatch_moves_nothing(workdir):
     abstract.params["w"] = jax.ShapeDtypeStruct((128, 64), jnp.float32)
     ckpt = Checkpointer(str(workdir), keep=5)
     with pytest.raises(RuntimeError, match="no longer match this run's state"):
-        ckpt.restore_latest(abstract)
+        ckpt.restore_latest(abstract, _data(0))
     gc.collect()
     assert list(ckpt.manager.all_steps()) == [1, 2, 3]
     assert not os.path.exists(os.path.join(str(workdir), "checkpoints", "damaged"))
-    _assert_restored(ckpt.restore_latest(_abstract()), step=3, seed=3)
+    _assert_restored(ckpt.restore_latest(_abstract(), _data(0)), step=3, seed=3)
     ckpt.close()
 
 
@@ -201,9 +239,33 @@ def test_save_older_than_latest_raises(workdir):
     shutil.rmtree(os.path.join(str(workdir), "checkpoints", "1"))
     ckpt = Checkpointer(str(workdir), keep=5)
     with pytest.raises(RuntimeError, match="checkpoint 1 was not saved"):
-        ckpt.save(1, _state(1), _data(1), _extra(1))
-    ckpt.save(2, _state(22), _data(22), _extra(22))  # an existing step is still skipped
-    _assert_restored(ckpt.restore_latest(_abstract()), step=3, seed=3)
+        ckpt.save(1, _state(1), _data(1), _extra(1), force=True)
+    # An existing step is still skipped, forced or not.
+    assert not ckpt.save(2, _state(22), _data(22), _extra(22), force=True)
+    _assert_restored(ckpt.restore_latest(_abstract(), _data(0)), step=3, seed=3)
+    ckpt.close()
+
+
+@pytest.mark.parametrize(("every", "expected"), [(3, [0, 3, 6, 9, 10]), (0, [0, 10])])
+def test_save_interval_saves_multiples_of_every_plus_forced_steps(tmp_path, every, expected):
+    """The trainer offers every step and forces step 0 and the last one (as here, steps 0..10);
+    `every=0` keeps only the forced steps."""
+    state, data = {"w": jnp.arange(4.0)}, _data(0)
+    ckpt = Checkpointer(str(tmp_path / "run"), keep=20, every=every)
+    saved = [s for s in range(11) if ckpt.save(s, state, data, {}, force=s in (0, 10))]
+    ckpt.close()
+    assert saved == expected
+    assert list(Checkpointer(str(tmp_path / "run"), keep=20).manager.all_steps()) == expected
+
+
+def test_restore_into_a_differently_configured_pipeline_names_the_field(workdir):
+    """The prompt iterator's fingerprint travels in Grain's JSON: a resume with another batch
+    size fails every step naming the field, and nothing is set aside as damaged."""
+    ckpt = Checkpointer(str(workdir), keep=5)
+    with pytest.raises(RuntimeError, match="batch_size: saved 2 vs now 4"):
+        ckpt.restore_latest(_abstract(), _data(0, batch_size=4))
+    assert list(ckpt.manager.all_steps()) == [1, 2, 3]
+    assert not os.path.exists(os.path.join(str(workdir), "checkpoints", "damaged"))
     ckpt.close()
 
 
@@ -220,6 +282,7 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import grain
 from dvp_jax.checkpoint import Checkpointer
 
 sharding = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x"))
@@ -228,19 +291,25 @@ def state(seed):
     w = np.random.RandomState(seed).randn(128, 128).astype(np.float32)
     return {"w": jax.make_array_from_callback(w.shape, sharding, lambda i: w[i])}
 
+def data(step):  # this process's shard (pid, pid + 2, ...), `step` items consumed
+    it = iter(grain.MapDataset.range(100)[pid::2])
+    for _ in range(step):
+        next(it)
+    return it
+
 ckpt = Checkpointer(workdir, keep=5)
 if phase == "save":
     for step in (1, 2, 3):
-        ckpt.save(step, state(step), {"g": step}, {})
+        ckpt.save(step, state(step), data(step), {}, force=True)
 else:
     abstract = {"w": jax.ShapeDtypeStruct((128, 128), np.float32, sharding=sharding)}
-    step, restored, data_state, _ = ckpt.restore_latest(abstract)
+    step, restored, it, _ = ckpt.restore_latest(abstract, data(0))
     want = state(step)["w"].addressable_shards
     exact = all(
         np.array_equal(np.asarray(a.data), np.asarray(b.data))
         for a, b in zip(restored["w"].addressable_shards, want, strict=True)
     )
-    print(f"RESULT step={step} g={data_state['g']} exact={exact}", flush=True)
+    print(f"RESULT step={step} next={next(it)} exact={exact}", flush=True)
 ckpt.close()
 """
 
@@ -276,13 +345,20 @@ def test_two_processes_agree_when_only_one_sees_the_damage(tmp_path):
     """A truncated array file of process 1 fails only process 1's reads; both must still
     resume from the same older step (no process left waiting in Orbax's restore barrier)."""
     _run_two_processes("save", tmp_path)
+    data_dir = os.path.join(str(tmp_path), "checkpoints", "3", "data")
+    assert [f for f in sorted(os.listdir(data_dir)) if f.startswith("process_")] == [
+        "process_0-of-2.json",
+        "process_1-of-2.json",
+    ]
     files = os.path.join(str(tmp_path), "checkpoints", "3", "state", "ocdbt.process_1", "d")
     largest = max((os.path.join(files, f) for f in os.listdir(files)), key=os.path.getsize)
     with open(largest, "r+b") as f:
         f.truncate(os.path.getsize(largest) // 2)
     out0, out1 = _run_two_processes("restore", tmp_path)
-    for out in (out0, out1):
-        assert "RESULT step=2 g=2 exact=True" in out, out[-3000:]
+    # Each process resumes its own iterator position (Grain's process_<i>-of-2.json): the item
+    # after 2 consumed of shard pid, pid + 2, ... is 4 + pid.
+    for pid, out in enumerate((out0, out1)):
+        assert f"RESULT step=2 next={4 + pid} exact=True" in out, out[-3000:]
     step3 = os.path.join(str(tmp_path), "checkpoints", "3")
     assert "OUT_OF_RANGE" in out1 and step3 in out1  # the process that saw the damage says so
     assert "failed on process(es) [1]" in out0

@@ -178,6 +178,8 @@ def test_server_loads_hf_and_orbax_checkpoints(tmp_path):
     # AdamW state) and the run's model_config.json; the server reads the params alone.
     import json
 
+    import grain
+
     from dvp_jax.checkpoint import Checkpointer
     from dvp_jax.sharding import Sharder
     from dvp_jax.train.state import init_train_state, make_optimizer
@@ -185,7 +187,7 @@ def test_server_loads_hf_and_orbax_checkpoints(tmp_path):
     _, train_state, _ = init_train_state(master, make_optimizer(1e-3, 0, 0.0, 1.0), 0, Sharder())
     run = tmp_path / "run"
     ckpt = Checkpointer(str(run), keep=1)
-    ckpt.save(7, train_state, {"grain": {}}, {})
+    ckpt.save(7, train_state, iter(grain.MapDataset.range(4)), {}, force=True)
     ckpt.close()
     (run / "model_config.json").write_text(json.dumps(master.cfg.to_hf()))
     sources = {

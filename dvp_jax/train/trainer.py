@@ -113,7 +113,7 @@ def _check_same_architecture(ours, theirs, path: str) -> None:
 def build_model(cfg: ExperimentConfig, sharder: Sharder) -> Transformer:
     """The trainer model (`train.precision`: true fp32 by default), born sharded: from
     `model.hf_path` or a random init."""
-    policy = DTypePolicy.named(cfg.train.precision)
+    policy = DTypePolicy.named(cfg.train.precision, attention_impl=cfg.train.attention_impl)
     if cfg.init_hf_path:
         _check_same_architecture(cfg.model, load_hf_config(cfg.init_hf_path), cfg.init_hf_path)
         return load_hf(cfg.init_hf_path, policy, sharder, cfg=cfg.model, remat=cfg.train.remat)
@@ -238,7 +238,9 @@ class Trainer:
         )
 
         # Output (the writer is made by `_open_outputs` once the run is known to fit).
-        self.checkpointer = Checkpointer(self.workdir, cfg.checkpoint.keep)
+        self.checkpointer = Checkpointer(
+            self.workdir, cfg.checkpoint.keep, every=cfg.checkpoint.every
+        )
         self.metrics_log = metrics_lib.MetricsLog(self.workdir, write=self.is_lead)
         self.writer = None
         self.preemption = _Preemption(self.checkpointer)
@@ -274,9 +276,12 @@ class Trainer:
     def _wall_time(self) -> float:
         return self._earlier_wall_time + time.time() - self._attempt_start
 
-    def _save(self, step: int, extra: dict) -> None:
+    def _save(self, step: int, extra: dict, *, force: bool = False) -> None:
+        """Offers step `step` to the checkpoint manager (multiples of `checkpoint.every`,
+        Orbax's agreed preemption step) or forces it; the array files are written in the
+        background (`Checkpointer.wait` before preempting or exiting)."""
         extra = {**extra, "wall_time_s": self._wall_time()}
-        self.checkpointer.save(step, self.state, self.data.get_state(), extra)
+        self.checkpointer.save(step, self.state, self.data, extra, force=force)
 
     def _sync_weights(self) -> None:
         """Trainer fp32 params -> rollout engine (cast to the rollout dtype, resharded)."""
@@ -443,7 +448,9 @@ class Trainer:
         which has no checkpoint and is redone on resume).
         """
         cfg = self.cfg
-        restored = self.checkpointer.restore_latest(abstract_like(self.state, self.state_sh))
+        restored = self.checkpointer.restore_latest(
+            abstract_like(self.state, self.state_sh), self.data
+        )
         if restored is None:
             self._open_outputs(None)
             if not self.warm_up():
@@ -453,10 +460,9 @@ class Trainer:
             start_eval = self.evaluate(0)
             self._log(0, {**start_eval, "phase": 0.0})
             extra = {"start_eval": start_eval}
-            self._save(0, extra)
-        else:
-            latest, self.state, data_state, extra = restored
-            self.data.set_state(data_state)
+            self._save(0, extra, force=True)
+        else:  # the data iterator is set in place (Grain's handler)
+            latest, self.state, _, extra = restored
             self._open_outputs(latest)
             self._earlier_wall_time = float(extra.get("wall_time_s", 0.0))
             self._sync_weights()
@@ -486,19 +492,17 @@ class Trainer:
                 )
             progress(step)
             preempted = self.preemption.reached(step)  # every host asks at every step
-            if (
-                preempted
-                or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
-                or step == cfg.train.steps
-            ):
-                self._save(step, extra)
+            # Every host offers every step; the manager saves multiples of checkpoint.every.
+            self._save(step, extra, force=preempted or step == cfg.train.steps)
             if preempted:
+                self.checkpointer.wait()  # on disk before the process exits
                 logging.warning(
                     "preempted: checkpoint saved at step %d; rerun the same command to resume", step
                 )
                 return {"preempted_at": step}
 
-        final_eval = self.evaluate(cfg.train.steps)
+        final_eval = self.evaluate(cfg.train.steps)  # overlaps the final step's write
+        self.checkpointer.wait()  # the final step is on disk before the summary says done
         self._log(cfg.train.steps, {**final_eval, "phase": 1.0})
         summary = self._summary(start_eval, final_eval, self._wall_time())
         if self.is_lead:
