@@ -322,11 +322,15 @@ class Trainer:
     def warm_up(self) -> bool:
         """Supervised warm-up (`train/sft.py`); RL then starts with a fresh optimizer.
 
-        Returns False if preempted (SIGTERM) during the warm-up.
+        Returns False if preempted (SIGTERM) during the warm-up. Called outside `run()` (a
+        trainer used as a library, as experiments/e001 does), it starts the workdir's outputs
+        as a fresh run first.
         """
         cfg = self.cfg
         if cfg.sft.steps == 0 or self.task is None:
             return True
+        if self.writer is None:
+            self._open_outputs(None)
         params = sft.warm_up(
             nnx.merge(self.graphdef, self.state.params),
             self.task,
