@@ -5,10 +5,10 @@ Command:
   (or `make demo`). Method: `--config.method=rloo|tis|mis|dvp|mis_dvp`, or the config argument
   `--config configs/tiny_cpu.py:mis_dvp`.
 Hardware: 2 CPU cores, no accelerator.
-Expected: the 600-step supervised warm-up takes the random model to ~28% held-out avg@4 on
+Expected: the 600-step supervised warm-up takes the random model to ~27% held-out avg@4 on
   2-operand +/- problems (operands 0..49); 250 DVP-RLOO steps with bf16 rollouts raise it to
-  ~49% (measured on the 2-core development machine: 28.2% -> 49.2%, rollout/training PPL gap
-  0.017, wall_time_s 119; the exact figures depend on the CPU, see README "Quick start").
+  ~44% (measured on the 2-core development machine: 26.6% -> 43.7%, rollout/training PPL gap
+  0.013, wall_time_s 115; the exact figures depend on the CPU, see README "Quick start").
 """
 
 from dvp_jax.train.config import default_config
