@@ -120,8 +120,9 @@ def main(argv):
     import jax
 
     from dvp_jax.rollout.tokenizers import load_tokenizer
+    from dvp_jax.train.builders import WorkdirMismatchError
     from dvp_jax.train.config import ExperimentConfig
-    from dvp_jax.train.trainer import Trainer, WorkdirMismatchError
+    from dvp_jax.train.trainer import Trainer
 
     tokenizer = load_tokenizer(_CONFIG.value.data.tokenizer)
     try:

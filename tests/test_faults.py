@@ -13,8 +13,9 @@ import pytest
 
 from dvp_jax.metrics import read_metrics
 from dvp_jax.rollout.tokenizers import CharTokenizer
+from dvp_jax.train.builders import WorkdirMismatchError
 from dvp_jax.train.config import ExperimentConfig
-from dvp_jax.train.trainer import Trainer, WorkdirMismatchError
+from dvp_jax.train.trainer import Trainer
 from tests.train_utils import REPO, main_command, tiny_config_dict
 
 VOCAB = CharTokenizer().vocab_size

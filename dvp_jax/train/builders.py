@@ -1,0 +1,137 @@
+"""What a run is built from: the trainer model, the rollout engine, the workdir check and the
+preemption signal. `Trainer` (train/trainer.py) wires them into the loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+
+import jax
+from absl import logging
+from flax import nnx
+
+from dvp_jax.checkpoint import Checkpointer
+from dvp_jax.model import DTypePolicy, ModelConfig, Transformer
+from dvp_jax.model.hf_import import load_hf, load_hf_config
+from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
+from dvp_jax.sharding import MeshConfig, Sharder, init_sharded, make_mesh
+from dvp_jax.train import config as config_lib
+from dvp_jax.train.config import ExperimentConfig
+from dvp_jax.workdir import as_path
+
+# ModelConfig fields a checkpoint's weights depend on (not the context length or init scale).
+_ARCHITECTURE_FIELDS = tuple(
+    f.name
+    for f in dataclasses.fields(ModelConfig)
+    if f.name not in ("max_position_embeddings", "init_std")
+)
+
+
+class Preemption:
+    """Whether the run should checkpoint and stop: SIGTERM, agreed on by every host.
+
+    One process: a SIGTERM handler sets a flag. Several processes: JAX's distributed runtime
+    catches SIGTERM (its preemption notifier) and Orbax's `reached_preemption(step)` answers
+    True on every host at the same step, so all hosts enter the collective save together; no
+    Python handler is installed there (it would replace JAX's).
+    """
+
+    def __init__(self, checkpointer: Checkpointer):
+        self._checkpointer = checkpointer
+        self._requested = False
+        if jax.process_count() == 1:
+            try:
+                signal.signal(signal.SIGTERM, self._handle)
+            except ValueError:  # not the main thread (e.g. inside a test runner thread)
+                pass
+
+    def _handle(self, signum, frame):
+        del signum, frame
+        logging.warning("SIGTERM received: checkpointing after the current step")
+        self._requested = True
+
+    def reached(self, step: int) -> bool:
+        """Call after step `step` on every host (the same steps on all of them)."""
+        if jax.process_count() == 1:
+            return self._requested
+        return self._checkpointer.manager.reached_preemption(step)
+
+
+# ==============================================================================================
+# Building the pieces of a run
+# ==============================================================================================
+def _check_same_architecture(ours, theirs, path: str) -> None:
+    diff = [
+        f"{f}: config {getattr(ours, f)!r} vs checkpoint {getattr(theirs, f)!r}"
+        for f in _ARCHITECTURE_FIELDS
+        if getattr(ours, f) != getattr(theirs, f)
+    ]
+    if diff:
+        raise ValueError(
+            f"config.model does not match the checkpoint {path!r}: "
+            + "; ".join(diff)
+            + " (set config.model.preset / fields to match)"
+        )
+
+
+def build_model(cfg: ExperimentConfig, sharder: Sharder) -> Transformer:
+    """The trainer model (`train.precision`: true fp32 by default), born sharded: from
+    `model.hf_path` or a random init."""
+    policy = DTypePolicy.named(cfg.train.precision, attention_impl=cfg.train.attention_impl)
+    if cfg.init_hf_path:
+        _check_same_architecture(cfg.model, load_hf_config(cfg.init_hf_path), cfg.init_hf_path)
+        return load_hf(cfg.init_hf_path, policy, sharder, cfg=cfg.model, remat=cfg.train.remat)
+    return init_sharded(
+        lambda: Transformer(
+            cfg.model,
+            policy,
+            sharder,
+            rngs=nnx.Rngs(cfg.train.seed),
+            remat=cfg.train.remat,
+        ),
+        sharder,
+    )
+
+
+def build_engine(cfg: ExperimentConfig, tokenizer, model) -> RolloutEngine:
+    """One rollout engine per host on its local devices; weights arrive by weight sync."""
+    r = cfg.rollout
+    return RolloutEngine(
+        cfg.model,
+        EngineConfig(
+            dtype=r.dtype,
+            noise_std=r.noise_std,
+            max_concurrent_decodes=r.max_concurrent_decodes,
+            max_prefill_length=cfg.data.max_prompt_len,
+            prefill_buckets=(cfg.data.max_prompt_len,),
+            max_decode_length=r.max_decode_length,
+            temperature=r.temperature,
+            log_rho=cfg.rollout_log_rho,
+            seed=cfg.train.seed,
+        ),
+        tokenizer=tokenizer,
+        params=model,
+        mesh=make_mesh(
+            MeshConfig(1, 1, r.tensor_parallel), jax.local_devices()[: r.tensor_parallel]
+        ),
+    )
+
+
+class WorkdirMismatchError(ValueError):
+    """The workdir holds a run started with a different config."""
+
+
+def check_workdir(cfg: ExperimentConfig, workdir: str) -> None:
+    """Raises `WorkdirMismatchError` (one line naming the fields) if `workdir`'s config.json
+    differs from `cfg` in a field a resumed run may not change (`config.RESUMABLE_FIELDS`)."""
+    path = as_path(workdir) / "config.json"
+    if not path.exists():
+        return
+    saved = json.loads(path.read_text())
+    diff = config_lib.resume_mismatch(saved, cfg)
+    if diff:
+        raise WorkdirMismatchError(
+            f"{workdir} holds a run with a different config ({'; '.join(diff)}); rerun with "
+            "that config to resume it, or pass a new --workdir"
+        )
