@@ -180,15 +180,9 @@ def train_flops_per_token(cfg: ModelConfig, length: int) -> float:
     return 6 * n_matmul + 6 * cfg.n_layers * length * n * h
 
 
-def _build(cfg: ModelConfig, policy: str, remat: str):
-    """(model, state, step_fn): a random model, its train state and the `jit_step`-ed update.
-
-    The state holds its own copy of the parameters: drop `model` once it is counted.
-    """
-    model = Transformer(cfg, DTypePolicy.named(policy), rngs=nnx.Rngs(0), remat=remat)
-    optimizer = make_optimizer(1e-4, 0, 0.0, 1.0)
-    graphdef, state, state_sh = init_train_state(model, optimizer, 0, Sharder())
-    fn = step_lib.jit_step(
+def _jit_update(graphdef, optimizer, cfg: ModelConfig, state_sh):
+    """`rl_update` (mis_dvp, one micro-batch) jitted by `jit_step` on one device."""
+    return step_lib.jit_step(
         functools.partial(
             step_lib.rl_update,
             graphdef=graphdef,
@@ -201,6 +195,17 @@ def _build(cfg: ModelConfig, policy: str, remat: str):
         None,
         Sharder(),
     )
+
+
+def _build(cfg: ModelConfig, policy: str, remat: str):
+    """(model, state, step_fn): a random model, its train state and the `jit_step`-ed update.
+
+    The state holds its own copy of the parameters: drop `model` once it is counted.
+    """
+    model = Transformer(cfg, DTypePolicy.named(policy), rngs=nnx.Rngs(0), remat=remat)
+    optimizer = make_optimizer(1e-4, 0, 0.0, 1.0)
+    graphdef, state, state_sh = init_train_state(model, optimizer, 0, Sharder())
+    fn = _jit_update(graphdef, optimizer, cfg, state_sh)
     return model, state, fn
 
 
@@ -288,19 +293,7 @@ def compile_seconds(cfg: ModelConfig, rows: int, length: int, policy: str, remat
             Transformer(cfg, policy_, rngs=nnx.Rngs(0), remat=remat), optimizer, 0, Sharder()
         )[1]
     )
-    fn = step_lib.jit_step(
-        functools.partial(
-            step_lib.rl_update,
-            graphdef=graphdef,
-            optimizer=optimizer,
-            loss_cfg=LossConfig.preset("mis_dvp"),
-            chunk_size=min(8192, cfg.vocab_size),
-            micro_batches=1,
-        ),
-        None,
-        None,
-        Sharder(),
-    )
+    fn = _jit_update(graphdef, optimizer, cfg, None)
     batch = jax.eval_shape(lambda: _batch(cfg, rows, length))
     return _compile(fn, state, batch)[1]
 
