@@ -25,8 +25,6 @@ def is_remote(path: str | os.PathLike) -> bool:
 
 def as_path(path: str | os.PathLike) -> epath.Path:
     """An `epath.Path`: absolute for a local path, unchanged for a `scheme://` one."""
-    if isinstance(path, epath.Path) and is_remote(path):
-        return path
     return epath.Path(path if is_remote(path) else os.path.abspath(os.fspath(path)))
 
 

@@ -200,23 +200,3 @@ def test_mixed_policy_keeps_fp32_params_and_is_close_to_fp32():
     # bf16 activations: a non-zero gap, small against the logit scale (same bound as the bf16
     # rollout test above).
     assert 0.0 < diff < 0.05 * float(jnp.abs(z).max()) + 1e-2
-
-
-def test_legacy_per_layer_params_convert_to_the_stacked_layout():
-    from dvp_jax.model.transformer import stack_legacy_layers
-
-    model = tiny_model(seed=9, tie_embeddings=False)
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    n_layers = model.cfg.n_layers
-    # The pre-issue-10 layout: one entry per layer, `layers.{i}.<same path>`, as an Orbax restore
-    # without a target returns it (digit-string keys).
-    legacy = {k: v for k, v in params.items() if k != "blocks"}
-    legacy["layers"] = {
-        str(i): jax.tree.map(lambda x, i=i: x[i], params["blocks"]) for i in range(n_layers)
-    }
-    converted = stack_legacy_layers({"params": legacy})["params"]
-    assert jax.tree.structure(converted) == jax.tree.structure(params)
-    for a, b in zip(jax.tree.leaves(converted), jax.tree.leaves(params), strict=True):
-        np.testing.assert_array_equal(a, b)
-    with pytest.raises(ValueError, match="not 0..L-1"):
-        stack_legacy_layers({"layers": {"0": legacy["layers"]["0"], "2": legacy["layers"]["1"]}})

@@ -249,36 +249,3 @@ class Transformer(nnx.Module):
         x, k_all, v_all = scan(self.blocks, layers, (x, *cache), positions)
         cache = KVCache(*(self.sharder.constrain(c, CACHE_AXES) for c in (k_all, v_all)))
         return self.logits(self.final_norm(x)[:, 0]), cache
-
-
-def stack_legacy_layers(tree: dict) -> dict:
-    """Converts parameters saved before the layers were stacked into the stacked layout.
-
-    Before issue 10 each block had its own entry, `layers.{i}.attn.q_proj [d, n, h]` (a pure
-    dict as `nnx.to_pure_dict` or an Orbax restore without a target gives it, integer or digit
-    string keys); now one `blocks.attn.q_proj [L, d, n, h]` holds all L. Applies at any depth,
-    so it also converts the param-shaped subtrees of a raw optimizer state (AdamW mu and nu).
-
-    Args:
-      tree: a nested dict; every dict with a "layers" key holding layers 0..L-1 is converted.
-    Returns:
-      The same tree with each such "layers" entry replaced by "blocks", whose leaves are the L
-      per-layer leaves stacked on a new leading axis.
-    Raises:
-      ValueError: naming the layer keys when they are not exactly 0..L-1.
-    """
-    if not isinstance(tree, dict):
-        return tree
-    out = {}
-    for key, value in tree.items():
-        if key == "layers" and isinstance(value, dict):
-            indices = sorted(int(i) for i in value)
-            if indices != list(range(len(value))):
-                raise ValueError(
-                    f"stack_legacy_layers: 'layers' keys {sorted(value)} are not 0..L-1"
-                )
-            per_layer = [value[i] if i in value else value[str(i)] for i in indices]
-            out["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
-        else:
-            out[key] = stack_legacy_layers(value)
-    return out

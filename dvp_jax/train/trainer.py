@@ -137,10 +137,9 @@ class Trainer:
     # Pieces
     # ==========================================================================================
     def _log(self, step: int, metrics: dict[str, Any]) -> None:
-        metrics_lib.check(metrics)
+        self.metrics_log.append(step, metrics)  # checks every name is declared first
         numbers = {k: v for k, v in metrics.items() if not isinstance(v, str)}
         self.writer.write_scalars(step, numbers)  # event files hold numbers only
-        self.metrics_log.append(step, metrics)
 
     def _open_outputs(self, resumed_step: int | None) -> None:
         """The run fits this workdir: trim the metrics log to the checkpoint (everything on a
