@@ -4,7 +4,7 @@ JetStream 0.2.2's orchestrator returns no log-probs and cannot swap weights, so 
 drives `RolloutEngine` directly (docs/design.md sections 3-4):
 
 * each prompt is prefilled exactly once, and its `Prefix` is inserted into G decode slots with
-  sample indices 0..G-1 (each slot's key is `fold_in(fold_in(rng, p), g)`);
+  sample indices 0..G-1 (each slot's key is `fold_in(fold_in(rng, first_prompt_index + p), g)`);
 * continuous batching: whenever a slot finishes (stop token or `max_decode_length`), its record
   is copied out and the next (prompt, sample) pair is inserted into it;
 * the per-token records of the engine (`RECORD_FIELDS`: token, log mu_S, log mu, delta_S, |V_S|;
@@ -114,6 +114,7 @@ def generate_rollouts(
     sampling: SamplingParams | None = None,
     prompt_len: int | None = None,
     steps_per_sync: int = 1,
+    first_prompt_index: int = 0,
 ) -> RolloutBatch:
     """Samples `num_samples` responses for each prompt (E4) with continuous batching.
 
@@ -131,6 +132,9 @@ def generate_rollouts(
         refills a finished slot at once; k > 1 saves dispatch/sync latency (small models,
         remote accelerators) at the cost of up to k - 1 idle steps per finished slot. Tokens
         are the same for every value (log-probs to float rounding).
+      first_prompt_index: the global index of `prompts[0]`: prompt p's key is
+        `fold_in(rng, first_prompt_index + p)`, so a batch split over hosts (each passing the
+        offset of its share) samples exactly what one host sampling the whole batch would.
     Returns:
       A `RolloutBatch` with N = P * G rows.
     """
@@ -189,7 +193,7 @@ def generate_rollouts(
                     params=params,
                     padded_tokens=ids,
                     true_length=ids.size,
-                    rng=jax.random.fold_in(rng, p),
+                    rng=jax.random.fold_in(rng, first_prompt_index + p),
                 )
                 prefixes[p] = [prefix, g_size]
             state = engine.insert(prefixes[p][0], state, slot, sample_index=g)
