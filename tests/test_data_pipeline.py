@@ -62,20 +62,37 @@ def test_state_save_restore_continues_identically(source):
         make(src, batch_size=8).set_state(state)
 
 
-def test_host_shards_disjoint_and_covering():
+def test_hosts_split_each_global_batch_of_one_process():
+    # 3 hosts x 2 prompts read, at every step, exactly the rows of the one-process batch of 6
+    # (in host order), for a list of examples over finite epochs and for the generated task.
     examples = [Example(prompt=f"{i}+0=", answer=str(i), index=i) for i in range(24)]
-    seen = []
-    for host in range(3):
-        it = make(examples, batch_size=2, num_epochs=1, process_index=host, process_count=3)
-        seen.append([int(i) for b in it for i in b.indices])
+    for source, kw in [(examples, {"num_epochs": 2}), (None, {})]:
+        args = (source,) if source is not None else ()
+        one = make(*args, batch_size=6, process_index=0, process_count=1, **kw)
+        hosts = [
+            make(*args, batch_size=2, process_index=h, process_count=3, **kw) for h in range(3)
+        ]
+        steps = 8 if source is not None else 5  # 2 epochs of 24 = 8 global batches of 6
+        for _ in range(steps):
+            want = next(one)
+            got = [next(h) for h in hosts]
+            np.testing.assert_array_equal(np.concatenate([g.indices for g in got]), want.indices)
+            np.testing.assert_array_equal(np.concatenate([g.tokens for g in got]), want.tokens)
+        if source is not None:  # every host ends after the same number of batches
+            for it in [one, *hosts]:
+                with pytest.raises(StopIteration):
+                    next(it)
+    # Within one epoch the hosts' rows are disjoint and cover the examples.
+    seen = [
+        [
+            int(i)
+            for b in make(examples, batch_size=2, num_epochs=1, process_index=h, process_count=3)
+            for i in b.indices
+        ]
+        for h in range(3)
+    ]
     assert all(len(s) == 8 for s in seen)
     assert sorted(sum(seen, [])) == list(range(24))
-    # The generated task: hosts read disjoint index shards.
-    idx = [
-        {int(i) for _ in range(5) for i in next(it).indices}
-        for it in [make(process_index=h, process_count=2) for h in range(2)]
-    ]
-    assert all(i % 2 == h for h in range(2) for i in idx[h])
 
 
 def test_finite_epochs_end():

@@ -5,16 +5,18 @@ Public API:
 - `make_prompt_iterator(source, tokenizer, *, batch_size, max_prompt_len, seed=0, shuffle=True,
   num_epochs=None, add_bos=None, process_index=None, process_count=None, chat_format="chatml",
   read_threads=0) -> PromptIterator`.
-  `source` is an `ArithmeticTask` (train split, stream 0, an endless index space), a path to a
-  jsonl/parquet math file (loaded with `tasks.load_math_dataset`, this host's rows only; the
-  `LoadReport` is `iterator.report`), or a sequence of `Example`s (sharded here).
-  Hosts: `process_index`/`process_count` default to `jax.process_index()`/`jax.process_count()`;
-  host h takes source items h, h + count, ... (disjoint shards covering the source), then
-  shuffles its shard with `seed` (each epoch reshuffled), so every host reads only its shard.
-  `batch_size` is per host (global batch = batch_size * process_count); batches never straddle
-  shapes: `drop_remainder=True`. With `num_epochs=None` (the default) iteration never ends;
-  with a finite value hosts may run out after different numbers of batches (shards differ by
-  malformed rows), so multi-host RL should keep the default.
+  `source` is a generated task (anything with `train_example(i, stream)`, e.g. `ArithmeticTask`:
+  train split, stream 0, an endless index space), a path to a jsonl/parquet math file (loaded
+  whole with `tasks.load_math_dataset`; the `LoadReport` is `iterator.report`), or a sequence
+  of `Example`s.
+  Hosts: `process_index`/`process_count` default to `jax.process_index()`/`jax.process_count()`.
+  The source is shuffled globally with `seed` (each epoch reshuffled) and cut into global
+  batches of `batch_size * process_count`; host h reads rows [h * batch_size, (h + 1) *
+  batch_size) of each global batch (lazily: only its own examples are generated and encoded).
+  So the union of the hosts' batches at every step is exactly what one process with the
+  global batch size reads: results do not depend on the number of hosts, and all hosts run out
+  after the same number of batches when `num_epochs` is finite (`drop_remainder=True`). With
+  `num_epochs=None` (the default) iteration never ends.
   Each item is a `PromptBatch`:
     tokens   int32 [P, L]  BOS (if `add_bos`, default `tokenizer.add_bos`) + prompt ids,
                            right-padded with `tokenizer.pad_id` to L = max_prompt_len
@@ -186,32 +188,53 @@ def make_prompt_iterator(
     bos = _add_bos(tokenizer, add_bos)
     report = None
 
-    if isinstance(source, tasks.ArithmeticTask):
+    # The global source, identical on every host.
+    if callable(getattr(source, "train_example", None)):  # a generated task
         task = source
-        ds = grain.MapDataset.range(_ARITH_SPAN)[index::count]
-        ds = ds.map(lambda i: task.train_example(i, RL_STREAM))
+        examples = grain.MapDataset.range(_ARITH_SPAN).map(
+            lambda i: task.train_example(i, RL_STREAM)
+        )
         name = repr(task)
     elif isinstance(source, (str, os.PathLike)):
-        examples, report = tasks.load_math_dataset(
+        # Every host reads the whole file (parsing is cheap next to a rollout), so that all
+        # hosts agree on the global order; the report is the same on every host.
+        loaded, report = tasks.load_math_dataset(
             source,
             tokenizer,
             max_prompt_tokens=max_prompt_len,
             chat_format=chat_format,
             add_bos=bos,
-            process_index=index,
-            process_count=count,
+            process_index=0,
+            process_count=1,
         )
-        ds = grain.MapDataset.source(examples)
+        examples = grain.MapDataset.source(loaded)
         name = os.fspath(source)
     else:
-        ds = grain.MapDataset.source(list(source))[index::count]
+        examples = grain.MapDataset.source(list(source))
         name = f"examples[{len(source)}]"
-    shard_size = len(ds)
-    if shard_size == 0:
-        raise ValueError(f"{name}: host {index} of {count} has no examples to read")
+    source_size = len(examples)
+    if source_size == 0:
+        raise ValueError(f"{name}: no examples to read")
+    # Global order (reshuffled every epoch), cut into global batches of batch_size * count;
+    # host h reads rows [h * batch_size, (h + 1) * batch_size) of each, so the union of the
+    # hosts' batches at any step is what one process with the global batch size would read.
+    order = grain.MapDataset.range(source_size)
     if shuffle:
-        ds = ds.shuffle(seed=seed)
-    ds = ds.repeat(num_epochs)
+        order = order.shuffle(seed=seed)
+    order = order.repeat(num_epochs)
+    global_batch = batch_size * count
+    per_host = (len(order) // global_batch) * batch_size
+    if per_host == 0:
+        raise ValueError(
+            f"{name}: {source_size} examples x num_epochs={num_epochs} is less than one global "
+            f"batch ({batch_size} per process x {count} processes)"
+        )
+
+    def host_item(j: int):
+        position = (j // batch_size) * global_batch + index * batch_size + j % batch_size
+        return examples[order[position]]
+
+    ds = grain.MapDataset.range(per_host).map(host_item)
     ds = ds.map(lambda ex: _encode_prompt(ex, tokenizer, bos, max_prompt_len))
     ds = ds.batch(batch_size, drop_remainder=True, batch_fn=_collate_prompts)
     iter_ds = ds.to_iter_dataset(
@@ -227,7 +250,7 @@ def make_prompt_iterator(
         "add_bos": bos,
         "process_index": index,
         "process_count": count,
-        "shard_size": shard_size,
+        "source_size": source_size,
     }
     return PromptIterator(iter_ds, fingerprint, report)
 

@@ -40,6 +40,7 @@ class Preemption:
     def __init__(self, checkpointer: Checkpointer):
         self._checkpointer = checkpointer
         self._requested = False
+        self._polls = -1
         if jax.process_count() == 1:
             try:
                 signal.signal(signal.SIGTERM, self._handle)
@@ -52,10 +53,17 @@ class Preemption:
         self._requested = True
 
     def reached(self, step: int) -> bool:
-        """Call after step `step` on every host (the same steps on all of them)."""
+        """Call after step `step` on every host (the same steps on all of them).
+
+        The hosts agree through a poll counter (0, 1, 2, ... in call order, the same on every
+        host), not `step` itself: warm-up steps are negative and JAX's sync manager reads an
+        unset sync point as -1, so asking with step -1 would answer True with no SIGTERM.
+        """
+        del step
         if jax.process_count() == 1:
             return self._requested
-        return self._checkpointer.manager.reached_preemption(step)
+        self._polls += 1
+        return self._checkpointer.manager.reached_preemption(self._polls)
 
 
 # ==============================================================================================
@@ -94,8 +102,27 @@ def build_model(cfg: ExperimentConfig, sharder: Sharder) -> Transformer:
     )
 
 
+def rollout_weights(cfg: ExperimentConfig, params: nnx.State) -> nnx.State:
+    """The trainer's params as this host's engine takes them (weight sync).
+
+    One process: the params as they are (the engine casts and reshards them). Several: the
+    engine of each host holds the full weights on its local devices, while the trainer's params
+    are sharded over every host's devices; they are cast to the rollout dtype on device first,
+    so the all-gather moves half the bytes for bf16 rollouts. What remains: every host receives
+    all the weights (a sharded host-to-engine transfer would need engines spanning hosts).
+    """
+    if jax.process_count() == 1:
+        return params
+    from jax.experimental import multihost_utils
+
+    dtype = cfg.rollout.policy.param_dtype
+    return multihost_utils.process_allgather(
+        jax.tree.map(lambda x: x.astype(dtype), params), tiled=True
+    )
+
+
 def build_engine(cfg: ExperimentConfig, tokenizer, model) -> RolloutEngine:
-    """One rollout engine per host on its local devices; weights arrive by weight sync."""
+    """One rollout engine per host on its local devices, with `model`'s weights."""
     r = cfg.rollout
     return RolloutEngine(
         cfg.model,
@@ -111,7 +138,7 @@ def build_engine(cfg: ExperimentConfig, tokenizer, model) -> RolloutEngine:
             seed=cfg.train.seed,
         ),
         tokenizer=tokenizer,
-        params=model,
+        params=rollout_weights(cfg, nnx.state(model, nnx.Param)),
         mesh=make_mesh(
             MeshConfig(1, 1, r.tensor_parallel), jax.local_devices()[: r.tensor_parallel]
         ),

@@ -33,8 +33,29 @@ def response_texts(tokenizer, batch: RolloutBatch) -> list[str]:
 def rollout_rewards(
     tokenizer, batch: RolloutBatch, answers: Sequence[str], kind: str
 ) -> np.ndarray:
-    """[N] float rewards of a rollout batch against each row's reference answer."""
-    return rewards.compute_rewards(kind, response_texts(tokenizer, batch), list(answers))
+    """[N] float rewards of a rollout batch against each row's reference answer; a response cut
+    at `max_decode_length` (no stop token) gets 0 whatever it contains."""
+    r = rewards.compute_rewards(kind, response_texts(tokenizer, batch), list(answers))
+    return np.where(batch.finished, r, 0.0).astype(r.dtype)
+
+
+def sum_over_hosts(values: Sequence[float]) -> list[float]:
+    """Each value summed over processes (float64), the same list on every host."""
+    sums = np.asarray(values, np.float64)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        sums = np.asarray(multihost_utils.process_allgather(sums)).sum(axis=0)
+    return [float(x) for x in sums]
+
+
+def host_share(num: int) -> tuple[int, int]:
+    """[start, stop) of this process's contiguous share of `num` items (the first
+    `num % process_count` hosts take one more)."""
+    count, index = jax.process_count(), jax.process_index()
+    base, extra = divmod(num, count)
+    start = index * base + min(index, extra)
+    return start, start + base + (index < extra)
 
 
 def heldout_examples(data: DataConfig, task, tokenizer, num_prompts: int) -> list[tasks.Example]:
@@ -65,26 +86,31 @@ def evaluate(
 ) -> dict[str, float]:
     """Held-out accuracy avg@k (mean reward of k samples per prompt) and pass@k.
 
-    Each process evaluates its share of `examples` (every `process_count`-th, from its index)
-    with the rollout engine (its precision and min-p rule) and `sampling` (default the
-    engine's); the sums are then added over processes, so every host returns the same figures.
-    Returns {} when there are no held-out prompts.
+    Each process evaluates its contiguous share of `examples` (`host_share`) with the rollout
+    engine (its precision and min-p rule) and `sampling` (default the engine's); example i is
+    sampled with `fold_in(key, i)` whichever host runs it, and the sums are added over
+    processes, so every host returns the figures one process would. Returns {} when there are
+    no held-out prompts.
     """
     if not examples:
         return {}
-    mine = list(examples)[jax.process_index() :: jax.process_count()]
-    sums = np.zeros(4, np.float64)  # reward sum, samples, pass@k sum, prompts
+    start, stop = host_share(len(examples))
+    mine = list(examples)[start:stop]
+    sums = [0.0] * 4  # reward sum, samples, pass@k sum, prompts
     if mine:
         batch = generate_rollouts(
-            engine, [ex.prompt for ex in mine], k, key, prompt_len=prompt_len, sampling=sampling
+            engine,
+            [ex.prompt for ex in mine],
+            k,
+            key,
+            prompt_len=prompt_len,
+            sampling=sampling,
+            first_prompt_index=start,
         )
         answers = [ex.answer for ex in mine for _ in range(k)]
         r = rollout_rewards(engine.tokenizer, batch, answers, kind)
-        sums[:] = r.sum(), r.size, r.reshape(-1, k).max(axis=1).sum(), len(mine)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        sums = np.asarray(multihost_utils.process_allgather(sums)).sum(axis=0)
+        sums = [r.sum(), r.size, r.reshape(-1, k).max(axis=1).sum(), len(mine)]
+    sums = sum_over_hosts(sums)
     return {
         "eval_accuracy": float(sums[0] / sums[1]),
         "eval_pass_at_k": float(sums[2] / sums[3]),

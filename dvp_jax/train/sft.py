@@ -18,6 +18,7 @@ from clu import periodic_actions
 
 from dvp_jax.data import pipeline
 from dvp_jax.sharding import Sharder
+from dvp_jax.train import batch as batch_lib
 from dvp_jax.train.config import SFTConfig
 from dvp_jax.train.state import TrainState, init_train_state, make_optimizer
 from dvp_jax.train.step import apply_gradients, token_logprobs
@@ -77,7 +78,8 @@ def warm_up(
       model: the (sharded) trainer model to start from.
       task: the generated task (`ArithmeticTask`) whose training examples are fitted.
       tokenizer: the run's tokenizer.
-      cfg: steps, batch size, learning rate and warm-up of this phase.
+      cfg: steps, global batch size (divisible by the number of processes), learning rate and
+        warm-up of this phase.
       sharder: the trainer's mesh and rules (params keep their shardings).
       max_len: longest example in tokens (prompt + response).
       chunk_size: vocabulary chunk of the log-probs.
@@ -95,11 +97,17 @@ def warm_up(
     progress = periodic_actions.ReportProgress(
         num_train_steps=cfg.steps, every_steps=max(1, cfg.steps // 10)
     )
+    # Each host builds its rows of the global batch; together they form one global array.
+    host_rows = cfg.batch_size // jax.process_count()
+    shardings = None
     for i in range(cfg.steps):
         b = pipeline.sft_batch_for_step(
-            task, tokenizer, step=i, batch_size=cfg.batch_size, max_len=max_len
+            task, tokenizer, step=i, batch_size=host_rows, max_len=max_len
         )
-        state, metrics = step_fn(state, (b.tokens, b.loss_mask, b.lengths))
+        host_batch = (b.tokens, b.loss_mask, b.lengths)
+        if shardings is None:
+            shardings = batch_lib.global_shardings(host_batch, sharder)
+        state, metrics = step_fn(state, batch_lib.to_global(host_batch, shardings))
         progress(i + 1)
         if (i + 1) % max(1, cfg.steps // 10) == 0 or i + 1 == cfg.steps:
             loss = float(metrics["sft_loss"])

@@ -39,6 +39,7 @@ from dvp_jax.train.builders import (
     build_engine,
     build_model,
     check_workdir,
+    rollout_weights,
 )
 from dvp_jax.train.config import ExperimentConfig
 from dvp_jax.train.state import TrainState, init_train_state, make_optimizer
@@ -71,11 +72,15 @@ class Trainer:
         check_workdir(cfg, self.workdir)
         check_writable(self.workdir)  # an unreachable or read-only workdir fails here, by name
         self.is_lead = jax.process_index() == 0
-        if cfg.train.prompts_per_step % jax.process_count():
-            raise ValueError(
-                f"config.train.prompts_per_step={cfg.train.prompts_per_step} must be divisible "
-                f"by the number of processes ({jax.process_count()})"
-            )
+        for name, value in [
+            ("train.prompts_per_step", cfg.train.prompts_per_step),
+            ("sft.batch_size", cfg.sft.batch_size if cfg.sft.steps else 0),
+        ]:
+            if value % jax.process_count():
+                raise ValueError(
+                    f"config.{name}={value} must be divisible by the number of processes "
+                    f"({jax.process_count()}): each host takes an equal share of the batch"
+                )
 
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         self.mesh = make_mesh(cfg.mesh)
@@ -169,23 +174,15 @@ class Trainer:
 
     def _sync_weights(self) -> None:
         """Trainer fp32 params -> rollout engine (cast to the rollout dtype, resharded)."""
-        params = self.state.params
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            # Each host's engine needs the full weights on its local devices: cast to the
-            # rollout dtype on device first so the gather moves half the bytes (bf16).
-            dtype = self.cfg.rollout.policy.param_dtype
-            params = multihost_utils.process_allgather(
-                jax.tree.map(lambda x: x.astype(dtype), params), tiled=True
-            )
+        params = rollout_weights(self.cfg, self.state.params)
         self.engine.update_params(nnx.merge(self.graphdef, params))
 
     def _key(self, step: int, stream: int) -> jax.Array:
-        """fold_in(run key, stream, step, host): a pure function of the checkpointed key."""
+        """fold_in(run key, stream, step): a pure function of the checkpointed key, the same on
+        every host (prompts then fold in their global index, so results do not depend on the
+        number of hosts)."""
         key = jax.random.wrap_key_data(jax.device_get(self.state.rng))
-        key = jax.random.fold_in(jax.random.fold_in(key, stream), step)
-        return jax.random.fold_in(key, jax.process_index())
+        return jax.random.fold_in(jax.random.fold_in(key, stream), step)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out avg@k, sampled without the experimental logit noise unless
@@ -243,18 +240,20 @@ class Trainer:
     def rl_iteration(self, step: int) -> dict[str, float]:
         cfg = self.cfg
         t0 = time.time()
-        prompts = next(self.data)
-        token_lists = [prompts.tokens[i, : prompts.lengths[i]] for i in range(len(prompts.lengths))]
+        prompts = next(self.data)  # this host's rows of the global prompt batch
+        n_prompts = len(prompts.lengths)
+        token_lists = [prompts.tokens[i, : prompts.lengths[i]] for i in range(n_prompts)]
         rollouts = generate_rollouts(
             self.engine,
             token_lists,
             cfg.train.group_size,
             self._key(step, _ROLLOUT_STREAM),
             prompt_len=cfg.data.max_prompt_len,
+            first_prompt_index=jax.process_index() * n_prompts,
         )
         t_rollout = time.time() - t0
 
-        # Rewards on host, then RLOO advantages (E8).
+        # Rewards on host (0 for a truncated response), then RLOO advantages (E8).
         answers = [a for a in prompts.answers for _ in range(cfg.train.group_size)]
         reward = evaluation.rollout_rewards(self.tokenizer, rollouts, answers, self.reward_kind)
         advantages = np.asarray(adv.rloo(jnp.asarray(reward), cfg.train.group_size))
@@ -266,14 +265,22 @@ class Trainer:
         t_train = time.time() - t1
         self._sync_weights()
 
-        n_tokens = int(rollouts.response_mask.sum())
+        # Host-side figures over the global batch (every host gets the same sums).
+        rows, tokens, reward_sum, finished = evaluation.sum_over_hosts(
+            [
+                rollouts.num_rows,
+                rollouts.response_mask.sum(),
+                reward.sum(),
+                rollouts.finished.sum(),
+            ]
+        )
         metrics.update(
-            reward_mean=float(reward.mean()),
-            response_length=float(rollouts.response_lengths.mean()),
-            frac_finished=float(rollouts.finished.mean()),
+            reward_mean=reward_sum / rows,
+            response_length=tokens / rows,
+            frac_finished=finished / rows,
             rollout_s=t_rollout,
             train_s=t_train,
-            rollout_tok_s=n_tokens / max(t_rollout, 1e-9),
+            rollout_tok_s=tokens / max(t_rollout, 1e-9),  # global tokens / this host's time
             train_precision=cfg.train.precision,
         )
         return metrics
