@@ -329,6 +329,6 @@ def clean_accuracy(
     import jax
 
     cfg, engine, tokenizer = load_policy(hf_dir, dtype)
-    examples = cfg.data.arithmetic_task().heldout_examples(num_prompts)
+    examples = cfg.data.make_task().heldout_examples(num_prompts)
     _, r = sample_rewards(cfg, engine, tokenizer, examples, k, jax.random.key(seed))
     return float(np.mean(r))

@@ -394,7 +394,7 @@ def run(out: str, smoke: bool = False, init_hf: str | None = None, seed: int = 0
     cfg = analyze.tiny_config({"sft.steps": sft_steps, "train.steps": 0, "plots": False})
     tokenizer = load_tokenizer("char")
     model = warm_model(cfg, init_hf)
-    task = cfg.data.arithmetic_task()
+    task = cfg.data.make_task()
     examples = task.heldout_examples(num_seqs)
     max_len = cfg.data.max_prompt_len + cfg.rollout.max_decode_length
     sb = pipeline.sft_batch(examples, tokenizer, max_len=max_len)

@@ -81,7 +81,7 @@ def bias_check(
     import jax
 
     cfg, engine, tokenizer = analyze.load_policy(hf_dir, "float32")
-    examples = cfg.data.arithmetic_task().heldout_examples(num_prompts)
+    examples = cfg.data.make_task().heldout_examples(num_prompts)
     key = jax.random.key(seed)
 
     def sample(log_rho):

@@ -33,6 +33,35 @@ def test_exact_match(response, answer, expected):
     assert rewards.exact_match_reward(response, answer) == expected
 
 
+@pytest.mark.parametrize(
+    "response, answer, expected",
+    [
+        ("+ 90 = 90 baba + 7 = 97 kobe <ans> 97", "97", 1.0),
+        ("<ans>97", "97", 1.0),
+        ("<ans> 097 ", "97", 1.0),
+        ("<ans> -3", "-3", 1.0),
+        ("<ans> 96 baba <ans> 97", "97", 1.0),  # The last marker counts.
+        ("<ans> 97 baba <ans> 96", "97", 0.0),
+        ("<ans> 97 baba", "97", 0.0),  # Words after the answer: not a marked answer.
+        ("<ans> 9 7", "97", 0.0),
+        ("<ans> 98", "97", 0.0),
+        ("<ans>", "97", 0.0),
+        ("+ 90 = 90 + 7 = 97", "97", 0.0),  # No marker.
+        ("97", "97", 0.0),
+        ("", "97", 0.0),
+        ("<ans> 97\ufffd", "97", 0.0),
+    ],
+)
+def test_marked_answer(response, answer, expected):
+    assert rewards.marked_answer_reward(response, answer) == expected
+
+
+def test_marked_answer_never_raises_on_the_response():
+    assert rewards.marked_answer_reward(None, "1") == 0.0  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="integer string"):
+        rewards.marked_answer_reward("<ans> 1", "one")
+
+
 def test_exact_match_rejects_non_integer_answer():
     with pytest.raises(ValueError, match="integer string"):
         rewards.exact_match_reward("1", "1/2")
@@ -71,5 +100,7 @@ def test_compute_rewards():
     r = rewards.compute_rewards("exact_match", ["12", "13 ", "x"], ["12", "12", "1"])
     np.testing.assert_array_equal(r, np.array([1, 0, 0], np.float32))
     assert r.dtype == np.float32
+    r = rewards.compute_rewards("marked_answer", ["a <ans> 12", "12"], ["12", "12"])
+    np.testing.assert_array_equal(r, np.array([1, 0], np.float32))
     with pytest.raises(ValueError, match="reward kind"):
         rewards.get_reward_fn("nope")

@@ -13,6 +13,7 @@ from dvp_jax.rollout.tokenizers import (
     CHAR_VOCAB,
     CharTokenizer,
     HFTokenizer,
+    WordTokenizer,
     load_tokenizer,
 )
 
@@ -169,6 +170,13 @@ def test_hf_arguments_and_fallbacks(hf_dir, tmp_path):
 
 def test_load_tokenizer(hf_dir):
     assert isinstance(load_tokenizer("char"), CharTokenizer)
+    words = load_tokenizer("running_sum:10")
+    assert isinstance(words, WordTokenizer) and words.vocab_size == 4 + 4 + 1000 + 10
+    assert words.decode(words.encode_ids("sum 12 7 = + 12 = 12 baba <ans> 19")) == (
+        "sum 12 7 = + 12 = 12 baba <ans> 19"
+    )
+    with pytest.raises(ValueError, match="takes no options"):
+        load_tokenizer("running_sum", eos="<eos>")
     assert isinstance(load_tokenizer(str(hf_dir)), HFTokenizer)
     tok = CharTokenizer()
     assert load_tokenizer(tok) is tok
@@ -189,6 +197,11 @@ def _export_case(kind, hf_dir, tmp_path):
     """(tokenizer, sample texts) for each way a tokenizer can handle BOS."""
     if kind == "char":
         return CharTokenizer(), CHAR_TEXTS
+    if kind == "running_sum":  # The word-level tokenizer built in memory.
+        from dvp_jax.data.running_sum import RunningSumTask
+
+        ex = RunningSumTask().train_example(0)
+        return load_tokenizer("running_sum"), [ex.prompt, ex.target, ex.prompt + " " + ex.target]
     if kind == "hf_bos":  # BOS from tokenizer_config.json, prepended.
         return HFTokenizer(hf_dir), HF_TEXTS
     if kind == "hf_bos_not_added":  # A BOS token exists but encode does not prepend it.
@@ -198,7 +211,7 @@ def _export_case(kind, hf_dir, tmp_path):
     return HFTokenizer(tmp_path / "bare.json", stop_tokens=["<|im_end|>"]), HF_TEXTS
 
 
-@pytest.mark.parametrize("kind", ["char", "hf_bos", "hf_bos_not_added", "hf_bare"])
+@pytest.mark.parametrize("kind", ["char", "hf_bos", "hf_bos_not_added", "hf_bare", "running_sum"])
 def test_save_hf_transformers_loads_tokenizer_and_model(kind, hf_dir, tmp_path):
     import tokenizers
     import torch

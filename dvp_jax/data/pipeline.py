@@ -5,7 +5,7 @@ Public API:
 - `make_prompt_iterator(source, tokenizer, *, batch_size, max_prompt_len, seed=0, shuffle=True,
   num_epochs=None, add_bos=None, process_index=None, process_count=None, chat_format="chatml",
   read_threads=0) -> PromptIterator`.
-  `source` is a generated task (anything with `train_example(i, stream)`, e.g. `ArithmeticTask`:
+  `source` is a generated task (`tasks.GeneratedTask`: `ArithmeticTask`, `RunningSumTask`;
   train split, stream 0, an endless index space), a path to a jsonl/parquet math file (loaded
   whole with `tasks.load_math_dataset`; the `LoadReport` is `iterator.report`), or a sequence
   of `Example`s.
@@ -30,7 +30,9 @@ Public API:
   differently configured iterator is rejected with ValueError naming the differing fields).
 
 - `sft_batch(examples, tokenizer, *, max_len, add_bos=None) -> SFTBatch`: supervised warm-up
-  sequences [BOS] + prompt + answer + [EOS], right-padded to `max_len`:
+  sequences [BOS] + prompt + response + [EOS], right-padded to `max_len`, the response being
+  `example.target` (a reference response with its working, e.g. the running-sum task's) or,
+  when empty, `example.answer`:
     tokens        int32   [B, L]
     loss_mask     float32 [B, L]  1.0 where tokens[b, t] is an answer token or the EOS, i.e. a
                                   token the model must predict; the loss at t uses logits from
@@ -165,7 +167,7 @@ class PromptIterator:
 
 
 def make_prompt_iterator(
-    source: tasks.ArithmeticTask | str | os.PathLike | Sequence[tasks.Example],
+    source: tasks.GeneratedTask | str | os.PathLike | Sequence[tasks.Example],
     tokenizer,
     *,
     batch_size: int,
@@ -189,7 +191,7 @@ def make_prompt_iterator(
     report = None
 
     # The global source, identical on every host.
-    if callable(getattr(source, "train_example", None)):  # a generated task
+    if isinstance(source, tasks.GeneratedTask):
         task = source
         examples = grain.MapDataset.range(_ARITH_SPAN).map(
             lambda i: task.train_example(i, RL_STREAM)
@@ -263,7 +265,8 @@ def make_prompt_iterator(
 def sft_batch(
     examples: Sequence[tasks.Example], tokenizer, *, max_len: int, add_bos: bool | None = None
 ) -> SFTBatch:
-    """[BOS] + prompt + answer + [EOS] sequences with a loss mask on answer + EOS (docstring)."""
+    """[BOS] + prompt + response + [EOS] sequences with a loss mask on response + EOS, the
+    response being the example's `target` (the reference response) or else its `answer`."""
     bos = _add_bos(tokenizer, add_bos)
     b = len(examples)
     tokens = np.full((b, max_len), tokenizer.pad_id, np.int32)
@@ -272,11 +275,12 @@ def sft_batch(
     prompt_lengths = np.zeros((b,), np.int32)
     for row, ex in enumerate(examples):
         prompt = ([tokenizer.bos_id] if bos else []) + list(tokenizer.encode_ids(ex.prompt))
-        target = list(tokenizer.encode_ids(ex.answer)) + [tokenizer.eos_id]
+        response = ex.target or ex.answer
+        target = list(tokenizer.encode_ids(response)) + [tokenizer.eos_id]
         n = len(prompt) + len(target)
         if n > max_len:
             raise ValueError(
-                f"SFT sequence for {ex.prompt!r} -> {ex.answer!r} has {n} tokens > "
+                f"SFT sequence for {ex.prompt!r} -> {response[:60]!r} has {n} tokens > "
                 f"max_len={max_len}; raise max_len"
             )
         tokens[row, :n] = prompt + target
@@ -286,7 +290,7 @@ def sft_batch(
 
 
 def sft_batch_for_step(
-    task: tasks.ArithmeticTask,
+    task: tasks.GeneratedTask,
     tokenizer,
     *,
     step: int,

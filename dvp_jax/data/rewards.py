@@ -11,6 +11,12 @@ Public API:
 - `exact_match_reward(response_text, answer) -> float`: 1.0 iff `parse_int(response_text)` equals
   the integer `answer` (a string like "46" or "-3"), else 0.0. Never raises on the response; a
   non-integer `answer` is a caller bug and raises ValueError.
+- `marked_answer_reward(response_text, answer) -> float`: 1.0 iff the text after the LAST
+  answer marker `<ans>` (`running_sum.ANSWER_MARKER`) is, leading and trailing whitespace
+  stripped, exactly one integer equal to the integer `answer` ("... <ans> 97" and "<ans>97" give
+  97; "<ans> 97 baba", "<ans>", "<ans> 9 7" give 0). No marker gives 0. What precedes the last
+  marker (the worked sum, the thoughts, an earlier marker) is ignored. Leading zeros and a sign
+  are accepted as in `parse_int`. Never raises on the response; a non-integer `answer` raises.
 - `math_verify_reward(response_text, ground_truth, timeout_s=5) -> float`: 1.0 iff `math_verify`
   finds the response's final answer (last `\\boxed{}` or LaTeX/plain expression) equivalent to the
   ground truth ("\\boxed{1/2}" vs "0.5" -> 1.0). The ground truth is parsed as `\\boxed{gt}` first,
@@ -19,7 +25,7 @@ Public API:
   and per comparison; they only work in the main thread, so off the main thread they are disabled
   (logged once) and the response is cut to its last `max_chars` characters to bound the work.
 - `compute_rewards(kind, responses, ground_truths) -> np.ndarray[float32]`: `kind` is
-  "exact_match" or "math_verify".
+  "exact_match", "marked_answer" or "math_verify".
 - `get_reward_fn(kind)`: the function for a kind.
 """
 
@@ -31,6 +37,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 from absl import logging
+
+from dvp_jax.data.running_sum import ANSWER_MARKER
 
 _INT_RE = re.compile(r"\s*([+-]?[0-9]+)")
 _ANSWER_RE = re.compile(r"\s*[+-]?[0-9]+\s*")
@@ -50,6 +58,21 @@ def exact_match_reward(response_text: str, answer: str) -> float:
         raise ValueError(f"exact_match_reward: answer must be an integer string, got {answer!r}")
     target = int(answer)
     return 1.0 if parse_int(response_text) == target else 0.0
+
+
+def marked_answer_reward(response_text: str, answer: str) -> float:
+    """1.0 iff the integer after the last answer marker equals `answer` (module docstring)."""
+    if not isinstance(answer, str) or not _ANSWER_RE.fullmatch(answer):
+        raise ValueError(f"marked_answer_reward: answer must be an integer string, got {answer!r}")
+    if not isinstance(response_text, str):
+        return 0.0
+    at = response_text.rfind(ANSWER_MARKER)
+    if at < 0:
+        return 0.0
+    tail = response_text[at + len(ANSWER_MARKER) :]
+    if not _ANSWER_RE.fullmatch(tail):
+        return 0.0
+    return 1.0 if int(tail) == int(answer) else 0.0
 
 
 def math_verify_reward(
@@ -93,6 +116,7 @@ def _warn_no_timeout_once() -> None:
 
 _REWARD_FNS: dict[str, Callable[[str, str], float]] = {
     "exact_match": exact_match_reward,
+    "marked_answer": marked_answer_reward,
     "math_verify": math_verify_reward,
 }
 

@@ -2,9 +2,15 @@
 
 Public API:
 
-- `Example(prompt, answer, key="", index=-1)`: one prompt (text that ends where the model should
-  answer) and its ground truth (`answer`, a string the reward compares against). The engine
-  appends EOS to responses, so a perfect response is exactly `answer`.
+- `Example(prompt, answer, key="", index=-1, target="")`: one prompt (text that ends where the
+  model should answer) and its ground truth (`answer`, a string the reward compares against).
+  `target` is the full reference response for supervised warm-up when it is more than the
+  answer (the running-sum task's worked sum); "" means the reference response is `answer`. The
+  engine appends EOS to responses, so a perfect arithmetic response is exactly `answer`.
+- `GeneratedTask`: the base class of the generated tasks (this `ArithmeticTask` and
+  `dvp_jax.data.running_sum.RunningSumTask`), with the interface below; test
+  `isinstance(x, GeneratedTask)` to accept either. `in_hash_fraction(key, salt, fraction)` is
+  their held-out rule.
 - `ArithmeticTask(seed=0, num_operands=2, min_operands=None, min_operand=0, max_operand=49,
   ops=("+", "-"), allow_negative=False, style="symbolic", heldout_fraction=0.1)`: generated
   problems with an integer answer, no download.
@@ -76,12 +82,47 @@ from dvp_jax.workdir import as_path
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-    """A prompt and its ground truth. `key` identifies the problem, `index` its source row."""
+    """A prompt and its ground truth. `key` identifies the problem, `index` its source row;
+    `target` is the full reference response for supervised warm-up ("" when it is `answer`)."""
 
     prompt: str
     answer: str
     key: str = ""
     index: int = -1
+    target: str = ""
+
+
+class GeneratedTask:
+    """Base class of the generated tasks (`ArithmeticTask`, `running_sum.RunningSumTask`).
+
+    A generated task has an endless train split addressed by (stream, index) and a held-out split
+    defined by a hash of each problem's canonical key; `isinstance(x, GeneratedTask)` is how the
+    pipeline, the warm-up and the evaluation recognise one. Subclasses implement `train_example`,
+    `heldout_examples` and `is_heldout`.
+    """
+
+    def train_example(self, i: int, stream: int = 0) -> Example:
+        """Train problem number `i` of `stream`, a pure function of (seed, stream, i)."""
+        raise NotImplementedError
+
+    def train_examples(self, n: int, start: int = 0, stream: int = 0) -> list[Example]:
+        """Train problems `start` .. `start + n - 1` of `stream`."""
+        return [self.train_example(i, stream) for i in range(start, start + n)]
+
+    def heldout_examples(self, n: int) -> list[Example]:
+        """`n` distinct held-out problems, a pure function of (seed, n), in a fixed order."""
+        raise NotImplementedError
+
+    def is_heldout(self, key: str) -> bool:
+        """Whether the problem with canonical key `key` is in the held-out split."""
+        raise NotImplementedError
+
+
+def in_hash_fraction(key: str, salt: bytes, fraction: float) -> bool:
+    """The held-out rule of the generated tasks: whether the salted 64-bit BLAKE2b hash of `key`
+    falls in the first `fraction` of the hash range."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8, key=salt).digest()
+    return int.from_bytes(digest, "little") < fraction * 2**64
 
 
 # ----------------------------------------------------------------------------------------------
@@ -113,7 +154,7 @@ def _evaluate(operands: Sequence[int], ops: Sequence[str]) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class ArithmeticTask:
+class ArithmeticTask(GeneratedTask):
     """Generated arithmetic problems with an integer answer (see module docstring)."""
 
     seed: int = 0
@@ -156,8 +197,7 @@ class ArithmeticTask:
 
     def is_heldout(self, key: str) -> bool:
         """Whether the problem with canonical key `key` (e.g. "12+34") is in the held-out split."""
-        digest = hashlib.blake2b(key.encode(), digest_size=8, key=_SPLIT_SALT).digest()
-        return int.from_bytes(digest, "little") < self.heldout_fraction * 2**64
+        return in_hash_fraction(key, _SPLIT_SALT, self.heldout_fraction)
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -210,9 +250,6 @@ class ArithmeticTask:
             f"{self}: no train problem found in {_MAX_TRIES} draws; lower heldout_fraction or "
             "allow negative answers"
         )
-
-    def train_examples(self, n: int, start: int = 0, stream: int = 0) -> list[Example]:
-        return [self.train_example(i, stream) for i in range(start, start + n)]
 
     def heldout_examples(self, n: int) -> list[Example]:
         """`n` distinct held-out problems, a pure function of (seed, n), in a fixed order."""

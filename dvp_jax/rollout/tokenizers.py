@@ -1,6 +1,6 @@
 """Tokenizers implementing JetStream's tokenizer API (`jetstream.engine.tokenizer_api.Tokenizer`).
 
-Two tokenizers, both usable by our rollout engine, by JetStream's orchestrator and by the data
+Three tokenizers, all usable by our rollout engine, by JetStream's orchestrator and by the data
 pipeline:
 
 - `CharTokenizer()`: a fixed character vocabulary for the generated arithmetic task
@@ -12,10 +12,18 @@ pipeline:
   hub). Special tokens (and `add_bos`) come from the arguments, else from a
   `tokenizer_config.json` next to the file, else (eos only) from a short list of well-known names
   (`_KNOWN_EOS`).
-- `load_tokenizer(spec, **kwargs)`: `"char"` -> `CharTokenizer()`, anything else is a path for
-  `HFTokenizer`; an existing tokenizer instance is returned unchanged.
+- `WordTokenizer(words, name="words")`: a word-level vocabulary built in memory with the
+  `tokenizers` library (WordLevel model, whitespace split): ids 0 `<pad>`, 1 `<bos>`, 2 `<eos>`,
+  3 `<unk>`, then `words`; text is single-space separated words. An `HFTokenizer` underneath.
+  `running_sum_tokenizer(n_words=None)` is the one of `dvp_jax.data.running_sum` (its prompt
+  word, "=", "+", "<ans>", the numbers "0".."999" and `n_words` thought words; 2,000 by default,
+  3,008 ids in all).
+- `load_tokenizer(spec, **kwargs)`: `"char"` -> `CharTokenizer()`; `"running_sum"` or
+  `"running_sum:<n_words>"` -> `running_sum_tokenizer` (these names win over a path of the same
+  name); anything else is a path for `HFTokenizer`; an existing tokenizer instance is returned
+  unchanged.
 
-API shared by both (JetStream's, plus two helpers the pipeline uses):
+API shared by all three (JetStream's, plus two helpers the pipeline uses):
 
 - `encode(s, is_bos=<add_bos>, prefill_lengths=None, max_prefill_length=None, jax_padding=True)
   -> (tokens, true_length)`: the JetStream contract. Optionally prepends BOS, right-pads with
@@ -54,8 +62,9 @@ from jetstream.engine import tokenizer_api
 # than imported: token_utils imports seqio and with it TensorFlow.
 DEFAULT_PREFILL_LENGTHS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
-PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)
+RUNNING_SUM = "running_sum"  # load_tokenizer spec of the running-sum task's word tokenizer
 # Digits, space and operators, lowercase letters, punctuation the task templates use, newline.
 # Append only: ids are positions in this string (offset by the specials).
 CHAR_VOCAB = "0123456789 +-*/=()abcdefghijklmnopqrstuvwxyz.,?!:;'\n"
@@ -260,13 +269,37 @@ class HFTokenizer(_BucketTokenizer):
                 f"no tokenizer.json at {path!r}; pass a local tokenizer.json file or a directory "
                 "containing one (nothing is downloaded)"
             )
-        self.path = file
-        self._tok = tokenizers.Tokenizer.from_file(file)
         config = {}
         config_file = os.path.join(os.path.dirname(file), "tokenizer_config.json")
         if os.path.isfile(config_file):
             with open(config_file, encoding="utf-8") as f:
                 config = json.load(f)
+        self._setup(
+            tokenizers.Tokenizer.from_file(file),
+            file,
+            config,
+            eos=eos,
+            pad=pad,
+            bos=bos,
+            add_bos=add_bos,
+            stop_tokens=stop_tokens,
+        )
+
+    def _setup(
+        self,
+        tok,
+        path: str,
+        config: dict[str, Any],
+        *,
+        eos: str | int | None,
+        pad: str | int | None,
+        bos: str | int | None,
+        add_bos: bool | None,
+        stop_tokens: Sequence[str | int],
+    ) -> None:
+        """Special tokens from the arguments, else `config` (a tokenizer_config.json's dict)."""
+        self.path = path  # Where the vocabulary came from, for error messages.
+        self._tok = tok
 
         def from_config(key: str) -> str | None:
             value = config.get(key)
@@ -279,7 +312,7 @@ class HFTokenizer(_BucketTokenizer):
             eos = next((n for n in _KNOWN_EOS if self._tok.token_to_id(n) is not None), None)
         if eos is None:
             raise ValueError(
-                f"{file}: cannot determine the EOS token (no tokenizer_config.json eos_token and "
+                f"{path}: cannot determine the EOS token (no tokenizer_config.json eos_token and "
                 f"none of {_KNOWN_EOS} in the vocabulary); pass eos=<token or id>"
             )
         self._eos = self._to_id(eos, "eos")
@@ -293,7 +326,7 @@ class HFTokenizer(_BucketTokenizer):
             add_bos = add_bos if isinstance(add_bos, bool) else True
         self.add_bos = bool(add_bos)
         if self.add_bos and self._bos is None:
-            raise ValueError(f"{file}: add_bos=True but no BOS token is known; pass bos=...")
+            raise ValueError(f"{path}: add_bos=True but no BOS token is known; pass bos=...")
         self._stop = {self._eos, self._pad} | {self._to_id(t, "stop_tokens") for t in stop_tokens}
         added = self._tok.get_added_tokens_decoder()
         self._special = {i for i, t in added.items() if t.special} | self._stop
@@ -363,12 +396,85 @@ class HFTokenizer(_BucketTokenizer):
         return "".join(out)
 
 
+class WordTokenizer(HFTokenizer):
+    """A word-level tokenizer built in memory (no file, no download): text is split on
+    whitespace and each word is one token.
+
+    Ids: 0 `<pad>`, 1 `<bos>`, 2 `<eos>`, 3 `<unk>`, then `words` in order; `add_bos` is True.
+    It is an `HFTokenizer` over a `tokenizers` WordLevel model with a WhitespaceSplit
+    pre-tokenizer, so `decode` joins words with single spaces and `save_hf` exports it like any
+    other. `encode_ids` rejects a word outside the vocabulary (`ValueError` naming it); the
+    exported tokenizer maps it to `<unk>` instead.
+
+    Args:
+      words: the vocabulary after the specials, distinct, none containing whitespace.
+      name: what error messages call the vocabulary (e.g. the `load_tokenizer` spec).
+    """
+
+    def __init__(self, words: Sequence[str], *, name: str = "words"):
+        from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+        specials = (*SPECIAL_TOKENS, UNK)
+        vocab = {t: i for i, t in enumerate((*specials, *words))}
+        if len(vocab) != len(specials) + len(words):
+            raise ValueError(f"{name}: the words must be distinct and not special tokens")
+        bad = next((w for w in words if not w or w.split() != [w]), None)
+        if bad is not None:
+            raise ValueError(f"{name}: word {bad!r} is empty or contains whitespace")
+        tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok.add_special_tokens([AddedToken(t, special=True) for t in specials])
+        self._setup(tok, name, {}, eos=EOS, pad=PAD, bos=BOS, add_bos=True, stop_tokens=())
+        self._unk = vocab[UNK]
+
+    def encode_ids(self, s: str) -> list[int]:
+        """Plain ids of `s` (no BOS, no padding); `ValueError` naming any unknown word."""
+        ids = super().encode_ids(s)
+        if self._unk in ids:
+            pos = ids.index(self._unk)
+            bad = s.split()[pos] if pos < len(s.split()) else UNK
+            raise ValueError(
+                f"{self.path} tokenizer cannot encode word {bad!r} (word {pos} of {s[:60]!r}): "
+                "not in its vocabulary"
+            )
+        return ids
+
+
+def running_sum_tokenizer(n_words: int | None = None) -> WordTokenizer:
+    """The word tokenizer of `dvp_jax.data.running_sum` with `n_words` thought words (default
+    `running_sum.DEFAULT_N_WORDS`)."""
+    from dvp_jax.data import running_sum  # Local import: the task defines its vocabulary.
+
+    n = running_sum.DEFAULT_N_WORDS if n_words is None else n_words
+    return WordTokenizer(running_sum.vocabulary(n), name=running_sum.tokenizer_spec(n))
+
+
 def load_tokenizer(spec: str | os.PathLike | tokenizer_api.Tokenizer, **kwargs: Any):
-    """`"char"` -> `CharTokenizer()`; a path -> `HFTokenizer(path, **kwargs)`; a tokenizer as is."""
+    """A tokenizer from its spec (module docstring); a tokenizer instance is returned as is."""
     if isinstance(spec, tokenizer_api.Tokenizer):
         return spec
+    builtin = spec == "char" or (isinstance(spec, str) and spec.split(":")[0] == RUNNING_SUM)
+    if builtin and kwargs:
+        raise ValueError(f"tokenizer {spec!r} takes no options, got {sorted(kwargs)}")
     if spec == "char":
-        if kwargs:
-            raise ValueError(f"CharTokenizer takes no options, got {sorted(kwargs)}")
         return CharTokenizer()
+    if builtin:
+        return running_sum_tokenizer(parse_running_sum_spec(spec))
     return HFTokenizer(spec, **kwargs)
+
+
+def parse_running_sum_spec(spec: str) -> int | None:
+    """`"running_sum"` -> None (the default word count); `"running_sum:<n>"` -> n.
+
+    Raises:
+      ValueError: a malformed spec, naming the accepted forms.
+    """
+    if spec == RUNNING_SUM:
+        return None
+    head, _, n = spec.partition(":")
+    if head != RUNNING_SUM or not n.isdigit() or int(n) < 1:
+        raise ValueError(
+            f"tokenizer spec {spec!r}: expected {RUNNING_SUM!r} or '{RUNNING_SUM}:<n_words>' "
+            "with n_words a positive integer"
+        )
+    return int(n)

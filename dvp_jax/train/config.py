@@ -28,7 +28,9 @@ from dvp_jax.model.config import (
 from dvp_jax.model.config import PRESETS as MODEL_PRESETS
 from dvp_jax.sharding import MeshConfig
 
-TASKS = ("arithmetic", "math")
+TASKS = ("arithmetic", "running_sum", "math")
+# The verifier of each task (`dvp_jax.data.rewards` kinds).
+TASK_REWARDS = {"arithmetic": "exact_match", "running_sum": "marked_answer", "math": "math_verify"}
 
 
 def _check(cond: bool, field: str, allowed: str, value: Any) -> None:
@@ -80,10 +82,14 @@ class RolloutConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    task: str = "arithmetic"
+    """The prompts and their verifier: a generated task ("arithmetic", "running_sum") or a math
+    file ("math"). Each generated task reads only its own knobs below."""
+
+    task: str = "arithmetic"  # one of TASKS; the reward kind follows (TASK_REWARDS)
     path: str = ""  # jsonl / parquet in the DAPO-Math layout, for task="math"
-    eval_path: str = ""  # held-out math file (e.g. AIME25) for avg@k; arithmetic has its own split
-    tokenizer: str = "char"  # "char" or a path to a tokenizer.json
+    eval_path: str = ""  # held-out math file (e.g. AIME25) for avg@k; generated tasks have a split
+    # "char", "running_sum:<thought_words>" (task="running_sum") or a path to a tokenizer.json
+    tokenizer: str = "char"
     chat_format: str = "chatml"
     max_prompt_len: int = 16
     seed: int = 0
@@ -93,6 +99,16 @@ class DataConfig:
     max_operand: int = 49
     ops: str = "+-"
     style: str = "symbolic"
+    # running-sum knobs (dvp_jax.data.running_sum.RunningSumTask): operand count and range,
+    # the thought vocabulary and its Zipf exponent, the response length band (tokens, no EOS)
+    sum_min_operands: int = 4
+    sum_max_operands: int = 8
+    sum_min_operand: int = 1
+    sum_max_operand: int = 99
+    thought_words: int = 2000
+    thought_zipf: float = 1.1
+    min_response_len: int = 150
+    max_response_len: int = 250
 
     def __post_init__(self):
         _check(self.task in TASKS, "data.task", f"one of {TASKS}", self.task)
@@ -101,6 +117,7 @@ class DataConfig:
                 bool(self.path), "data.path", "a jsonl/parquet file path for task='math'", self.path
             )
         _int("data.max_prompt_len", self.max_prompt_len, 1)
+        _int("data.seed", self.seed, 0)
         _int("data.num_operands", self.num_operands, 1)
         _int("data.min_operands", self.min_operands, 1)
         _int("data.max_operand", self.max_operand, 1)
@@ -110,10 +127,117 @@ class DataConfig:
             "a non-empty string of '+', '-', '*'",
             self.ops,
         )
+        self._check_running_sum()
+
+    def _check_running_sum(self) -> None:
+        from dvp_jax.data import running_sum as rs
+
+        _int("data.sum_min_operands", self.sum_min_operands, 1)
+        _int("data.sum_max_operands", self.sum_max_operands, 1)
+        _check(
+            self.sum_min_operands <= self.sum_max_operands,
+            "data.sum_max_operands",
+            f">= data.sum_min_operands={self.sum_min_operands}",
+            self.sum_max_operands,
+        )
+        _int("data.sum_min_operand", self.sum_min_operand, 0)
+        _int("data.sum_max_operand", self.sum_max_operand, 0)
+        _check(
+            self.sum_min_operand <= self.sum_max_operand,
+            "data.sum_max_operand",
+            f">= data.sum_min_operand={self.sum_min_operand}",
+            self.sum_max_operand,
+        )
+        _check(
+            self.sum_max_operands * self.sum_max_operand <= rs.MAX_NUMBER,
+            "data.sum_max_operand",
+            f"<= {rs.MAX_NUMBER // self.sum_max_operands} so that sum_max_operands * "
+            f"sum_max_operand stays within the number tokens 0..{rs.MAX_NUMBER}",
+            self.sum_max_operand,
+        )
+        _int("data.thought_words", self.thought_words, 1)
+        _check(
+            self.thought_words <= rs.MAX_N_WORDS,
+            "data.thought_words",
+            f"<= {rs.MAX_N_WORDS}",
+            self.thought_words,
+        )
+        _pos_float("data.thought_zipf", self.thought_zipf, allow_zero=True)
+        least = 4 * self.sum_max_operands + 2
+        _int("data.min_response_len", self.min_response_len, 1)
+        _check(
+            self.min_response_len >= least,
+            "data.min_response_len",
+            f">= {least} (4 * data.sum_max_operands + 2: the longest problem's steps and "
+            "answer without any thought word)",
+            self.min_response_len,
+        )
+        _int("data.max_response_len", self.max_response_len, 1)
+        _check(
+            self.max_response_len >= self.min_response_len,
+            "data.max_response_len",
+            f">= data.min_response_len={self.min_response_len}",
+            self.max_response_len,
+        )
+        spec = rs.tokenizer_spec(self.thought_words)
+        word_tokenizer = self.tokenizer.split(":")[0] == rs.TOKENIZER_NAME
+        if self.task == "running_sum":
+            ok = self.tokenizer == spec or (
+                self.tokenizer == rs.TOKENIZER_NAME and self.thought_words == rs.DEFAULT_N_WORDS
+            )
+            _check(
+                ok,
+                "data.tokenizer",
+                f"{spec!r} for task='running_sum' (the word vocabulary of "
+                f"data.thought_words={self.thought_words})",
+                self.tokenizer,
+            )
+            _check(
+                self.max_prompt_len >= self.sum_max_operands + 3,
+                "data.max_prompt_len",
+                f">= {self.sum_max_operands + 3} (BOS, 'sum', data.sum_max_operands="
+                f"{self.sum_max_operands} operands, '=')",
+                self.max_prompt_len,
+            )
+        else:
+            _check(
+                not word_tokenizer,
+                "data.tokenizer",
+                f"'char' or a tokenizer.json path for task={self.task!r} (the running-sum word "
+                "tokenizer cannot encode its prompts)",
+                self.tokenizer,
+            )
+
+    @property
+    def reward_kind(self) -> str:
+        """The verifier of the task (TASK_REWARDS)."""
+        return TASK_REWARDS[self.task]
+
+    def make_task(self):
+        """The generated task these knobs describe (`tasks.GeneratedTask`), or None for "math".
+
+        The same problems and held-out split everywhere: trainer, experiments, evaluation.
+        """
+        if self.task == "arithmetic":
+            return self.arithmetic_task()
+        if self.task == "running_sum":
+            from dvp_jax.data.running_sum import RunningSumTask
+
+            return RunningSumTask(
+                seed=self.seed,
+                min_operands=self.sum_min_operands,
+                max_operands=self.sum_max_operands,
+                min_operand=self.sum_min_operand,
+                max_operand=self.sum_max_operand,
+                n_words=self.thought_words,
+                zipf_exponent=self.thought_zipf,
+                min_response_len=self.min_response_len,
+                max_response_len=self.max_response_len,
+            )
+        return None
 
     def arithmetic_task(self):
-        """The generated task these knobs describe (the same problems and held-out split
-        everywhere: trainer, experiments, evaluation scripts)."""
+        """The arithmetic task of the arithmetic knobs (whatever `task` is; see `make_task`)."""
         from dvp_jax.data.tasks import ArithmeticTask
 
         return ArithmeticTask(
@@ -296,13 +420,22 @@ class ExperimentConfig:
             )
         if train.updates_per_batch == 1 and loss.ppo_clip_eps is not None:
             raise ValueError("config.loss.ppo_clip_eps needs config.train.updates_per_batch > 1")
+        data = _build("data", DataConfig, d.get("data", {}))
+        if data.task == "running_sum" and rollout.max_decode_length <= data.max_response_len:
+            # The reference responses run to max_response_len tokens plus EOS; a shorter decode
+            # budget truncates them, and a truncated response scores 0.
+            raise ValueError(
+                f"config.rollout.max_decode_length must be >= data.max_response_len + 1 = "
+                f"{data.max_response_len + 1} for task='running_sum', got "
+                f"{rollout.max_decode_length}"
+            )
         cfg = cls(
             model=model,
             mesh=_build("mesh", MeshConfig, d.get("mesh", {})),
             rollout=rollout,
             loss=loss,
             method=method,
-            data=_build("data", DataConfig, d.get("data", {})),
+            data=data,
             train=train,
             sft=_build("sft", SFTConfig, d.get("sft", {})),
             eval=_build("eval", EvalConfig, d.get("eval", {})),
@@ -417,16 +550,34 @@ def flat_fields(cfg: ExperimentConfig) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
 
+def _flat_defaults() -> dict[str, Any]:
+    """{"section.field": dataclass default} for every section field that has one."""
+    out = {}
+    for section, cls in _SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            default = _default(f)
+            if default is not None:
+                out[f"{section}.{f.name}"] = (
+                    list(default) if isinstance(default, tuple) else default
+                )
+    return out
+
+
 def resume_mismatch(saved: dict[str, Any], current: ExperimentConfig) -> list[str]:
     """The fields (other than `RESUMABLE_FIELDS`) whose value differs from a saved config.
 
-    Returns lines like "model.d_ff: workdir 64, now 128", sorted by field.
+    A field missing from `saved` (added to the config after the workdir was made) counts only
+    when its value is not its default. Returns lines like "model.d_ff: workdir 64, now 128",
+    sorted by field.
     """
     now = flat_fields(current)
+    defaults = _flat_defaults()
     diff = []
     for key in sorted(set(saved) | set(now)):
         if key.startswith(RESUMABLE_FIELDS):
             continue
+        if key not in saved and key in defaults and now[key] == defaults[key]:
+            continue  # A field added after the workdir was made, at its default: no change.
         if saved.get(key, "<absent>") != now.get(key, "<absent>"):
             diff.append(
                 f"{key}: workdir {saved.get(key, '<absent>')!r}, now {now.get(key, '<absent>')!r}"

@@ -16,8 +16,9 @@ from dvp_jax.train.config import DataConfig
 
 
 def reward_kind(data: DataConfig) -> str:
-    """The verifier of the task: exact match for arithmetic, math-verify for math data."""
-    return "exact_match" if data.task == "arithmetic" else "math_verify"
+    """The verifier of the task (`config.TASK_REWARDS`): exact match for arithmetic, the marked
+    answer for running sums, math-verify for math data."""
+    return data.reward_kind
 
 
 def response_texts(tokenizer, batch: RolloutBatch) -> list[str]:

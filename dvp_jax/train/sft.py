@@ -76,7 +76,7 @@ def warm_up(
 
     Args:
       model: the (sharded) trainer model to start from.
-      task: the generated task (`ArithmeticTask`) whose training examples are fitted.
+      task: the generated task (`tasks.GeneratedTask`) whose reference responses are fitted.
       tokenizer: the run's tokenizer.
       cfg: steps, global batch size (divisible by the number of processes), learning rate and
         warm-up of this phase.

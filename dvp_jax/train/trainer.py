@@ -96,7 +96,7 @@ class Trainer:
         self.engine = build_engine(cfg, self.tokenizer, model)
 
         # Data: the generated task (or a math file), this host's share of each prompt batch.
-        self.task = cfg.data.arithmetic_task() if cfg.data.task == "arithmetic" else None
+        self.task = cfg.data.make_task()  # a generated task, or None for a math file
         self.data = pipeline.make_prompt_iterator(
             self.task if self.task is not None else cfg.data.path,
             self.tokenizer,

@@ -1,0 +1,263 @@
+"""The running-sum task: long, high-entropy responses with a verifiable answer (issue e004).
+
+A problem is a list of operands to add; the reference response walks a running sum, and after
+every step "thinks" a random number of free words drawn from a Zipf distribution, then states the
+total after an answer marker:
+
+    prompt:    sum 12 7 33 =
+    response:  + 12 = 12 kobe babe ... + 7 = 19 ludi ... + 33 = 52 baba pefo ... <ans> 52
+
+(EOS follows, appended by the engine and by the warm-up batches). The reward ("marked_answer",
+`dvp_jax.data.rewards`) reads only the integer after the last `<ans>`, so the thought words are
+free: they make the responses long and their per-token entropy high, and the task stays exactly
+verifiable. Text is single-space separated words (numbers are whole-word tokens), which is what
+the word-level tokenizer `load_tokenizer("running_sum:<n_words>")` (`dvp_jax.rollout.tokenizers`)
+splits on.
+
+Public API:
+
+- `RunningSumTask(seed=0, min_operands=4, max_operands=8, min_operand=1, max_operand=99,
+  n_words=2000, zipf_exponent=1.1, min_response_len=150, max_response_len=250,
+  heldout_fraction=0.1)`, a `tasks.GeneratedTask` with ArithmeticTask's interface:
+  `train_example(i, stream=0)`, `train_examples(n, start=0, stream=0)`, `heldout_examples(n)`,
+  `is_heldout(key)`; every example is a pure function of (seed, stream, i) (held-out: (seed, n)).
+  `Example.answer` is the total ("52"), `Example.target` the whole reference response, and
+  `Example.key` the canonical problem ("12+7+33"), whose salted hash alone decides the held-out
+  split (not the seed, the stream or the thoughts), so train and held-out never overlap.
+  Generation, per problem: the operand count uniform in [min_operands, max_operands], operands
+  uniform in [min_operand, max_operand]; then the response length R (tokens, EOS excluded)
+  uniform in [min_response_len, max_response_len]; the R - (4n + 2) thought words are split over
+  the n steps by a uniformly random composition (each step gets >= 0 words), and each word is
+  drawn i.i.d. from the Zipf law p(rank k) ∝ k^-zipf_exponent over the `n_words` thought words.
+  So response lengths are uniform on [min_response_len, max_response_len] exactly, whatever the
+  operand count. `task.tokenizer_spec` is the `load_tokenizer` spec of its vocabulary and
+  `task.max_prompt_tokens` its longest prompt (BOS excluded).
+- `thought_words(n)`: the first `n` thought words, by Zipf rank (rank 1 first): two consonant-vowel
+  syllables ("baba", "babe", ...; 4,900 of them), then three syllables. Lowercase letters only,
+  so a thought word is never a number, a marker or the prompt word.
+- `vocabulary(n_words)`: the non-special tokens in id order: `PROMPT_WORD`, "=", "+",
+  `ANSWER_MARKER`, the numbers "0".."999" (`MAX_NUMBER`), then `thought_words(n_words)`.
+- `tokenizer_spec(n_words)`: "running_sum:<n_words>", the `load_tokenizer` spec of that vocabulary.
+- `zipf_probs(n, exponent)`, `zipf_entropy(n, exponent)` (nats): the thought distribution.
+
+Measured with the defaults over train examples 0..999 of seed 0 (tests/test_running_sum.py
+asserts bounds on them): response length mean 200.6 tokens, p5 156, p95 246 (EOS excluded);
+87% of response tokens are thought words; thought entropy 5.06 nats (plug-in estimate 5.05; rank-1
+word p = 0.169; 27% of thought draws have p < 1e-3); prompts <= 11 tokens with BOS; vocabulary
+3,008 ids. A model that fits the reference distribution has >= 0.87 * 5.06 = 4.4 nats of entropy
+per response token. The thought law's own tail stops at ln(p_min / p_max) = -exponent * ln(n_words)
+(-8.4 here), inside an e^-13 safe set; reaching e^-13 takes e.g. exponent 1.2 over 50,000 words
+(5.4 nats) or exponent 1.5 over 6,000 (3.1 nats).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+
+from dvp_jax.data.tasks import Example, GeneratedTask, in_hash_fraction
+
+PROMPT_WORD = "sum"
+ANSWER_MARKER = "<ans>"
+MAX_NUMBER = 999  # Numbers are whole-word tokens "0".."999"; totals must stay within them.
+STRUCTURE_TOKENS = (PROMPT_WORD, "=", "+", ANSWER_MARKER)
+DEFAULT_N_WORDS = 2000
+MAX_N_WORDS = 100_000
+TOKENIZER_NAME = "running_sum"
+
+_CONSONANTS = "bdfgklmnprstvz"
+_VOWELS = "aeiou"
+_SYLLABLES = tuple(c + v for c in _CONSONANTS for v in _VOWELS)  # 70 syllables.
+_HELDOUT_STREAM = 2**31 - 1  # A stream id train draws never use (checked in train_example).
+_SPLIT_SALT = b"dvp_jax.running_sum.split.v1"
+_MAX_TRIES = 10_000
+_MAX_HELDOUT_MISSES = 50_000  # Consecutive draws without a new held-out problem.
+_STEP_TOKENS = 4  # "+ x = total"
+_END_TOKENS = 2  # "<ans> total"
+
+
+def thought_words(n: int) -> tuple[str, ...]:
+    """The first `n` thought words, by Zipf rank (see module docstring)."""
+    if not 0 <= n <= MAX_N_WORDS:
+        raise ValueError(f"thought_words: need 0 <= n <= {MAX_N_WORDS}, got {n}")
+    words = []
+    for length in (2, 3):
+        for parts in itertools.product(_SYLLABLES, repeat=length):
+            if len(words) == n:
+                return tuple(words)
+            words.append("".join(parts))
+    return tuple(words)
+
+
+def vocabulary(n_words: int) -> tuple[str, ...]:
+    """The task's non-special tokens in id order (module docstring)."""
+    numbers = tuple(str(x) for x in range(MAX_NUMBER + 1))
+    return STRUCTURE_TOKENS + numbers + thought_words(n_words)
+
+
+def tokenizer_spec(n_words: int) -> str:
+    """The `load_tokenizer` spec of the vocabulary with `n_words` thought words."""
+    return f"{TOKENIZER_NAME}:{n_words}"
+
+
+def zipf_probs(n: int, exponent: float) -> np.ndarray:
+    """[n] float64 probabilities p(rank k) = k^-exponent / sum_j j^-exponent, k = 1..n."""
+    p = np.arange(1, n + 1, dtype=np.float64) ** -float(exponent)
+    return p / p.sum()
+
+
+def zipf_entropy(n: int, exponent: float) -> float:
+    """Entropy in nats of `zipf_probs(n, exponent)`."""
+    p = zipf_probs(n, exponent)
+    return float(-(p * np.log(p)).sum())
+
+
+@dataclasses.dataclass(frozen=True)
+class RunningSumTask(GeneratedTask):
+    """Generated running-sum problems with free Zipf "thoughts" (see module docstring)."""
+
+    seed: int = 0
+    min_operands: int = 4
+    max_operands: int = 8
+    min_operand: int = 1
+    max_operand: int = 99
+    n_words: int = DEFAULT_N_WORDS
+    zipf_exponent: float = 1.1
+    min_response_len: int = 150
+    max_response_len: int = 250
+    heldout_fraction: float = 0.1
+
+    def __post_init__(self):
+        name = type(self).__name__
+        if self.seed < 0:
+            raise ValueError(f"{name}.seed must be >= 0, got {self.seed}")
+        if not 1 <= self.min_operands <= self.max_operands:
+            raise ValueError(
+                f"{name}: need 1 <= min_operands <= max_operands, got min_operands="
+                f"{self.min_operands}, max_operands={self.max_operands}"
+            )
+        if not 0 <= self.min_operand <= self.max_operand:
+            raise ValueError(
+                f"{name}: need 0 <= min_operand <= max_operand, got min_operand="
+                f"{self.min_operand}, max_operand={self.max_operand}"
+            )
+        if self.max_operands * self.max_operand > MAX_NUMBER:
+            raise ValueError(
+                f"{name}: max_operands * max_operand = {self.max_operands * self.max_operand} "
+                f"exceeds the largest number token {MAX_NUMBER}; lower max_operand or "
+                "max_operands"
+            )
+        if not 1 <= self.n_words <= MAX_N_WORDS:
+            raise ValueError(f"{name}.n_words must be in [1, {MAX_N_WORDS}], got {self.n_words}")
+        if not (np.isfinite(self.zipf_exponent) and self.zipf_exponent >= 0):
+            raise ValueError(
+                f"{name}.zipf_exponent must be a finite float >= 0, got {self.zipf_exponent}"
+            )
+        least = self.max_operands * _STEP_TOKENS + _END_TOKENS
+        if not least <= self.min_response_len <= self.max_response_len:
+            raise ValueError(
+                f"{name}: need {least} <= min_response_len <= max_response_len (the longest "
+                f"problem's steps and answer, 4 * max_operands + 2, take {least} tokens), got "
+                f"min_response_len={self.min_response_len}, "
+                f"max_response_len={self.max_response_len}"
+            )
+        if not 0.0 < self.heldout_fraction < 1.0:
+            raise ValueError(
+                f"{name}.heldout_fraction must be in (0, 1), got {self.heldout_fraction}"
+            )
+        cdf = np.cumsum(zipf_probs(self.n_words, self.zipf_exponent))
+        object.__setattr__(self, "_cdf", cdf)  # Not a field: derived, excluded from eq/repr.
+        object.__setattr__(self, "_words", thought_words(self.n_words))
+
+    @property
+    def tokenizer_spec(self) -> str:
+        """The `load_tokenizer` spec whose vocabulary holds every token of this task."""
+        return tokenizer_spec(self.n_words)
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """Longest prompt in tokens, BOS excluded: "sum", the operands, "="."""
+        return self.max_operands + 2
+
+    # -- split ---------------------------------------------------------------------------------
+
+    def is_heldout(self, key: str) -> bool:
+        """Whether the problem with canonical key `key` (e.g. "12+7+33") is held out."""
+        return in_hash_fraction(key, _SPLIT_SALT, self.heldout_fraction)
+
+    # -- generation ----------------------------------------------------------------------------
+
+    def _draw(self, rng: np.random.Generator) -> list[int]:
+        n = int(rng.integers(self.min_operands, self.max_operands + 1))
+        return [int(x) for x in rng.integers(self.min_operand, self.max_operand + 1, size=n)]
+
+    @staticmethod
+    def _key(operands: list[int]) -> str:
+        return "+".join(str(x) for x in operands)
+
+    def _example(self, operands: list[int], rng: np.random.Generator, index: int) -> Example:
+        """Writes the reference response. Draws from `rng` only after the problem is fixed."""
+        n = len(operands)
+        length = int(rng.integers(self.min_response_len, self.max_response_len + 1))
+        n_thought = length - n * _STEP_TOKENS - _END_TOKENS
+        # A uniformly random composition of n_thought into n parts >= 0 (stars and bars).
+        cuts = np.sort(rng.choice(n_thought + n - 1, size=n - 1, replace=False))
+        bounds = np.concatenate([[-1], cuts, [n_thought + n - 1]])
+        per_step = (np.diff(bounds) - 1).tolist()
+        ranks = np.searchsorted(self._cdf, rng.random(n_thought), side="right")
+        ranks = np.minimum(ranks, self.n_words - 1)  # Guards a cdf[-1] rounded below 1.
+        words = [self._words[r] for r in ranks.tolist()]
+        parts, total, used = [], 0, 0
+        for x, k in zip(operands, per_step, strict=True):
+            total += x
+            parts += ["+", str(x), "=", str(total), *words[used : used + k]]
+            used += k
+        parts += [ANSWER_MARKER, str(total)]
+        prompt = " ".join([PROMPT_WORD, *map(str, operands), "="])
+        return Example(
+            prompt=prompt,
+            answer=str(total),
+            key=self._key(operands),
+            index=index,
+            target=" ".join(parts),
+        )
+
+    def _rng(self, stream: int, i: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed, stream, i])
+
+    def train_example(self, i: int, stream: int = 0) -> Example:
+        """Train problem number `i` (>= 0) of `stream`; a pure function of (seed, stream, i)."""
+        i, stream = int(i), int(stream)
+        if i < 0 or not 0 <= stream < _HELDOUT_STREAM:
+            raise ValueError(f"need i >= 0 and 0 <= stream < {_HELDOUT_STREAM}, got {i}, {stream}")
+        rng = self._rng(stream, i)
+        for _ in range(_MAX_TRIES):
+            operands = self._draw(rng)
+            if not self.is_heldout(self._key(operands)):
+                return self._example(operands, rng, i)
+        raise ValueError(
+            f"{self}: no train problem found in {_MAX_TRIES} draws; lower heldout_fraction or "
+            "widen the operands"
+        )
+
+    def heldout_examples(self, n: int) -> list[Example]:
+        """`n` distinct held-out problems, a pure function of (seed, n), in a fixed order."""
+        rng = self._rng(_HELDOUT_STREAM, 0)
+        seen: dict[str, Example] = {}
+        misses = 0
+        while len(seen) < n:
+            operands = self._draw(rng)
+            key = self._key(operands)
+            if key not in seen and self.is_heldout(key):
+                seen[key] = self._example(operands, rng, len(seen))
+                misses = 0
+            else:
+                misses += 1
+                if misses > _MAX_HELDOUT_MISSES:
+                    raise ValueError(
+                        f"{self}: found only {len(seen)} distinct held-out problems, {n} "
+                        "requested; widen the operands or raise heldout_fraction"
+                    )
+        return list(seen.values())
