@@ -5,7 +5,7 @@ the unembedding W [d, V], both ways, on the same inputs in one process:
 
 * naive: full `[N, V]` float32 logits, the min-p mask (E1), `jax.nn.log_softmax(where=mask)`,
   gather at y;
-* chunked: `dvp_jax.dvp.pruning.chunked_pruned_logprobs` (vocabulary chunks, custom VJP).
+* chunked: `dvp_jax.dvp.chunked.chunked_pruned_logprobs` (vocabulary chunks, custom VJP).
 
 Both use the matmul precision of `--precision` (default: the backend's; the trainer's fp32
 policy uses "highest"). Prints one JSON line: naive_s, chunked_s (median of --runs timed runs
@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dvp_jax.dvp import pruning
+from dvp_jax.dvp.chunked import DEFAULT_CHUNK_SIZE, chunked_pruned_logprobs
 
 
 def naive_logprobs(h, w, y, log_rho, temperature, precision=None):
@@ -76,7 +77,7 @@ def main():
     parser.add_argument("--log-rho", type=float, default=-13.0)
     parser.add_argument(
         "--chunk-sizes",
-        default=str(pruning.DEFAULT_CHUNK_SIZE),
+        default=str(DEFAULT_CHUNK_SIZE),
         help="comma-separated; with several, each is timed and the fastest kept",
     )
     parser.add_argument("--runs", type=int, default=5)
@@ -106,7 +107,7 @@ def main():
     chunked = {}
     for chunk_size in (int(s) for s in args.chunk_sizes.split(",")):
         fn = lambda h, w, y, cs=chunk_size: (
-            pruning.chunked_pruned_logprobs(
+            chunked_pruned_logprobs(
                 h, w, y, log_rho=args.log_rho, chunk_size=cs, precision=precision
             ).logp
         )

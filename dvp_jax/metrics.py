@@ -63,6 +63,21 @@ METRICS: dict[str, str] = {
     "safe_size_rollout_mean": "mean rollout safe-set size |V_S| (E1, E4)",
     "safe_size_rollout_max": "max rollout safe-set size |V_S| (E1, E4)",
     "frac_tokens_outside_train_safe": "sampled response tokens outside the trainer safe set (E5)",
+    # ----- entropy, tail and sequence log-ratio (dvp.diagnostics.tail_metrics, issue 14). "The
+    # trainer safe set" here is V_S at LossConfig.log_rho (E1) also when the objective does not
+    # prune; l_t = log pi(y_t) - log mu(y_t) unpruned, L = sum_t l_t per response (E6).
+    "entropy": "mean over response tokens of the trainer policy's entropy H(pi), full vocabulary",
+    "frac_tokens_tail": (
+        "sampled response tokens with trainer probability < 1e-3 and outside the trainer safe set"
+    ),
+    "seq_log_ratio": "E[L]: mean over responses of L = sum_t (log pi - log mu), unpruned",
+    "seq_log_ratio_pruned": (
+        "mean over E5-kept responses of sum_t (log pi_S - log mu_S), the pruned objective's L (E6)"
+    ),
+    "seq_log_ratio_outside": "E[L_out]: the part of E[L] from tokens outside the trainer safe set",
+    "seq_log_ratio_outside_share": (
+        "|E[L_out]| / (|E[L_in]| + |E[L_out]|): share of E[L] from outside the safe set, in [0, 1]"
+    ),
     # ----- optimizer (train.step)
     "grad_norm": "global norm of the gradient",
     "update_norm": "global norm of the optax update",
@@ -71,6 +86,7 @@ METRICS: dict[str, str] = {
     "reward_mean": "mean reward of the rollout batch",
     "response_length": "mean response length in tokens",
     "frac_finished": "responses that ended with a stop token",
+    "truncation_rate": "responses cut at max_decode_length (no stop token)",
     "rollout_s": "seconds spent generating the rollout batch",
     "train_s": "seconds spent in the jitted update(s)",
     "rollout_tok_s": "generated tokens per second",

@@ -397,8 +397,8 @@ def build_plan(cfg: ExperimentConfig, chips: int, chips_per_host: int, hbm_bytes
     )[0]
     # RLBatch per row-token: tokens, positions int32, valid bool; response_mask bool, 5 fp32
     # (behaviour_logp, _full, _pruned_mass, _safe_size, old_logp), old_in_safe bool; plus the
-    # scan's stacked TokenLogprobs (5 x 4 B).
-    per_token = 4 + 4 + 1 + 1 + 5 * 4 + 1 + 5 * 4
+    # scan's stacked TokenLogprobs and PositionStats (7 x 4 B).
+    per_token = 4 + 4 + 1 + 1 + 5 * 4 + 1 + 7 * 4
     batch_bytes = batch_rows * geo.seq * per_token
 
     pt, pr = totals["params_train"], totals["params_rollout"]

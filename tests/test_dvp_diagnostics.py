@@ -174,3 +174,136 @@ def test_a_wrong_one_x_bound_is_caught():
     wrong = diagnostics.mismatch_bound(z + d, z, factor=1.0)
     assert not np.asarray(wrong.within)[:, 3].any()
     assert wrong.frac_within < 1.0
+
+
+def _tail_reference(z, z_r, y, mask, log_rho, tail_p):
+    """float64 loops over responses and tokens, from the definitions (`tail_metrics`)."""
+
+    def log_softmax(row):
+        row = row - row.max()
+        return row - np.log(np.exp(row).sum())
+
+    def pruned(row, a):  # log pi_S(a) or None outside V_S (E1, E2)
+        safe = row >= row.max() + log_rho
+        if not safe[a]:
+            return None
+        return row[a] - row.max() - np.log(np.exp(row[safe] - row.max()).sum())
+
+    entropy, tail, n_tok = 0.0, 0, 0
+    seq, seq_out, seq_in, seq_pruned = [], [], [], []
+    for i in range(z.shape[0]):
+        if not mask[i].any():
+            continue
+        total = out = 0.0
+        pruned_sum, kept = 0.0, True
+        for t in np.flatnonzero(mask[i]):
+            lp, lm = log_softmax(z[i, t]), log_softmax(z_r[i, t])
+            a = y[i, t]
+            l_t = lp[a] - lm[a]
+            inside = z[i, t, a] >= z[i, t].max() + log_rho
+            total += l_t
+            out += 0.0 if inside else l_t
+            n_tok += 1
+            entropy += -np.sum(np.exp(lp) * lp)
+            tail += (not inside) and np.exp(lp[a]) < tail_p
+            p_s, m_s = pruned(z[i, t], a), pruned(z_r[i, t], a)
+            if p_s is None:
+                kept = False
+            else:
+                pruned_sum += p_s - m_s
+        seq.append(total)
+        seq_out.append(out)
+        seq_in.append(total - out)
+        if kept:
+            seq_pruned.append(pruned_sum)
+    e_out, e_in = np.mean(seq_out), np.mean(seq_in)
+    return {
+        "entropy": entropy / n_tok,
+        "frac_tokens_tail": tail / n_tok,
+        "seq_log_ratio": np.mean(seq),
+        "seq_log_ratio_pruned": np.mean(seq_pruned) if seq_pruned else 0.0,
+        "seq_log_ratio_outside": e_out,
+        "seq_log_ratio_outside_share": abs(e_out) / (abs(e_in) + abs(e_out)),
+    }
+
+
+def test_tail_metrics_match_dense_reference():
+    """Tolerance 1e-5 relative, 1e-6 absolute (fp32 log-softmax and sums over <= 42 tokens vs
+    float64 loops)."""
+    rng = np.random.default_rng(5)
+    b, t, v, log_rho, tail_p = 8, 6, 60, -1.0, 0.05
+    z = (3.0 * rng.normal(size=(b, t, v))).astype(np.float32)  # spread: a real tail
+    z_r = (z + rng.normal(0.0, 1.0, size=z.shape)).astype(np.float32)  # the rollout's logits
+    # Sample from the rollout's pruned distribution mu_S (E4): inside the rollout's V_S, but
+    # sometimes outside the trainer's and in its tail.
+    top = z_r.max(-1, keepdims=True)
+    p_r = np.exp(z_r - top) * (z_r >= top + log_rho)
+    y = np.array([[rng.choice(v, p=row / row.sum()) for row in r] for r in p_r])
+    mask = np.arange(t)[None, :] < rng.integers(1, t + 1, size=b)[:, None]
+    mask[-1] = False  # one all-padding response
+    train = pruning.pruned_token_logprobs(z, y, log_rho)
+    roll = pruning.pruned_token_logprobs(z_r, y, log_rho)
+    log_p = jax.nn.log_softmax(z)
+    entropy = -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
+    got = jax.jit(
+        lambda: diagnostics.tail_metrics(
+            logp=train.logp,
+            behaviour_logp=roll.logp,
+            logp_full=train.logp_full,
+            behaviour_logp_full=roll.logp_full,
+            response_mask=mask,
+            safe=train.in_safe,
+            in_safe=train.in_safe,
+            entropy=entropy,
+            tail_p=tail_p,
+        )
+    )()
+    expect = _tail_reference(z, z_r, y, mask, log_rho, tail_p)
+    assert set(got) == set(expect)
+    # The case exercises every part: tail tokens, excluded and kept responses, both parts of L.
+    outside = mask & ~np.asarray(train.in_safe)
+    assert 0 < expect["frac_tokens_tail"] < outside.sum() / mask.sum()
+    assert 0 < np.any(outside, axis=1).sum() < mask.any(axis=1).sum()
+    assert 0.05 < expect["seq_log_ratio_outside_share"] < 0.95
+    for k, value in expect.items():
+        np.testing.assert_allclose(got[k], value, rtol=1e-5, atol=1e-6, err_msg=k)
+    # Pruning off (in_safe None): every response is kept and the pruned L is the full one when
+    # the log-probs are unpruned.
+    off = diagnostics.tail_metrics(
+        logp=train.logp_full,
+        behaviour_logp=roll.logp_full,
+        logp_full=train.logp_full,
+        behaviour_logp_full=roll.logp_full,
+        response_mask=mask,
+        safe=train.in_safe,
+    )
+    assert "entropy" not in off
+    np.testing.assert_allclose(off["seq_log_ratio_pruned"], expect["seq_log_ratio"], rtol=1e-5)
+
+
+def test_tail_share_is_bounded_and_zero_without_mismatch():
+    # Inside part +2, outside part -1 (they cancel in E[L] = 1): the share is 1 / 3, not -1.
+    mask = jnp.array([[True, True, True]])
+    safe = jnp.array([[True, True, False]])
+    lp = jnp.array([[-1.0, -1.0, -3.0]])
+    lm = jnp.array([[-2.0, -2.0, -2.0]])
+    got = diagnostics.tail_metrics(
+        logp=lp,
+        behaviour_logp=lm,
+        logp_full=lp,
+        behaviour_logp_full=lm,
+        response_mask=mask,
+        safe=safe,
+    )
+    assert got["seq_log_ratio"] == pytest.approx(1.0)
+    assert got["seq_log_ratio_outside"] == pytest.approx(-1.0)
+    assert got["seq_log_ratio_outside_share"] == pytest.approx(1 / 3)
+    same = diagnostics.tail_metrics(
+        logp=lp,
+        behaviour_logp=lp,
+        logp_full=lp,
+        behaviour_logp_full=lp,
+        response_mask=mask,
+        safe=safe,
+    )
+    assert same["seq_log_ratio_outside_share"] == 0.0 and same["seq_log_ratio"] == 0.0

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from dvp_jax.dvp import advantages, diagnostics, losses, pruning
+from dvp_jax.dvp.chunked import chunked_pruned_logprobs
 from dvp_jax.dvp.losses import LossConfig, dvp_loss
 from tests import reference as ref
 
@@ -391,9 +392,7 @@ def test_end_to_end_chunked_logprobs_into_loss_matches_unchunked():
 
     def loss_fn(h, w, chunked):
         if chunked:
-            tl = pruning.chunked_pruned_logprobs(
-                h, w, y, log_rho=cfg.effective_log_rho, chunk_size=16
-            )
+            tl = chunked_pruned_logprobs(h, w, y, log_rho=cfg.effective_log_rho, chunk_size=16)
         else:
             logits = jnp.einsum("btd,dv->btv", h, w)
             tl = pruning.pruned_token_logprobs(logits, y, cfg.effective_log_rho)

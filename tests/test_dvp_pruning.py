@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dvp_jax.dvp import pruning
+from dvp_jax.dvp import chunked, pruning
 from dvp_jax.sharding import TRAIN_RULES
 from tests import reference as ref
 
@@ -61,7 +61,7 @@ def test_four_token_vocab_by_hand():
     # inside, y = 3 is not.
     h = jnp.ones((2, 1))
     w = z  # [d=1, V=4]
-    out = pruning.chunked_pruned_logprobs(h, w, jnp.array([1, 3]), log_rho=-2.5, chunk_size=3)
+    out = chunked.chunked_pruned_logprobs(h, w, jnp.array([1, 3]), log_rho=-2.5, chunk_size=3)
     np.testing.assert_allclose(out.logp[0], 1.0 - lse, rtol=1e-6)
     assert out.logp[1] == pruning.LOGP_FLOOR
     np.testing.assert_array_equal(out.in_safe, [True, False])
@@ -77,7 +77,7 @@ def test_tiny_pruned_mass_is_accurate():
     assert 2.8e-9 < expect < 2.83e-9
     _, stats = pruning.pruned_log_softmax(z, -13.0)
     np.testing.assert_allclose(stats.pruned_mass, [expect], rtol=1e-5)
-    out = pruning.chunked_pruned_logprobs(
+    out = chunked.chunked_pruned_logprobs(
         jnp.ones((1, 1)), z, jnp.array([0]), log_rho=-13.0, chunk_size=2
     )
     np.testing.assert_allclose(out.pruned_mass, [expect], rtol=1e-5)
@@ -136,7 +136,7 @@ def test_chunked_matches_reference_values_and_grads(log_rho):
     rng = np.random.default_rng(2)
     g = [rng.normal(size=N) for _ in range(3)]
 
-    fn = lambda h, w: pruning.chunked_pruned_logprobs(
+    fn = lambda h, w: chunked.chunked_pruned_logprobs(
         h, w, jnp.asarray(y), log_rho=log_rho, temperature=temperature, chunk_size=16
     )
     _assert_matches_reference(jax.jit(fn)(h, w), expect)
@@ -153,7 +153,7 @@ def test_chunk_sizes_agree(log_rho):
 
     @functools.partial(jax.jit, static_argnums=0)
     def run(chunk_size):
-        fn = lambda h, w: pruning.chunked_pruned_logprobs(
+        fn = lambda h, w: chunked.chunked_pruned_logprobs(
             h, w, jnp.asarray(y), log_rho=log_rho, chunk_size=chunk_size
         )
         return fn(h, w), jax.grad(lambda h, w: _objective(fn(h, w), g), argnums=(0, 1))(h, w)
@@ -170,13 +170,13 @@ def test_chunk_sizes_agree(log_rho):
 def test_chunked_leading_dims_bf16_and_extreme_logits_are_finite():
     h, w, y = _inputs(seed=4)
     h_bf16, w_bf16 = jnp.asarray(h, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
-    out = pruning.chunked_pruned_logprobs(
+    out = chunked.chunked_pruned_logprobs(
         h_bf16.reshape(4, 6, D), w_bf16, y.reshape(4, 6), log_rho=-2.0, chunk_size=16
     )
     assert out.logp.shape == (4, 6) and out.logp.dtype == jnp.float32
     # Logits in the thousands: exponentials are of z - max <= 0, so nothing overflows.
     fn = lambda h, w: jnp.sum(
-        pruning.chunked_pruned_logprobs(h, w, jnp.asarray(y), log_rho=-5.0, chunk_size=16).logp
+        chunked.chunked_pruned_logprobs(h, w, jnp.asarray(y), log_rho=-5.0, chunk_size=16).logp
     )
     grads = jax.grad(fn, argnums=(0, 1))(h * 1e3, w)
     assert all(np.isfinite(g).all() for g in grads)
@@ -189,7 +189,7 @@ def test_no_n_by_v_array_in_forward_or_backward():
     n, d, v, chunk = 96, 16, 2048, 256
     h, w, y = _inputs(n=n, d=d, v=v)
     fn = lambda h, w: jnp.sum(
-        pruning.chunked_pruned_logprobs(h, w, jnp.asarray(y), log_rho=-13.0, chunk_size=chunk).logp
+        chunked.chunked_pruned_logprobs(h, w, jnp.asarray(y), log_rho=-13.0, chunk_size=chunk).logp
     )
     hlo = jax.jit(jax.value_and_grad(fn, argnums=(0, 1))).lower(h, w).compile().as_text()
     assert f"[{n},{v}]" not in hlo and f"[{v},{n}]" not in hlo
@@ -205,7 +205,7 @@ def test_sharded_equals_single_device(axis_type):
     h, y = h.reshape(b, t, D), y.reshape(b, t)
 
     def fn(h, w, y):
-        out = pruning.chunked_pruned_logprobs(h, w, y, log_rho=-2.0, chunk_size=24)
+        out = chunked.chunked_pruned_logprobs(h, w, y, log_rho=-2.0, chunk_size=24)
         return _objective(out, [1.0, 0.5, 2.0]), out
 
     vg = jax.jit(jax.value_and_grad(fn, argnums=(0, 1), has_aux=True))
@@ -226,7 +226,7 @@ def test_no_retrace_on_second_call():
     @chex.assert_max_traces(n=1)
     def step(h, w, y):
         fn = lambda h, w: jnp.sum(
-            pruning.chunked_pruned_logprobs(h, w, y, log_rho=-2.0, chunk_size=16).logp
+            chunked.chunked_pruned_logprobs(h, w, y, log_rho=-2.0, chunk_size=16).logp
         )
         return jax.value_and_grad(fn, argnums=(0, 1))(h, w)
 
@@ -237,15 +237,15 @@ def test_no_retrace_on_second_call():
 def test_argument_errors():
     h, w, y = _inputs()
     with pytest.raises(ValueError, match="chunk_size"):
-        pruning.chunked_pruned_logprobs(h, w, y, log_rho=-1.0, chunk_size=0)
+        chunked.chunked_pruned_logprobs(h, w, y, log_rho=-1.0, chunk_size=0)
     with pytest.raises(ValueError, match="log_rho"):
-        pruning.chunked_pruned_logprobs(h, w, y, log_rho=1.0, chunk_size=8)
+        chunked.chunked_pruned_logprobs(h, w, y, log_rho=1.0, chunk_size=8)
     with pytest.raises(ValueError, match="temperature"):
-        pruning.chunked_pruned_logprobs(h, w, y, log_rho=-1.0, temperature=0.0, chunk_size=8)
+        chunked.chunked_pruned_logprobs(h, w, y, log_rho=-1.0, temperature=0.0, chunk_size=8)
     with pytest.raises(ValueError, match="y must have shape"):
-        pruning.chunked_pruned_logprobs(h, w, y[:3], log_rho=-1.0, chunk_size=8)
+        chunked.chunked_pruned_logprobs(h, w, y[:3], log_rho=-1.0, chunk_size=8)
     with pytest.raises(ValueError, match="precision must be"):
-        pruning.chunked_pruned_logprobs(h, w, y, log_rho=-1.0, chunk_size=8, precision="fp32")
+        chunked.chunked_pruned_logprobs(h, w, y, log_rho=-1.0, chunk_size=8, precision="fp32")
 
 
 # Vocabulary-parallel path: a (data, fsdp, tensor) mesh with W [d, V] split over tensor on V.
@@ -269,7 +269,7 @@ def _vp_value_and_grad(y, log_rho, mesh=None, g=None):
     g = _vp_weights() if g is None else g
 
     def fn(h, w):
-        out = pruning.chunked_pruned_logprobs(
+        out = chunked.chunked_pruned_logprobs(
             h, w, y, log_rho=log_rho, temperature=0.7, chunk_size=VP_CHUNK, mesh=mesh
         )
         return _objective(out, g), out
@@ -294,13 +294,13 @@ def _vp_put(mesh, h, w, y):
 
 def test_mesh_axes_follow_train_rules():
     rules = dict(TRAIN_RULES)
-    assert (rules["vocab"], rules["embed"]) == (pruning.VOCAB_MESH_AXIS, pruning.EMBED_MESH_AXIS)
+    assert (rules["vocab"], rules["embed"]) == (chunked.VOCAB_MESH_AXIS, chunked.EMBED_MESH_AXIS)
     mesh = _vp_mesh((1, 2, 4))
-    assert pruning._mesh_axes(mesh, VP_N, VP_D, VP_V) == (("fsdp",), "tensor", "fsdp", 4)
+    assert chunked._mesh_axes(mesh, VP_N, VP_D, VP_V) == (("fsdp",), "tensor", "fsdp", 4)
     # V not divisible by tensor: no vocabulary split, tensor joins the row axes.
-    assert pruning._mesh_axes(mesh, VP_N, VP_D, 201) == (("fsdp", "tensor"), None, "fsdp", 1)
+    assert chunked._mesh_axes(mesh, VP_N, VP_D, 201) == (("fsdp", "tensor"), None, "fsdp", 1)
     # d not divisible by fsdp: W's d is not split on entry.
-    assert pruning._mesh_axes(mesh, VP_N, 7, VP_V) == (("fsdp",), "tensor", None, 4)
+    assert chunked._mesh_axes(mesh, VP_N, 7, VP_V) == (("fsdp",), "tensor", None, 4)
 
 
 @pytest.mark.parametrize(
@@ -406,7 +406,7 @@ def test_precision_reaches_every_matmul(on_mesh):
         h, w, y = _vp_put(mesh, h, w, y)
 
     def fn(h, w):
-        out = pruning.chunked_pruned_logprobs(
+        out = chunked.chunked_pruned_logprobs(
             h, w, y, log_rho=-2.0, chunk_size=VP_CHUNK, precision="high", mesh=mesh
         )
         return jnp.sum(out.logp)
@@ -415,3 +415,51 @@ def test_precision_reaches_every_matmul(on_mesh):
     dots = [line for line in text.splitlines() if "dot_general" in line]
     assert len(dots) >= 5, text  # pass 1, pass 2, backward: logits, dh, dW
     assert all("precision = [HIGH, HIGH]" in line for line in dots), dots
+
+
+def _dense_stats(h, w, y, temperature):
+    """float64 reference: entropy -sum p log p of softmax(h W / tau), and z_y - max z."""
+    z = (h.astype(np.float64) @ w.astype(np.float64)) / temperature
+    log_p = z - z.max(-1, keepdims=True)
+    log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
+    entropy = -np.sum(np.exp(log_p) * log_p, axis=-1)
+    return entropy, z[np.arange(len(y)), y] - z.max(-1)
+
+
+@pytest.mark.parametrize("log_rho", [-2.0, None])  # pass-2 sums / online rescaled sums
+@pytest.mark.parametrize("on_mesh", [False, True])
+def test_streaming_entropy_and_log_rel_equal_dense_reference(log_rho, on_mesh):
+    """H = log s - u / s accumulated over ragged chunks (and vocabulary shards) equals
+    -sum p log p; log_rel = z_y - max z decides E1 membership; both carry no gradient.
+    Tolerance 1e-5 relative and 1e-5 absolute: fp32 sums over V = 200 columns (observed < 1e-6)."""
+    h, w, y = _vp_inputs()
+    expect_h, expect_rel = _dense_stats(h, w, y, 0.7)
+    mesh = _vp_mesh((1, 2, 4)) if on_mesh else None
+    if mesh is not None:
+        h, w, y = _vp_put(mesh, h, w, y)
+
+    def fn(h, w):
+        out, stats = chunked.chunked_token_stats(
+            h, w, y, log_rho=log_rho, temperature=0.7, chunk_size=VP_CHUNK, mesh=mesh
+        )
+        return jnp.sum(stats.entropy) + jnp.sum(stats.log_rel), (out, stats)
+
+    (_, (out, stats)), grads = jax.jit(jax.value_and_grad(fn, (0, 1), has_aux=True))(h, w)
+    np.testing.assert_allclose(stats.entropy, expect_h, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(stats.log_rel, expect_rel, rtol=1e-5, atol=1e-5)
+    assert 0.1 < float(np.min(expect_h)) and float(np.max(expect_h)) < math.log(VP_V)
+    if log_rho is not None:  # the record's E1 membership is log_rel >= log rho
+        np.testing.assert_array_equal(out.in_safe, expect_rel >= log_rho)
+    assert all(float(jnp.abs(g).max()) == 0.0 for g in grads)  # diagnostics: zero gradient
+
+
+def test_streaming_entropy_of_extreme_and_uniform_logits():
+    # Rows 0..N-1: one dominant column (logits in the thousands), H ~ 0 and finite. Rows N..2N-1:
+    # all-equal logits, H = log V.
+    h, w, y = _inputs(seed=9)
+    h2, y2 = np.concatenate([h * 1e3, h * 0.0]), np.concatenate([y, y])
+    for log_rho in (-2.0, None):
+        _, stats = chunked.chunked_token_stats(h2, w, y2, log_rho=log_rho, chunk_size=16)
+        assert np.isfinite(stats.entropy).all()
+        assert 0.0 <= float(stats.entropy[:N].min()) and float(stats.entropy[:N].max()) < 1e-3
+        np.testing.assert_allclose(stats.entropy[N:], math.log(V), rtol=1e-6)

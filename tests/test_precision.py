@@ -109,7 +109,13 @@ def test_train_policy_runs_every_matmul_forward_and_backward_at_highest():
 
 @pytest.mark.parametrize(
     "name, expected",
-    [("float32", "HIGHEST"), ("bfloat16", "DEFAULT"), ("bfloat16_fp8kv", "DEFAULT")],
+    [
+        ("float32", "HIGHEST"),
+        ("bfloat16", "DEFAULT"),
+        ("bfloat16_fp8kv", "DEFAULT"),
+        ("bfloat16_fp8kv_fp8w", "DEFAULT"),
+        ("bfloat16_fp8kv_int4w", "DEFAULT"),
+    ],
 )
 def test_rollout_policies_name_their_precision_in_forward_prefill_and_decode(name, expected):
     # The global default is the opposite of what the policy names: bf16 rollouts keep the
@@ -156,3 +162,11 @@ def test_policy_names_and_precision_values():
         DTypePolicy(precision="fast")
     with pytest.raises(ValueError, match="unknown dtype policy 'fp16'.*mixed_bf16"):
         DTypePolicy.named("fp16")
+    # Every named policy: weight quantization only on the two weight-quantized rollout rungs,
+    # and the attention kernel passed through.
+    quantized = {n: DTypePolicy.named(n).weight_quant for n in PRECISIONS + TRAIN_PRECISIONS}
+    assert {n for n, q in quantized.items() if q != "none"} == {
+        "bfloat16_fp8kv_fp8w",
+        "bfloat16_fp8kv_int4w",
+    }
+    assert DTypePolicy.named("bfloat16_fp8kv_int4w", attention_impl="xla").attention_impl == "xla"

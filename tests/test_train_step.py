@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 from dvp_jax.dvp.losses import LossConfig
 from dvp_jax.sharding import Sharder
@@ -98,3 +99,68 @@ def test_from_rollouts_aligns_behaviour_stats_with_targets():
     assert b.response_mask[0].tolist() == [False, True, True, True, False]
     np.testing.assert_array_equal(b.valid, prompt_mask | response_mask)
     assert b.old_in_safe.all() and not b.old_logp.any()
+
+
+def _dense_tail_reference(model, batch, log_rho):
+    """float64 NumPy tail metrics from the model's dense logits (docs/design.md, Diagnostics)."""
+    logits = model(jnp.asarray(batch.tokens), jnp.asarray(batch.positions), batch.valid)
+    z = np.asarray(logits, np.float64)[:, :-1]  # predicts tokens[:, 1:]
+    y = batch.tokens[:, 1:]
+    log_p = z - z.max(-1, keepdims=True)
+    log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
+    take = lambda a: np.take_along_axis(a, y[..., None], -1)[..., 0]
+    lp, mask = take(log_p), batch.response_mask
+    inside = take(z) >= z.max(-1) + log_rho
+    l_t = np.where(mask, lp - batch.behaviour_logp_full, 0.0)
+    out = np.where(mask & ~inside, l_t, 0.0).sum(-1)
+    kept = ~np.any(mask & ~inside, axis=1)
+    # Pruned log pi_S on kept responses: log p minus the log of the safe-set mass.
+    safe_mass = np.where(z >= z.max(-1, keepdims=True) + log_rho, np.exp(log_p), 0.0).sum(-1)
+    l_pruned = np.where(mask, lp - np.log(safe_mass) - batch.behaviour_logp, 0.0).sum(-1)
+    e_out, e_in = out.mean(), (l_t.sum(-1) - out).mean()
+    return {
+        "entropy": (-np.sum(np.exp(log_p) * log_p, -1))[mask].mean(),
+        "frac_tokens_tail": (mask & ~inside & (np.exp(lp) < 1e-3)).sum() / mask.sum(),
+        "seq_log_ratio": l_t.sum(-1).mean(),
+        "seq_log_ratio_pruned": l_pruned[kept].mean(),
+        "seq_log_ratio_outside": e_out,
+        "seq_log_ratio_outside_share": abs(e_out) / (abs(e_in) + abs(e_out)),
+    }
+
+
+def test_step_tail_metrics_match_dense_logits_without_pruning():
+    """entropy, frac_tokens_tail and the seq_log_ratio family from the jitted step equal a dense
+    float64 computation on the model's logits. The method is rloo (no pruning): the pass runs
+    with log_rho = -inf and the safe set at LossConfig.log_rho comes from z_y - max z, the path
+    only the step has (with pruning the step passes `in_safe` to `diagnostics.tail_metrics`,
+    whose dense test covers it; one method keeps this test to one compile). Tolerance 1e-4
+    relative, 1e-5 absolute: composed (model forward, chunked vocabulary sums in fp32) against
+    float64."""
+    from dvp_jax import metrics as metrics_lib
+
+    # Spread logits (init_std 0.2): of 48 response tokens 8 are outside V_S, 2 of them in the
+    # tail, and 4 of 8 responses would be kept by E5.
+    log_rho = -4.0
+    model = tiny_model(seed=2, init_std=0.2)
+    optimizer = make_optimizer(1e-2, 0, 0.0, 1.0)
+    graphdef, state, _ = init_train_state(model, optimizer, 0, Sharder())
+    batch = _batch(rows=8, seed=4)
+    expect = _dense_tail_reference(nnx.merge(graphdef, state.params), batch, log_rho)
+    assert 0 < expect["frac_tokens_tail"] and 0.05 < expect["seq_log_ratio_outside_share"] < 1
+    fn = jax.jit(
+        lambda s, b: step_lib.rl_update(
+            s,
+            b,
+            graphdef=graphdef,
+            optimizer=optimizer,
+            loss_cfg=LossConfig.preset("rloo", log_rho=log_rho),
+            chunk_size=16,
+            micro_batches=2,  # the per-position stats come back through the micro-batch scan
+        )
+    )
+    _, got = fn(state, jax.tree.map(jnp.asarray, batch))
+    metrics_lib.check(got)
+    expect["seq_log_ratio_pruned"] = expect["seq_log_ratio"]  # nothing pruned or excluded
+    for key, value in expect.items():
+        np.testing.assert_allclose(got[key], value, rtol=1e-4, atol=1e-5, err_msg=key)
+    assert float(got["frac_tokens_outside_train_safe"]) == 0.0  # E5's meaning: no pruning

@@ -307,3 +307,25 @@ def test_mixed_precision_trainer_is_named_in_metrics_and_summary(tmp_path):
     assert np.isfinite(rows[0]["loss"]) and np.isfinite(rows[0]["grad_norm"])
     with pytest.raises(ValueError, match=r"config\.train\.precision"):
         ExperimentConfig.from_config_dict(tiny_config_dict(**{"train.precision": "fp16"}), VOCAB)
+
+
+def test_eval_dtype_evaluates_with_an_fp32_engine_while_rollouts_stay_bf16(tmp_path):
+    import jax
+
+    cfg = ExperimentConfig.from_config_dict(
+        tiny_config_dict(**{"rollout.dtype": "bfloat16", "eval.dtype": "float32"}), VOCAB
+    )
+    trainer = Trainer(cfg, str(tmp_path))
+    try:
+        assert trainer.eval_engine is not trainer.engine
+        trainer._sync_weights()
+        trained = jax.tree.leaves(jax.device_get(trainer.state.params))
+        rollout = jax.tree.leaves(jax.device_get(trainer.engine.load_params()))
+        evaluation = jax.tree.leaves(jax.device_get(trainer.eval_engine.load_params()))
+        assert {x.dtype for x in rollout} == {np.dtype(jax.numpy.bfloat16)}
+        for want, got in zip(trained, evaluation, strict=True):
+            np.testing.assert_array_equal(got, want)  # fp32 weights, not a bf16 round trip
+    finally:
+        trainer.close()
+    with pytest.raises(ValueError, match="eval.dtype"):
+        ExperimentConfig.from_config_dict(tiny_config_dict(**{"eval.dtype": "fp16"}), VOCAB)

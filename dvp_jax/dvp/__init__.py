@@ -1,17 +1,20 @@
-"""DVP-RLOO loss core: pruning (E1-E3), advantages (E8), losses (E5-E9), diagnostics (E10).
+"""DVP-RLOO loss core: pruning (E1-E3; `chunked`, the trainer's vocabulary-chunked form),
+advantages (E8), losses (E5-E9), diagnostics (E10).
 
 All functions are pure functions of arrays; the caller jits. Equation numbers refer to
 docs/design.md section 2.
 """
 
-from dvp_jax.dvp import advantages, diagnostics, losses, pruning
+from dvp_jax.dvp import advantages, chunked, diagnostics, losses, pruning
+from dvp_jax.dvp.chunked import chunked_pruned_logprobs
 from dvp_jax.dvp.losses import LossConfig, dvp_loss
-from dvp_jax.dvp.pruning import TokenLogprobs, chunked_pruned_logprobs
+from dvp_jax.dvp.pruning import TokenLogprobs
 
 __all__ = [
     "LossConfig",
     "TokenLogprobs",
     "advantages",
+    "chunked",
     "chunked_pruned_logprobs",
     "diagnostics",
     "dvp_loss",

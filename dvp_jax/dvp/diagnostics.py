@@ -13,6 +13,8 @@ metric names are listed:
 * `lt_by_p_bins`: lt_bin{k}_mean_signed, lt_bin{k}_mean_abs, lt_bin{k}_count (the (1-p)
   evidence, k = 0 .. num_bins-1 over 1 - p in [k/K, (k+1)/K)).
 * `mismatch_diagnostics`: all of the above that do not depend on the loss config.
+* `tail_metrics` (issue 14): entropy, frac_tokens_tail, seq_log_ratio, seq_log_ratio_pruned,
+  seq_log_ratio_outside, seq_log_ratio_outside_share.
 * `mismatch_bound`: E10.
 
 Shapes: `[B, T]` per-token arrays (B responses, T response positions) with a `[B, T]` response
@@ -21,6 +23,7 @@ mask; masked positions may hold anything (including -inf/NaN) and never reach ar
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -29,6 +32,9 @@ import jax.numpy as jnp
 # Clamp on log-ratios before exponentiating for chi^2 (as verl's SAFETY_BOUND): exp(2 * 20) is
 # finite in float32.
 LOG_RATIO_BOUND = 20.0
+
+# `frac_tokens_tail`: a sampled token is in the tail when its trainer probability is below this.
+TAIL_P = 1e-3
 
 
 def _f32(x):
@@ -294,6 +300,80 @@ def mismatch_diagnostics(
     lt = jnp.where(bin_mask, lt, 0.0)
     lr = jnp.where(bin_mask, lr, 0.0)
     out |= lt_by_p_bins(lt - lr, jnp.exp(lt), bin_mask, num_bins)
+    return out
+
+
+def tail_metrics(
+    *,
+    logp: jax.Array,
+    behaviour_logp: jax.Array,
+    logp_full: jax.Array,
+    behaviour_logp_full: jax.Array,
+    response_mask: jax.Array,
+    safe: jax.Array,
+    in_safe: jax.Array | None = None,
+    entropy: jax.Array | None = None,
+    tail_p: float = TAIL_P,
+) -> dict[str, jax.Array]:
+    """Entropy, tail tokens and the sequence log-ratio L (E6) with its share from the tail.
+
+    With unpruned token log-ratios l_t = log pi(y_t) - log mu(y_t) and, per response i,
+    L_i = sum_t l_t over its response tokens, split into L_i = L_i^in + L_i^out by whether y_t is
+    inside the trainer's safe set V_S (E1, `safe`):
+
+      entropy = mean over response tokens of H(pi(. | s_t)) (full distribution, nats);
+      frac_tokens_tail = fraction of response tokens with pi(y_t) < `tail_p` and y_t outside V_S;
+      seq_log_ratio = mean_i L_i (E[L], unpruned: what the rollout mismatch adds up to);
+      seq_log_ratio_pruned = mean over E5-kept responses of sum_t (log pi_S - log mu_S) (E6's L,
+        over the tokens the pruned objective keeps: all of a response or none);
+      seq_log_ratio_outside = mean_i L_i^out;
+      seq_log_ratio_outside_share = |E[L^out]| / (|E[L^in]| + |E[L^out]|), 0 when both are 0.
+
+    The share compares the two parts of E[L] after each is summed with its sign (so per-token
+    noise cancels within each part, as it does in E[L]). It equals E[L^out] / E[L] when the parts
+    have the same sign, and unlike that ratio it stays in [0, 1] and defined when they cancel
+    (E[L] ~ 0). Means over responses are over responses with at least one response token.
+
+    Args:
+      logp, behaviour_logp: `[B, T]` pruned log pi_S(y_t) (floor outside the trainer's V_S) and
+        the rollout's log mu_S(y_t) (E2, E4).
+      logp_full, behaviour_logp_full: `[B, T]` unpruned log pi(y_t), log mu(y_t).
+      response_mask: `[B, T]` response tokens.
+      safe: `[B, T]` bool, y_t inside the trainer's safe set at the configured rho (whether or
+        not the objective prunes), the split of L into in / out.
+      in_safe: `[B, T]` bool, the objective's E5 membership (None: pruning off, all kept).
+      entropy: `[B, T]` H(pi) per position (`chunked.PositionStats.entropy`); None omits it.
+      tail_p: the probability below which a token is in the tail.
+
+    Returns:
+      Dict of float32 scalars.
+    """
+    mask = response_mask.astype(bool)
+    outside = mask & ~safe.astype(bool)
+    has_tokens = jnp.any(mask, axis=-1)  # [B]
+    on = lambda x, m: jnp.where(m, _f32(x), 0.0)  # masked values never reach arithmetic
+    l_full = on(logp_full, mask) - on(behaviour_logp_full, mask)  # [B, T], 0 off the mask
+    l_seq = jnp.sum(l_full, axis=-1)  # [B]
+    l_out = jnp.sum(jnp.where(outside, l_full, 0.0), axis=-1)
+    mean_out = masked_mean(l_out, has_tokens)
+    mean_in = masked_mean(l_seq - l_out, has_tokens)
+    parts = jnp.abs(mean_in) + jnp.abs(mean_out)
+    inside = jnp.ones_like(mask) if in_safe is None else in_safe.astype(bool)
+    kept = has_tokens & ~jnp.any(mask & ~inside, axis=-1)  # E5-kept responses
+    tok = mask & kept[:, None]
+    l_pruned = on(logp, tok) - on(behaviour_logp, tok)
+    tail = outside & (on(logp_full, mask) < math.log(tail_p))
+    out = {
+        "frac_tokens_tail": masked_mean(tail, mask),
+        "seq_log_ratio": masked_mean(l_seq, has_tokens),
+        "seq_log_ratio_pruned": masked_mean(jnp.sum(l_pruned, axis=-1), kept),
+        "seq_log_ratio_outside": mean_out,
+        "seq_log_ratio_outside_share": jnp.where(
+            parts > 0, jnp.abs(mean_out) / jnp.where(parts > 0, parts, 1.0), 0.0
+        ),
+    }
+    if entropy is not None:
+        out["entropy"] = masked_mean(entropy, mask)
     return out
 
 

@@ -1,7 +1,7 @@
 """The DVP-RLOO policy-gradient loss (E5-E9) and its configuration.
 
 `dvp_loss` is a pure function of arrays; the caller jits it and differentiates it with respect
-to whatever produced `logp` (normally `pruning.chunked_pruned_logprobs`). Every weight
+to whatever produced `logp` (normally `chunked.chunked_pruned_logprobs`). Every weight
 (E6, E7) and the advantage are stop-gradient constants, so the gradient is
   -(1/Z) sum_i sum_t w_it A_i grad log pi_S(y_it | s_it)                                    (E9)
 """

@@ -39,6 +39,14 @@ class DTypePolicy:
         otherwise, so a float32 policy is true fp32 on every backend. Part of the policy
         because the kernel decides the attention's numerics (which dtypes it takes, its
         accumulation order, whether `precision` reaches its matmuls).
+      weight_quant: fake quantization of the decoder blocks' matmul kernels, one of
+        `WEIGHT_QUANTS`, applied when trainer weights are synced into the rollout engine
+        (`dvp_jax/rollout/quantize.py`): "none"; "fp8_channel" (float8_e4m3fn, one absmax scale
+        per output channel); "int4_group32" (symmetric int4, one absmax scale per group of 32
+        along the contraction dimension). The kernels are quantized, then dequantized to
+        `param_dtype`, so the rollout computes exactly what a weight-quantized deployment
+        computes with `compute_dtype` matmuls; a model built with this policy does not quantize
+        by itself (only the weight sync does).
     Logits are always produced in float32 (matmul accumulates in fp32), and softmax / RMSNorm
     statistics always run in float32, whatever the policy.
     """
@@ -48,8 +56,14 @@ class DTypePolicy:
     cache_dtype: Any = jnp.float32
     precision: jax.lax.Precision | str | None = None
     attention_impl: str = "auto"
+    weight_quant: str = "none"
 
     def __post_init__(self):
+        if self.weight_quant not in WEIGHT_QUANTS:
+            raise ValueError(
+                f"DTypePolicy.weight_quant {self.weight_quant!r} is unknown; allowed: "
+                f"{WEIGHT_QUANTS}"
+            )
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(
                 f"DTypePolicy.attention_impl {self.attention_impl!r} is unknown; allowed: "
@@ -74,29 +88,44 @@ class DTypePolicy:
                 f"unknown dtype policy {name!r}; allowed: rollout precisions {PRECISIONS}, "
                 f"trainer precisions {TRAIN_PRECISIONS}"
             )
-        return cls(*_POLICIES[name], attention_impl=attention_impl)
+        param, compute, cache, precision, weight_quant = _POLICIES[name]
+        return cls(param, compute, cache, precision, attention_impl, weight_quant)
 
 
 _HIGHEST, _DEFAULT = jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT
 
-# (param, compute, KV cache dtype, matmul precision) of each named policy (docs/design.md
-# section 4). "float32" is the trainer and, as a rollout dtype, removes the precision mismatch:
-# true fp32 matmuls on every backend. The bf16 policies take the backend's default precision
-# (bf16 inputs: one pass, fp32 accumulation). "mixed_bf16" is a trainer policy only: fp32 master
-# parameters cast to bf16 at use, bf16 activations, fp32 logits and loss statistics; in its
-# backward pass the transposes of the two fp32-output matmuls (attention scores, logits) take
-# the fp32 cotangent and run f32 x f32 at DEFAULT (TF32 on GPUs, one bf16 pass on TPUs).
+# (param, compute, KV cache dtype, matmul precision, weight quantization) of each named policy
+# (docs/design.md section 4). "float32" is the trainer and, as a rollout dtype, removes the
+# precision mismatch: true fp32 matmuls on every backend. The bf16 policies take the backend's
+# default precision (bf16 inputs: one pass, fp32 accumulation). "mixed_bf16" is a trainer
+# policy only: fp32 master parameters cast to bf16 at use, bf16 activations, fp32 logits and
+# loss statistics; in its backward pass the transposes of the two fp32-output matmuls
+# (attention scores, logits) take the fp32 cotangent and run f32 x f32 at DEFAULT (TF32 on
+# GPUs, one bf16 pass on TPUs).
+# The mismatch ladder of issue 14 (deterministic, no noise): "float32" (M0, none),
+# "bfloat16_fp8kv" (M1), M1 + per-channel fp8 weights (M2, "bfloat16_fp8kv_fp8w"), M1 + int4
+# weights in groups of 32 (M3, "bfloat16_fp8kv_int4w"); the weights are fake-quantized at
+# weight sync (`dvp_jax/rollout/quantize.py`).
+_FP8 = jnp.float8_e4m3fn
 _POLICIES = {
-    "float32": (jnp.float32, jnp.float32, jnp.float32, _HIGHEST),
-    "bfloat16": (jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, _DEFAULT),
-    "bfloat16_fp8kv": (jnp.bfloat16, jnp.bfloat16, jnp.float8_e4m3fn, _DEFAULT),
-    "mixed_bf16": (jnp.float32, jnp.bfloat16, jnp.bfloat16, _DEFAULT),
+    "float32": (jnp.float32, jnp.float32, jnp.float32, _HIGHEST, "none"),
+    "bfloat16": (jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, _DEFAULT, "none"),
+    "bfloat16_fp8kv": (jnp.bfloat16, jnp.bfloat16, _FP8, _DEFAULT, "none"),
+    "bfloat16_fp8kv_fp8w": (jnp.bfloat16, jnp.bfloat16, _FP8, _DEFAULT, "fp8_channel"),
+    "bfloat16_fp8kv_int4w": (jnp.bfloat16, jnp.bfloat16, _FP8, _DEFAULT, "int4_group32"),
+    "mixed_bf16": (jnp.float32, jnp.bfloat16, jnp.bfloat16, _DEFAULT, "none"),
 }
 # Rollout precisions: the one list `config.rollout.dtype`, `EngineConfig.dtype` and the server's
 # --dtype choose from. "mixed_bf16" is not one: as a rollout it would compute exactly what
 # "bfloat16" computes (parameters rounded to bf16 at use) while holding fp32 weights, twice
 # the memory for nothing.
-PRECISIONS = ("float32", "bfloat16", "bfloat16_fp8kv")
+PRECISIONS = (
+    "float32",
+    "bfloat16",
+    "bfloat16_fp8kv",
+    "bfloat16_fp8kv_fp8w",
+    "bfloat16_fp8kv_int4w",
+)
 # Trainer precisions: what `config.train.precision` chooses from (reported as `train_precision`).
 TRAIN_PRECISIONS = ("float32", "mixed_bf16")
 POLICY_NAMES = tuple(_POLICIES)
@@ -112,6 +141,10 @@ REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch")
 # Attention kernels of the full-sequence forward (`DTypePolicy.attention_impl`; the selection
 # logic and each kernel's contract are in `dvp_jax/model/attention.py`).
 ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cudnn", "splash")
+
+# Weight quantizations of the rollout copy of the weights (`DTypePolicy.weight_quant`; the
+# formats and which parameters they touch are in `dvp_jax/rollout/quantize.py`).
+WEIGHT_QUANTS = ("none", "fp8_channel", "int4_group32")
 
 
 TRAIN_POLICY = DTypePolicy.named("float32")

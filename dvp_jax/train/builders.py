@@ -102,32 +102,34 @@ def build_model(cfg: ExperimentConfig, sharder: Sharder) -> Transformer:
     )
 
 
-def rollout_weights(cfg: ExperimentConfig, params: nnx.State) -> nnx.State:
-    """The trainer's params as this host's engine takes them (weight sync).
+def rollout_weights(params: nnx.State, dtype) -> nnx.State:
+    """The trainer's params as this host's engines take them (weight sync).
 
-    One process: the params as they are (the engine casts and reshards them). Several: the
+    One process: the params as they are (each engine casts and reshards them). Several: the
     engine of each host holds the full weights on its local devices, while the trainer's params
-    are sharded over every host's devices; they are cast to the rollout dtype on device first,
-    so the all-gather moves half the bytes for bf16 rollouts. What remains: every host receives
-    all the weights (a sharded host-to-engine transfer would need engines spanning hosts).
+    are sharded over every host's devices; they are cast to `dtype` (the widest engine param
+    dtype) on device first, so the all-gather moves half the bytes for bf16 rollouts. What
+    remains: every host receives all the weights (a sharded host-to-engine transfer would need
+    engines spanning hosts).
     """
     if jax.process_count() == 1:
         return params
     from jax.experimental import multihost_utils
 
-    dtype = cfg.rollout.policy.param_dtype
     return multihost_utils.process_allgather(
         jax.tree.map(lambda x: x.astype(dtype), params), tiled=True
     )
 
 
-def build_engine(cfg: ExperimentConfig, tokenizer, model) -> RolloutEngine:
-    """One rollout engine per host on its local devices, with `model`'s weights."""
+def build_engine(cfg: ExperimentConfig, tokenizer, model, dtype: str = "") -> RolloutEngine:
+    """One rollout engine per host on its local devices, with `model`'s weights, at precision
+    `dtype` (default `rollout.dtype`; the evaluation engine passes `eval.dtype`)."""
     r = cfg.rollout
+    dtype = dtype or r.dtype
     return RolloutEngine(
         cfg.model,
         EngineConfig(
-            dtype=r.dtype,
+            dtype=dtype,
             noise_std=r.noise_std,
             max_concurrent_decodes=r.max_concurrent_decodes,
             max_prefill_length=cfg.data.max_prompt_len,
@@ -138,7 +140,7 @@ def build_engine(cfg: ExperimentConfig, tokenizer, model) -> RolloutEngine:
             seed=cfg.train.seed,
         ),
         tokenizer=tokenizer,
-        params=rollout_weights(cfg, nnx.state(model, nnx.Param)),
+        params=rollout_weights(nnx.state(model, nnx.Param), DTypePolicy.named(dtype).param_dtype),
         mesh=make_mesh(
             MeshConfig(1, 1, r.tensor_parallel), jax.local_devices()[: r.tensor_parallel]
         ),

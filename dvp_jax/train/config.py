@@ -334,8 +334,15 @@ class EvalConfig:
     # Sample the evaluation with rollout.noise_std too (False: the policy at rollout precision,
     # noise being a mismatch knob of the experiments rather than part of the policy).
     with_rollout_noise: bool = False
+    # Precision of the evaluation engine: "" evaluates with the rollout engine (its precision);
+    # one of PRECISIONS builds a second engine at that precision (e.g. "float32": held-out
+    # accuracy of the policy itself, free of the rollout mismatch).
+    dtype: str = ""
 
     def __post_init__(self):
+        _check(
+            self.dtype in ("",) + PRECISIONS, "eval.dtype", f"'' or one of {PRECISIONS}", self.dtype
+        )
         _int("eval.every", self.every, 0)
         _int("eval.num_prompts", self.num_prompts, 1)
         _int("eval.k", self.k, 1)

@@ -2,7 +2,8 @@
 
 `rl_update(state, batch) -> (state, metrics)` is jitted by `jit_step` with explicit in/out
 shardings and the state donated. The trainer applies the unembedding itself in vocabulary chunks
-(`token_logprobs` -> `chunked_pruned_logprobs`), so no `[tokens, vocab]` fp32 logits exist.
+(`token_stats` -> `chunked_token_stats`), so no `[tokens, vocab]` fp32 logits exist; the same
+pass gives the policy entropy (`diagnostics.tail_metrics`).
 `apply_gradients` is shared with the supervised warm-up (`train/sft.py`).
 """
 
@@ -16,8 +17,9 @@ import optax
 from flax import nnx
 
 from dvp_jax.dvp import diagnostics
+from dvp_jax.dvp.chunked import PositionStats, chunked_token_stats
 from dvp_jax.dvp.losses import LossConfig, dvp_loss
-from dvp_jax.dvp.pruning import TokenLogprobs, chunked_pruned_logprobs
+from dvp_jax.dvp.pruning import TokenLogprobs
 from dvp_jax.sharding import Sharder
 from dvp_jax.train.batch import RLBatch
 from dvp_jax.train.state import TrainState, skipped_updates
@@ -35,10 +37,34 @@ def token_logprobs(
     chunk_size: int,
 ) -> TokenLogprobs:
     """Trainer-side pruned logprobs of tokens[:, 1:] given tokens[:, :-1] (E1-E3), [B, T-1]."""
+    return token_stats(
+        params,
+        graphdef,
+        tokens,
+        positions,
+        valid,
+        log_rho=log_rho,
+        temperature=temperature,
+        chunk_size=chunk_size,
+    )[0]
+
+
+def token_stats(
+    params,
+    graphdef,
+    tokens,
+    positions,
+    valid,
+    *,
+    log_rho: float,
+    temperature: float,
+    chunk_size: int,
+) -> tuple[TokenLogprobs, PositionStats]:
+    """`token_logprobs` and the per-position entropy / log_rel of the same pass, each [B, T-1]."""
     model = nnx.merge(graphdef, params)
     hidden = model(tokens, positions, valid, return_hidden=True)[:, :-1]  # [B, T-1, d]
     b, t, d = hidden.shape
-    out = chunked_pruned_logprobs(
+    out = chunked_token_stats(
         hidden.reshape(b * t, d),
         # In the compute dtype (bf16 under mixed_bf16): a bf16 x fp32 product would be promoted
         # to an fp32 matmul. Logits still accumulate in float32.
@@ -76,8 +102,8 @@ def rl_update(
     no gradient), and the accumulated gradient is divided by the batch total Z.
     """
     ppo = loss_cfg.ppo_clip_eps is not None
-    logprob_fn = functools.partial(
-        token_logprobs,
+    stats_fn = functools.partial(
+        token_stats,
         graphdef=graphdef,
         log_rho=loss_cfg.effective_log_rho,
         temperature=loss_cfg.temperature,
@@ -97,10 +123,10 @@ def rl_update(
         )
 
     def micro_sum(params, mb: RLBatch):
-        tl = logprob_fn(params, tokens=mb.tokens, positions=mb.positions, valid=mb.valid)
+        tl, stats = stats_fn(params, tokens=mb.tokens, positions=mb.positions, valid=mb.valid)
         loss, metrics = loss_of(tl, mb)
         z = jax.lax.stop_gradient(_normaliser(metrics, loss_cfg))
-        return loss * z, (z, tl)
+        return loss * z, (z, tl, stats)
 
     grad_fn = jax.grad(micro_sum, has_aux=True)
     split = jax.tree.map(
@@ -108,14 +134,14 @@ def rl_update(
     )
 
     def accumulate(grads, mb):
-        g, (z, tl) = grad_fn(state.params, mb)
-        return jax.tree.map(jnp.add, grads, g), (z, tl)
+        g, aux = grad_fn(state.params, mb)
+        return jax.tree.map(jnp.add, grads, g), aux
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
-    grads, (zs, tls) = jax.lax.scan(accumulate, zeros, split)
+    grads, (zs, tls, stats) = jax.lax.scan(accumulate, zeros, split)
     total_z = jnp.sum(zs)
     grads = jax.tree.map(lambda g: g / jnp.maximum(total_z, 1.0), grads)
-    tl = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), tls)  # [B, T-1]
+    tl, stats = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), (tls, stats))  # [B, T-1]
 
     # Reported loss and loss metrics: the same objective on the whole batch (no model call).
     loss, metrics = loss_of(tl, batch)
@@ -130,6 +156,19 @@ def rl_update(
         safe_size=tl.safe_size,
         behaviour_pruned_mass=batch.behaviour_pruned_mass,
         behaviour_safe_size=batch.behaviour_safe_size,
+    )
+    # The trainer's safe set at the configured rho, also when the objective does not prune
+    # (then the pass ran with log_rho = -inf and membership comes from z_y - max z >= log rho).
+    safe = tl.in_safe if loss_cfg.pruning else stats.log_rel >= loss_cfg.log_rho
+    metrics |= diagnostics.tail_metrics(
+        logp=tl.logp,
+        behaviour_logp=batch.behaviour_logp,
+        logp_full=tl.logp_full,
+        behaviour_logp_full=batch.behaviour_logp_full,
+        response_mask=batch.response_mask,
+        safe=safe,
+        in_safe=tl.in_safe if loss_cfg.pruning else None,
+        entropy=stats.entropy,
     )
     new_state, step_metrics = apply_gradients(state, grads, optimizer)
     metrics |= step_metrics

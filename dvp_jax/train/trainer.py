@@ -94,6 +94,13 @@ class Trainer:
             model, self.optimizer, t.seed, self.sharder
         )
         self.engine = build_engine(cfg, self.tokenizer, model)
+        self.eval_engine = self.engine
+        if cfg.eval.dtype and cfg.eval.dtype != cfg.rollout.dtype:
+            self.eval_engine = build_engine(cfg, self.tokenizer, model, cfg.eval.dtype)
+        # Weight sync gathers (multi-host) at the widest param dtype of the two engines.
+        self._sync_dtype = jnp.promote_types(
+            self.engine.policy.param_dtype, self.eval_engine.policy.param_dtype
+        )
 
         # Data: the generated task (or a math file), this host's share of each prompt batch.
         self.task = cfg.data.make_task()  # a generated task, or None for a math file
@@ -173,9 +180,11 @@ class Trainer:
         self.checkpointer.save(step, self.state, self.data, extra, force=force)
 
     def _sync_weights(self) -> None:
-        """Trainer fp32 params -> rollout engine (cast to the rollout dtype, resharded)."""
-        params = rollout_weights(self.cfg, self.state.params)
-        self.engine.update_params(nnx.merge(self.graphdef, params))
+        """Trainer fp32 params -> rollout (and evaluation) engine: cast, resharded."""
+        params = nnx.merge(self.graphdef, rollout_weights(self.state.params, self._sync_dtype))
+        self.engine.update_params(params)
+        if self.eval_engine is not self.engine:
+            self.eval_engine.update_params(params)
 
     def _key(self, step: int, stream: int) -> jax.Array:
         """fold_in(run key, stream, step): a pure function of the checkpointed key, the same on
@@ -185,13 +194,13 @@ class Trainer:
         return jax.random.fold_in(jax.random.fold_in(key, stream), step)
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Held-out avg@k, sampled without the experimental logit noise unless
-        `eval.with_rollout_noise`."""
+        """Held-out avg@k with the evaluation engine (`eval.dtype`), sampled without the
+        experimental logit noise unless `eval.with_rollout_noise`."""
         sampling = None
         if not self.cfg.eval.with_rollout_noise:
-            sampling = self.engine.config.sampling_params(noise_std=0.0)
+            sampling = self.eval_engine.config.sampling_params(noise_std=0.0)
         return evaluation.evaluate(
-            self.engine,
+            self.eval_engine,
             self.heldout,
             self.cfg.eval.k,
             self._key(step, _EVAL_STREAM),
@@ -278,6 +287,7 @@ class Trainer:
             reward_mean=reward_sum / rows,
             response_length=tokens / rows,
             frac_finished=finished / rows,
+            truncation_rate=1.0 - finished / rows,
             rollout_s=t_rollout,
             train_s=t_train,
             rollout_tok_s=tokens / max(t_rollout, 1e-9),  # global tokens / this host's time

@@ -1,0 +1,512 @@
+"""The trainer's E1-E3 from final hidden states, in vocabulary chunks (no `[N, V]` array).
+
+`chunked_pruned_logprobs(h, W, y)` computes what `pruning.pruned_token_logprobs` computes from
+logits z = (h W) / tau, without materialising them: the vocabulary is visited in chunks of
+`chunk_size` columns (pass 1: row max; pass 2: masked logsumexp, full logsumexp, target logit)
+and a custom VJP recomputes each chunk's logits in the backward pass. Same sums, chunked. On a
+mesh with W's vocabulary split over `tensor` it runs under `shard_map`, each device on its own
+vocabulary shard: the shards combine through [N]-sized pmax / psum only, and W is never gathered
+along V. Every matmul takes the caller's `precision`.
+
+`chunked_token_stats` returns the same record plus `PositionStats`, diagnostics of the full
+(unpruned) trainer distribution accumulated in the same pass: the entropy H(pi) (streaming:
+with m the row max, s = sum_b exp(z_b - m) and u = sum_b exp(z_b - m) (z_b - m),
+H = log s - u / s, which is -sum_b p_b log p_b with p = softmax(z)) and the target's log-prob
+relative to the argmax, z_y - m (y is in V_S at threshold rho iff it is >= log rho, E1). They
+are diagnostics and carry no gradient.
+
+Numerics as in `pruning`: float32 statistics, exponentials of z - max <= 0 only, `LOGP_FLOOR`
+outside the safe set, the pruned mass from the pruned terms themselves.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from dvp_jax.dvp.pruning import LOGP_FLOOR, TokenLogprobs, _check_static_args, pruning_enabled
+
+# Default vocabulary chunk for `chunked_pruned_logprobs` (benchmarks/pruned_logprobs.py).
+DEFAULT_CHUNK_SIZE = 8192
+
+
+class PositionStats(NamedTuple):
+    """Diagnostics of the full trainer distribution pi = softmax(z) at each position (no gradient).
+
+    Attributes:
+      entropy: `[N]` float32, H(pi) = -sum_b pi_b log pi_b in nats, over the whole vocabulary
+        (unpruned, at temperature tau).
+      log_rel: `[N]` float32, z_y - max_b z_b = log(pi(y) / max_b pi(b)) <= 0: y is inside the
+        safe set V_S of any threshold rho iff log_rel >= log rho (E1).
+    """
+
+    entropy: jax.Array
+    log_rel: jax.Array
+
+
+# ---------------------------------------------------------------------------------------------
+
+# Mesh axes of the vocabulary-parallel path, as `dvp_jax.sharding.TRAIN_RULES` lays out the
+# unembedding W [d, V] ("embed" -> fsdp, "vocab" -> tensor).
+VOCAB_MESH_AXIS = "tensor"
+EMBED_MESH_AXIS = "fsdp"
+
+
+class _Axes(NamedTuple):
+    """Static partitioning of one `_chunked` call, inside `shard_map` (all empty outside).
+
+    Attributes:
+      rows: mesh axes the rows of h, y and the outputs are split over.
+      vocab: the mesh axis W's V is split over (each device holds V / n_vocab columns), or None.
+      embed: the mesh axis W's d is split over on entry (one of `rows`), or None; the local W
+        shard is all-gathered over it in the forward and again in the backward pass, and dW is
+        reduce-scattered back over it.
+      n_vocab: number of vocabulary shards (1 without `vocab`).
+    """
+
+    rows: tuple[str, ...] = ()
+    vocab: str | None = None
+    embed: str | None = None
+    n_vocab: int = 1
+
+
+_LOCAL = _Axes()
+
+
+def _zeros(shape, h, w, y) -> jax.Array:
+    """float32 zeros of `shape` typed like the chunk logits: varying over every mesh axis that
+    h, W or y vary over when traced under `shard_map` (ours or the caller's), as `check_vma`
+    requires of scan carries. Plain zeros elsewhere."""
+    tag = sum(jnp.zeros_like(x, jnp.float32, shape=()) for x in (h, w, y))
+    return jnp.zeros(shape, jnp.float32) + tag
+
+
+def _vocab_max(x, axes: _Axes):
+    return jax.lax.pmax(x, axes.vocab) if axes.vocab else x
+
+
+def _vocab_sum(x, axes: _Axes):
+    return jax.lax.psum(x, axes.vocab) if axes.vocab else x
+
+
+def _gather_w(w, axes: _Axes):
+    """The local W `[d / n_embed, V / n_vocab]` -> `[d, V / n_vocab]` (never gathers V)."""
+    return jax.lax.all_gather(w, axes.embed, axis=0, tiled=True) if axes.embed else w
+
+
+def _reduce_dw(dw, axes: _Axes):
+    """Sums per-row-shard dW `[d, V / n_vocab]` over the row axes, back in W's local layout."""
+    if axes.embed:
+        dw = jax.lax.psum_scatter(dw, axes.embed, scatter_dimension=0, tiled=True)
+    rest = tuple(a for a in axes.rows if a != axes.embed)
+    return jax.lax.psum(dw, rest) if rest else dw
+
+
+def _chunk_geometry(vocab: int, chunk_size: int) -> tuple[int, int]:
+    chunk = min(chunk_size, vocab)
+    return chunk, -(-vocab // chunk)
+
+
+def _chunk_logits(h, w, i, chunk, inv_tau, precision, col0):
+    """Chunk i of the local W: `([N, C] float32 z, [C] global column ids, [C] valid, start,
+    [d, C] W chunk)`; `col0` is the global id of the local shard's first column.
+
+    The last chunk is shifted back to end at the local V instead of being padded: its columns that
+    an earlier chunk already covered are marked invalid. Equivalent to padding V up to a multiple of
+    C with masked columns, without copying W.
+    """
+    first_new = i * chunk
+    start = jnp.minimum(first_new, w.shape[1] - chunk)
+    w_c = jax.lax.dynamic_slice_in_dim(w, start, chunk, axis=1)
+    # [N, d] x [d, C] -> [N, C], accumulated and returned in float32.
+    z = jnp.einsum("nd,dv->nv", h, w_c, preferred_element_type=jnp.float32, precision=precision)
+    local = start + jnp.arange(chunk)
+    return z * inv_tau, col0 + local, local >= first_new, start, w_c
+
+
+def _first_column(w, axes: _Axes):
+    """Global id of the local vocabulary shard's first column."""
+    return jax.lax.axis_index(axes.vocab) * w.shape[1] if axes.vocab else 0
+
+
+def _forward(h, w, y, log_rho, temperature, chunk_size, precision, axes):
+    """Both passes on the local vocabulary shard, combined across shards. Returns
+    `((TokenLogprobs, PositionStats), residuals)`."""
+    w_local = w
+    w = _gather_w(w, axes)
+    chunk, n_chunks = _chunk_geometry(w.shape[1], chunk_size)
+    inv_tau = 1.0 / temperature
+    col0 = _first_column(w, axes)
+    n = h.shape[0]
+    idx = jnp.arange(n_chunks)
+    zeros = _zeros((n,), h, w, y)
+    neg_inf = zeros - jnp.inf
+    logits = lambda i: _chunk_logits(h, w, i, chunk, inv_tau, precision, col0)
+
+    def target_logit(z, cols, valid):
+        hit = valid & (cols[None, :] == y[:, None])
+        return jnp.sum(jnp.where(hit, z, 0.0), axis=-1)
+
+    if pruning_enabled(log_rho):
+        # Pass 1: row max m over all valid columns (local max, then across vocabulary shards).
+        def max_body(m, i):
+            z, _, valid, _, _ = logits(i)
+            return jnp.maximum(m, jnp.max(jnp.where(valid, z, -jnp.inf), axis=-1)), None
+
+        m = _vocab_max(jax.lax.scan(max_body, neg_inf, idx)[0], axes)
+        thr = m + log_rho
+
+        # Pass 2: sums of exp(z - m) (each term <= 1) inside and outside V_S, |V_S| and the
+        # target logit. The outside sum gives delta_S without 1 - S/F cancellation. u is the
+        # entropy's sum of exp(z - m) (z - m) over all columns.
+        def sum_body(carry, i):
+            s_safe, s_out, size, z_y, u = carry
+            z, cols, valid, _, _ = logits(i)
+            safe = valid & (z >= thr[:, None])
+            shifted = z - m[:, None]
+            e = jnp.exp(shifted)
+            return (
+                s_safe + jnp.sum(jnp.where(safe, e, 0.0), axis=-1),
+                s_out + jnp.sum(jnp.where(valid & ~safe, e, 0.0), axis=-1),
+                size + jnp.sum(safe, axis=-1, dtype=jnp.int32),
+                z_y + target_logit(z, cols, valid),
+                u + jnp.sum(jnp.where(valid, e * shifted, 0.0), axis=-1),
+            ), None
+
+        init = (zeros, zeros, zeros.astype(jnp.int32), zeros, zeros)
+        # Each shard's partial sums share the global m, so they add; z_y is nonzero on the one
+        # shard holding column y. One [N]-sized psum per quantity.
+        s_safe, s_out, size, z_y, u = _vocab_sum(jax.lax.scan(sum_body, init, idx)[0], axes)
+        s_full = s_safe + s_out
+        pruned_mass = s_out / s_full
+        in_safe = z_y >= thr
+    else:
+        # No pruning: one pass with an online (rescaled) logsumexp per shard, then the shards'
+        # (max, sum) pairs are rescaled to the global max and added. The entropy sum
+        # u = sum exp(z - m) (z - m) moves with the max: u' = c (u + s (m - m')), c = exp(m - m').
+        def online_body(carry, i):
+            m, s_full, z_y, u = carry
+            z, cols, valid, _, _ = logits(i)
+            m_new = jnp.maximum(m, jnp.max(jnp.where(valid, z, -jnp.inf), axis=-1))
+            shifted = z - m_new[:, None]
+            e = jnp.where(valid, jnp.exp(shifted), 0.0)
+            u = _rescale_u(u, s_full, m, m_new) + jnp.sum(jnp.where(valid, e * shifted, 0.0), -1)
+            s_full = s_full * jnp.exp(m - m_new) + jnp.sum(e, axis=-1)
+            return (m_new, s_full, z_y + target_logit(z, cols, valid), u), None
+
+        init = (neg_inf, zeros, zeros, zeros)
+        (m_local, s_local, z_y, u_local), _ = jax.lax.scan(online_body, init, idx)
+        m = _vocab_max(m_local, axes)
+        u_local = _rescale_u(u_local, s_local, m_local, m)
+        s_full, z_y, u = _vocab_sum((s_local * jnp.exp(m_local - m), z_y, u_local), axes)
+        s_safe = s_full
+        pruned_mass = jnp.zeros_like(s_full)
+        size = jnp.full((n,), w.shape[1] * axes.n_vocab, jnp.int32)
+        in_safe = jnp.ones((n,), bool)
+
+    lse_safe = m + jnp.log(s_safe)  # s_safe >= 1: the argmax is always safe
+    lse_full = m + jnp.log(s_full)
+    # H = -sum p (z - lse) = log s - u / s with p = exp(z - m) / s (s >= 1, u <= 0).
+    stats = PositionStats(entropy=jnp.log(s_full) - u / s_full, log_rel=z_y - m)
+    out = TokenLogprobs(
+        logp=jnp.where(in_safe, z_y - lse_safe, LOGP_FLOOR),
+        in_safe=in_safe,
+        pruned_mass=pruned_mass,
+        safe_size=size,
+        logp_full=z_y - lse_full,
+    )
+    # The local (un-gathered) W shard is kept; the backward pass gathers it again.
+    residuals = (h, w_local, y, m, lse_safe, lse_full, in_safe, pruned_mass)
+    return (out, stats), residuals
+
+
+def _rescale_u(u, s, m, m_new):
+    """The entropy sum u = sum exp(z - m) (z - m) re-expressed at a new max m' >= m:
+    exp(m - m') (u + s (m - m')); 0 while nothing has been summed (m = -inf, s = 0)."""
+    gap = jnp.where(jnp.isfinite(m), m - m_new, 0.0)
+    return jnp.exp(m - m_new) * (u + s * gap)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _chunked(h, w, y, log_rho, temperature, chunk_size, precision, axes):
+    return _forward(h, w, y, log_rho, temperature, chunk_size, precision, axes)[0]
+
+
+def _chunked_fwd(h, w, y, log_rho, temperature, chunk_size, precision, axes):
+    return _forward(h, w, y, log_rho, temperature, chunk_size, precision, axes)
+
+
+def _chunked_bwd(log_rho, temperature, chunk_size, precision, axes, residuals, all_cts):
+    """Recomputes each chunk's logits and accumulates dL/dh and dL/dW.
+
+    With p = softmax(z), q = softmax over V_S, S the safe indicator (treated as constant):
+      d logp / dz_b        = [y in V_S] (1[b = y] - q_b)
+      d logp_full / dz_b   = 1[b = y] - p_b
+      d pruned_mass / dz_b = p_b ((1 - delta_S) - S_b)
+    and dz/d(h W) = 1/tau. Every factor is per column given the global (m, lse_safe, lse_full)
+    of the forward pass, so each vocabulary shard computes its own columns' dz: dW stays on its
+    shard (summed over the row shards) and dh is summed over the vocabulary shards. The
+    `PositionStats` are diagnostics: their cotangents are ignored (the public functions return
+    them under stop-gradient, so theirs are always zero).
+    """
+    cts = all_cts[0]
+    h, w_local, y, m, lse_safe, lse_full, in_safe, pruned_mass = residuals
+    w = _gather_w(w_local, axes)
+    chunk, n_chunks = _chunk_geometry(w.shape[1], chunk_size)
+    inv_tau = 1.0 / temperature
+    col0 = _first_column(w, axes)
+    thr = m + (log_rho if pruning_enabled(log_rho) else -jnp.inf)
+    g_logp = jnp.where(in_safe, cts.logp.astype(jnp.float32), 0.0)
+    g_full = cts.logp_full.astype(jnp.float32)
+    g_mass = cts.pruned_mass.astype(jnp.float32)
+    full_over_safe = jnp.exp(lse_full - lse_safe)  # 1 / (1 - delta_S)
+
+    def body(carry, i):
+        dh, dw = carry
+        z, cols, valid, start, w_c = _chunk_logits(h, w, i, chunk, inv_tau, precision, col0)
+        safe = valid & (z >= thr[:, None])
+        p = jnp.where(valid, jnp.exp(z - lse_full[:, None]), 0.0)
+        q = jnp.where(safe, p * full_over_safe[:, None], 0.0)  # softmax over V_S, one exp
+        onehot = (valid & (cols[None, :] == y[:, None])).astype(jnp.float32)
+        dz = (
+            g_logp[:, None] * (onehot - q)
+            + g_full[:, None] * (onehot - p)
+            + g_mass[:, None] * p * ((1.0 - pruned_mass)[:, None] - safe)
+        ) * inv_tau
+        # [N, C] x [d, C] -> [N, d]
+        dh = dh + jnp.einsum(
+            "nv,dv->nd", dz, w_c, preferred_element_type=jnp.float32, precision=precision
+        )
+        # [N, d] x [N, C] -> [d, C]; overlapping columns of the last chunk carry dz = 0.
+        dw_c = jnp.einsum(
+            "nd,nv->dv", h, dz, preferred_element_type=jnp.float32, precision=precision
+        )
+        old = jax.lax.dynamic_slice_in_dim(dw, start, chunk, axis=1)
+        dw = jax.lax.dynamic_update_slice_in_dim(dw, old + dw_c, start, axis=1)
+        return (dh, dw), None
+
+    init = (_zeros(h.shape, h, w, y), _zeros(w.shape, h, w, y))
+    (dh, dw), _ = jax.lax.scan(body, init, jnp.arange(n_chunks))
+    dh = _vocab_sum(dh, axes)
+    dw = _reduce_dw(dw, axes)
+    return dh.astype(h.dtype), dw.astype(w_local.dtype), None
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def chunked_pruned_logprobs(
+    h: jax.Array,
+    w: jax.Array,
+    y: jax.Array,
+    *,
+    log_rho: float | None,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    precision: jax.lax.Precision | str | None = None,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+) -> TokenLogprobs:
+    """Pruned token log-probabilities (E1-E3) of targets y, in vocabulary chunks: the
+    `TokenLogprobs` of `chunked_token_stats` (see there for everything)."""
+    return chunked_token_stats(
+        h,
+        w,
+        y,
+        log_rho=log_rho,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        precision=precision,
+        mesh=mesh,
+    )[0]
+
+
+def chunked_token_stats(
+    h: jax.Array,
+    w: jax.Array,
+    y: jax.Array,
+    *,
+    log_rho: float | None,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    precision: jax.lax.Precision | str | None = None,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+) -> tuple[TokenLogprobs, PositionStats]:
+    """Pruned token log-probabilities (E1-E3) of targets y and per-position diagnostics, in
+    vocabulary chunks.
+
+    With logits z = (h W) / tau: log pi_S(y) = z_y - logsumexp_{b in V_S} z_b (E2), where
+    V_S = {a : z_a >= max_b z_b + log_rho} (E1), and delta_S = 1 - sum_{V_S} softmax(z) (E3).
+
+    Forward: pass 1 takes the row max over chunks; pass 2 accumulates the safe-set and full sums
+    of exp(z - max), |V_S| and the target logit (one pass with an online logsumexp when pruning is
+    off). Backward (custom VJP): recomputes each chunk's logits and accumulates the gradients for
+    `h` and `W`. No `[N, V]` array exists in either direction; the largest temporaries are
+    `[N, chunk_size]` float32. The safe-set indicator is piecewise constant in z and is given zero
+    gradient; `logp` is the constant `LOGP_FLOOR` (zero gradient) where y is outside V_S.
+    `logp`, `logp_full` and `pruned_mass` are all differentiable.
+
+    The same pass accumulates `PositionStats` of the full distribution pi = softmax(z): the
+    entropy (pass 2 adds u = sum_b exp(z_b - m) (z_b - m) beside s = sum_b exp(z_b - m), and
+    H = log s - u / s; the online pass rescales u with its running max) and z_y - max_b z. They
+    are returned under stop-gradient (diagnostics, not objectives).
+
+    On a mesh (`mesh`, else the mesh of Explicit-sharded `h` / `w`, else the context mesh of
+    `jax.set_mesh`) the computation runs under `jax.shard_map`, laid out as
+    `dvp_jax.sharding.TRAIN_RULES` lays out the unembedding:
+
+    * vocabulary-parallel over `VOCAB_MESH_AXIS` ("tensor") when it divides V: each device runs
+      the chunk loop over its own V / n_tensor columns, and the shards combine through [N]-sized
+      collectives only (pmax of the row max, psum of the safe and full sums, |V_S| and the target
+      logit; in the backward pass, psum of dh over tensor). W is never gathered along V, and dW
+      stays vocabulary-sharded;
+    * rows of h, y and the outputs split over the other mesh axes (those that divide N, in mesh
+      order; e.g. ("data", "fsdp"));
+    * W's d split over `EMBED_MESH_AXIS` ("fsdp") on entry when fsdp is one of the row axes and
+      divides d: the local shard `[d / n_fsdp, V / n_tensor]` is all-gathered over fsdp to
+      `[d, V / n_tensor]` once in the forward and once in the backward pass (ZeRO-3), and dW is
+      reduce-scattered back over fsdp and psum'd over the remaining row axes.
+
+    Inputs laid out differently are resharded by the partitioner on entry. Without a mesh the
+    call is a plain program (jit partitions it by GSPMD if the inputs are sharded). Under jit with
+    Auto mesh axes the arrays carry no mesh, so pass `mesh` (or call under `jax.set_mesh`) to get
+    the vocabulary-parallel path. V need not be a multiple of `chunk_size`: the last chunk of each
+    shard is shifted back and its repeated columns masked.
+
+    Args:
+      h: `[N, d]` final hidden states (leading dims `[..., d]` are flattened and restored).
+      w: `[d, V]` unembedding matrix.
+      y: `[N]` int target ids in [0, V) (give padding positions any valid id and mask them later).
+      log_rho: static log min-p threshold (<= 0); None or -inf means no pruning.
+      temperature: static tau > 0.
+      chunk_size: static number of vocabulary columns per chunk (clamped to the local V).
+      precision: static matmul precision of every einsum, forward and backward (a
+        `jax.lax.Precision` or its name, e.g. "highest"); None is the backend default.
+      mesh: the device mesh to partition over (see above); None looks it up from the arrays'
+        types or the context.
+
+    Returns:
+      `(TokenLogprobs, PositionStats)` whose fields have the leading shape of `h` (`[N]`):
+      `logp` (E2, floor outside V_S), `in_safe`, `pruned_mass` (E3), `safe_size` (int32),
+      `logp_full`; `entropy`, `log_rel`.
+    """
+    log_rho = _check_static_args(log_rho, temperature)
+    if not isinstance(chunk_size, int | np.integer) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}.")
+    if h.ndim < 1 or w.ndim != 2 or h.shape[-1] != w.shape[0]:
+        raise ValueError(f"need h [..., d] and w [d, V]; got h {h.shape}, w {w.shape}.")
+    if y.shape != h.shape[:-1]:
+        raise ValueError(f"y must have shape h.shape[:-1] = {h.shape[:-1]}, got {y.shape}.")
+    precision = _as_precision(precision)
+    n = math.prod(h.shape[:-1])
+    mesh = _find_mesh(h, w, mesh)
+    axes = _LOCAL if mesh is None else _mesh_axes(mesh, n, *w.shape)
+
+    def run(h, w, y):
+        return _chunked(h, w, y, log_rho, float(temperature), int(chunk_size), precision, axes)
+
+    lead, y = h.shape[:-1], y.astype(jnp.int32)
+    if mesh is None:
+        if jax.sharding.AxisType.Manual in jax.sharding.get_abstract_mesh().axis_types:
+            # Inside the caller's shard_map: h and W are made to vary over every axis that h, W
+            # or y vary over, so the custom VJP's cotangents have their primal's type; autodiff
+            # then sums dh / dW over the axes added here.
+            tag = _zeros((), h, w, y)
+            h, w = h + tag.astype(h.dtype), w + tag.astype(w.dtype)
+        out = run(h.reshape(n, h.shape[-1]), w, y.reshape(n))
+        return _outputs(out, lambda x: x.reshape(lead))
+    row = axes.rows or None
+    h_spec, w_spec, y_spec = P(row, None), P(axes.embed, axes.vocab), P(row)
+    explicit = jax.sharding.AxisType.Explicit in mesh.axis_types
+    # Outputs are laid out like the leading dims of h (on Explicit axes, where h has a type).
+    lead_spec = P(
+        *(tuple(getattr(jax.typeof(h).sharding, "spec", ())) + (None,) * h.ndim)[: len(lead)]
+    )
+
+    def placed(spec):
+        """Explicit axes: typed shardings must equal the in_specs (resharding is a no-op where
+        they already do); a concrete mesh names its devices (needed outside jit), an abstract
+        one comes from the types under jit. Auto axes: None, the partitioner places."""
+        if not explicit:
+            return None
+        return (
+            jax.sharding.NamedSharding(mesh, spec) if isinstance(mesh, jax.sharding.Mesh) else spec
+        )
+
+    with jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh)):
+        h = _reshape(h, (n, h.shape[-1]), placed(h_spec))
+        y = _reshape(y, (n,), placed(y_spec))
+        w = jax.sharding.reshard(w, placed(w_spec)) if explicit else w
+        out = jax.shard_map(run, mesh=mesh, in_specs=(h_spec, w_spec, y_spec), out_specs=y_spec)(
+            h, w, y
+        )
+        return _outputs(out, lambda x: _reshape(x, lead, placed(lead_spec)))
+
+
+def _outputs(out, reshape) -> tuple[TokenLogprobs, PositionStats]:
+    """`_chunked`'s (TokenLogprobs, PositionStats) reshaped; the stats under stop-gradient."""
+    logprobs, stats = out
+    stats = jax.lax.stop_gradient(stats)
+    return TokenLogprobs(*map(reshape, logprobs)), PositionStats(*map(reshape, stats))
+
+
+def _reshape(x, shape, sharding):
+    """`x.reshape(shape)`, resharded to `sharding` unless it is None (Explicit axes; under
+    `auto_axes`, so merging or splitting sharded leading dims needs no typed intermediate)."""
+    if sharding is None:
+        return x.reshape(shape)
+    if x.shape == tuple(shape):
+        return jax.sharding.reshard(x, sharding)
+    return jax.sharding.auto_axes(lambda a: a.reshape(shape), out_sharding=sharding)(x)
+
+
+def _as_precision(precision) -> jax.lax.Precision | None:
+    if precision is None or isinstance(precision, jax.lax.Precision):
+        return precision
+    try:
+        return jax.lax.Precision(precision)
+    except ValueError:
+        names = [p.name.lower() for p in jax.lax.Precision]
+        raise ValueError(
+            f"precision must be None, a jax.lax.Precision or one of {names}; got {precision!r}."
+        ) from None
+
+
+def _find_mesh(h, w, mesh):
+    """The mesh to partition over: `mesh`, else the mesh of Explicit-typed h / w, else the
+    context mesh; None for a single device, no mesh, or a mesh whose axes are already Manual
+    (inside someone else's shard_map)."""
+    if mesh is None:
+        for x in (h, w):
+            m = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+            if m is not None and not m.empty and jax.sharding.AxisType.Explicit in m.axis_types:
+                # Outside jit, the array's concrete mesh (shard_map needs its devices there).
+                concrete = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
+                mesh = getattr(concrete, "mesh", m)
+                break
+    if mesh is None:
+        mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or mesh.size == 1:
+        return None
+    if jax.sharding.AxisType.Manual in mesh.axis_types:
+        return None
+    return mesh
+
+
+def _mesh_axes(mesh, n: int, d: int, vocab: int) -> _Axes:
+    """How `chunked_pruned_logprobs` splits `[N, d] x [d, V]` over `mesh` (see its docstring)."""
+    sizes = dict(mesh.shape)
+    n_vocab = sizes.get(VOCAB_MESH_AXIS, 1)
+    vocab_axis = VOCAB_MESH_AXIS if n_vocab > 1 and vocab % n_vocab == 0 else None
+    rows, size = [], 1
+    for name in mesh.axis_names:  # like `Sharder.spec`: keep the axes that divide N
+        if name != vocab_axis and sizes[name] > 1 and n % (size * sizes[name]) == 0:
+            rows.append(name)
+            size *= sizes[name]
+    embed = EMBED_MESH_AXIS if EMBED_MESH_AXIS in rows and d % sizes[EMBED_MESH_AXIS] == 0 else None
+    return _Axes(tuple(rows), vocab_axis, embed, n_vocab if vocab_axis else 1)
