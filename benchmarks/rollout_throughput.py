@@ -1,21 +1,33 @@
 r"""Rollout throughput: our JetStream engine vs Hugging Face `generate` on the same weights.
 
-  python benchmarks/rollout_throughput.py                 # 'bench' size, bf16 engine
-  python benchmarks/rollout_throughput.py --size=tiny --dtype=float32
+  python benchmarks/rollout_throughput.py                 # 'bench' size, bf16 engine, CPU
+  python benchmarks/rollout_throughput.py --preset=tiny --dtype=float32
 
-One process, CPU. A random Qwen3 model of the chosen size is exported with `save_hf`, then loaded
-by `transformers.Qwen3ForCausalLM` (PyTorch, float32) and by our `RolloutEngine` (through
-`hf_import.load_hf`). Both sample 16 prompts x 128 new tokens with temperature 1 and the same
-min-p rule (HF `min_p = rho = e^-13`, top-k and top-p off); neither stops early (HF
-`min_new_tokens = 128`, engine `stop_tokens = ()`), so both produce exactly 16 * 128 tokens.
-Our side is `offline.generate_rollouts` (16 prefills, continuous batching over 16 slots, per-token
-behaviour log-probs recorded). Each side runs once to warm up (JIT compile), then `--repeats`
-times, interleaved with the other side; the best time counts. Prints one JSON line:
-engine_tok_s, hf_tok_s, ratio_vs_hf (target >= 3), the settings and every run's time.
+GPU (one line; HF runs on CUDA in bfloat16 when a GPU is present):
 
-Sizes: 'tiny' is the test preset (d 32, 2 layers, vocab 64); 'bench' (default) is a small but
-less degenerate model: d 256, 4 layers, 8 heads / 4 KV heads of 32, ffw 768, vocab 4096.
-"""
+  python benchmarks/rollout_throughput.py --preset=qwen3_0_6b --batch=64 --group=1 --prompt_len=128 --new_tokens=256 --steps_per_sync=8 --repeats=2
+
+A random Qwen3 model of the chosen preset is exported with `save_hf`, then loaded by
+`transformers.Qwen3ForCausalLM` (PyTorch; CPU float32, or CUDA bfloat16 with a GPU) and by our
+`RolloutEngine` (through `hf_import.load_hf`). P = batch / group prompts get `group` samples each,
+so `batch` rows fill the `batch` decode slots once; both sides sample with temperature 1 and the
+same min-p rule (HF `min_p = rho = e^-13`, top-k and top-p off, `num_return_sequences = group`);
+neither stops early (HF `min_new_tokens = new_tokens`, engine `stop_tokens = ()`), so both produce
+exactly batch * new_tokens tokens. Our side is `offline.generate_rollouts` (batched prefill,
+continuous batching, per-token behaviour log-probs recorded). Each side runs once to warm up (JIT
+compile), then `--repeats` times, interleaved with the other side; the best time counts.
+
+Prints one JSON line: engine_tok_s, hf_tok_s, ratio_vs_hf (target >= 3 on CPU at 'bench'),
+ms_per_step (engine wall time per decode step, prefill included), roofline_tok_s (batch tokens
+per step over the time to read the rollout-dtype weights plus the live KV cache of the mean
+context once at the device's memory bandwidth), frac_of_roofline, bandwidth_Bps and its source
+(a table per device kind, e.g. H200 4.8e12 B/s; on CPU measured with a large array copy), the
+settings and every run's time.
+
+Presets: 'bench' (default) is a small but not degenerate model: d 256, 4 layers, 8 heads / 4 KV
+heads of 32, ffw 768, vocab 4096; every `ModelConfig.preset` name works too ('tiny', the test
+preset, and the Qwen3 presets such as 'qwen3_0_6b').
+"""  # noqa: E501 (the GPU command is one line)
 
 from __future__ import annotations
 
@@ -33,12 +45,15 @@ from absl import app, flags
 # keeps the baseline stable; set before torch is imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from dvp_jax.model.config import PRECISIONS  # noqa: E402 (after the OpenMP setting)
+from dvp_jax.model.config import PRECISIONS, PRESETS  # noqa: E402 (after the OpenMP setting)
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("size", "bench", ["tiny", "bench"], "Model size (see the docstring).")
+flags.DEFINE_enum(
+    "preset", "bench", ["bench", *sorted(PRESETS)], "Model: 'bench' or a ModelConfig preset."
+)
 flags.DEFINE_enum("dtype", "bfloat16", list(PRECISIONS), "Engine dtype.")
-flags.DEFINE_integer("batch", 16, "Prompts (= decode slots).")
+flags.DEFINE_integer("batch", 16, "Decode slots (= rows: prompts x group).")
+flags.DEFINE_integer("group", 1, "Samples per prompt (G); must divide --batch.")
 flags.DEFINE_integer("new_tokens", 128, "Tokens generated per prompt.")
 flags.DEFINE_integer("prompt_len", 16, "Prompt length in tokens.")
 flags.DEFINE_integer("steps_per_sync", 1, "Engine decode steps per dispatch / host check.")
@@ -47,11 +62,26 @@ flags.DEFINE_integer("repeats", 3, "Timed runs per side (interleaved; best count
 LOG_RHO = -13.0
 
 
+# Peak memory bandwidth (bytes/s) per accelerator kind (substring of `device_kind`), vendor
+# figures; CPU is measured (`cpu_bandwidth`).
+BANDWIDTH = {
+    "H200": 4.8e12,
+    "H100": 3.35e12,
+    "A100": 2.0e12,
+    "L4": 3.0e11,
+    "TPU v5p": 2.76e12,
+    "TPU v5 lite": 8.19e11,
+    "TPU v5e": 8.19e11,
+    "TPU v4": 1.2e12,
+    "TPU v6": 1.64e12,
+}
+
+
 def model_config(size: str):
     from dvp_jax.model import ModelConfig
 
-    if size == "tiny":
-        return ModelConfig.preset("tiny")
+    if size != "bench":
+        return ModelConfig.preset(size)
     return ModelConfig(
         vocab_size=4096,
         d_model=256,
@@ -80,6 +110,49 @@ def run_times(fns: dict, repeats: int) -> dict:
     return times
 
 
+def cpu_bandwidth(nbytes: int = 1 << 28, repeats: int = 5) -> float:
+    """Bytes/s of a large array copy (read + write counted), best of `repeats`."""
+    import numpy as np
+
+    src = np.ones(nbytes // 8, np.float64)
+    dst = np.empty_like(src)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best
+
+
+def device_bandwidth(device) -> tuple[float, str]:
+    """(bytes/s, where the figure comes from) for a JAX device."""
+    if device.platform == "cpu":
+        return cpu_bandwidth(), "measured: numpy copy of 256 MiB (read + write)"
+    kind = device.device_kind
+    for name, bw in BANDWIDTH.items():
+        if name.lower() in kind.lower():
+            return bw, f"table: {name}"
+    raise ValueError(f"no memory bandwidth known for device kind {kind!r}; add it to BANDWIDTH")
+
+
+def roofline(engine, batch: int, context: float) -> float:
+    """Bytes a decode step must read at least: the rollout weights (the embedding table only
+    when it is also the unembedding) plus `batch` slots' KV cache of `context` positions."""
+    import jax
+    import numpy as np
+
+    cfg = engine.model_cfg
+    weights = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(engine.params):
+        name = jax.tree_util.keystr(path)
+        if "embed" in name and "blocks" not in name and not cfg.tie_embeddings:
+            continue  # untied: decode gathers `batch` rows of the embedding, reads lm_head
+        weights += leaf.size * leaf.dtype.itemsize
+    cache_item = np.dtype(engine.policy.cache_dtype).itemsize
+    kv = batch * context * 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * cache_item
+    return weights + kv
+
+
 def main(argv):
     del argv
     import jax
@@ -94,17 +167,22 @@ def main(argv):
     from dvp_jax.rollout.offline import generate_rollouts
     from dvp_jax.sharding import ROLLOUT_RULES, MeshConfig, Sharder, make_mesh
 
-    cfg = model_config(FLAGS.size)
-    b, m, p = FLAGS.batch, FLAGS.new_tokens, FLAGS.prompt_len
-    prompts = np.random.default_rng(0).integers(3, cfg.vocab_size, size=(b, p)).tolist()
+    cfg = model_config(FLAGS.preset)
+    b, g, m, p = FLAGS.batch, FLAGS.group, FLAGS.new_tokens, FLAGS.prompt_len
+    if g < 1 or b % g:
+        raise app.UsageError(f"--group={g} must be >= 1 and divide --batch={b}")
+    n_prompts = b // g
+    prompts = np.random.default_rng(0).integers(3, cfg.vocab_size, size=(n_prompts, p)).tolist()
+    cuda = torch.cuda.is_available()
+    hf_device, hf_dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "hf")
         save_hf(Transformer(cfg, TRAIN_POLICY, rngs=nnx.Rngs(0)), path)
 
-        # --- Hugging Face transformers (PyTorch CPU, float32). ---
-        hf = Qwen3ForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
-        input_ids = torch.tensor(prompts)
+        # --- Hugging Face transformers (PyTorch: CPU float32, or CUDA bfloat16). ---
+        hf = Qwen3ForCausalLM.from_pretrained(path, torch_dtype=hf_dtype).to(hf_device).eval()
+        input_ids = torch.tensor(prompts, device=hf_device)
 
         def run_hf():
             with torch.no_grad():
@@ -118,8 +196,11 @@ def main(argv):
                     min_p=math.exp(LOG_RHO),
                     max_new_tokens=m,
                     min_new_tokens=m,
+                    num_return_sequences=g,
                     pad_token_id=0,
                 )
+            if cuda:
+                torch.cuda.synchronize()
             assert out.shape == (b, p + m), out.shape
 
         # --- Our engine, weights through hf_import. ---
@@ -143,7 +224,7 @@ def main(argv):
 
         def run_engine():
             batch = generate_rollouts(
-                engine, prompts, 1, jax.random.key(next(keys)), steps_per_sync=FLAGS.steps_per_sync
+                engine, prompts, g, jax.random.key(next(keys)), steps_per_sync=FLAGS.steps_per_sync
             )
             assert (batch.response_lengths == m).all()
 
@@ -151,14 +232,27 @@ def main(argv):
         hf_s, engine_s = min(times["hf"]), min(times["engine"])
 
     tokens = b * m
+    steps = m  # b rows in b slots: every slot decodes m steps once
+    bandwidth, bandwidth_source = device_bandwidth(jax.devices()[0])
+    step_bytes = roofline(engine, b, p + m / 2)  # mean live context over the decode
+    roofline_tok_s = b * bandwidth / step_bytes
     result = {
         "engine_tok_s": round(tokens / engine_s, 1),
         "hf_tok_s": round(tokens / hf_s, 1),
         "ratio_vs_hf": round(hf_s / engine_s, 2),
-        "size": FLAGS.size,
+        "ms_per_step": round(1e3 * engine_s / steps, 3),
+        "roofline_tok_s": round(roofline_tok_s, 1),
+        "frac_of_roofline": round(tokens / engine_s / roofline_tok_s, 4),
+        "bytes_per_step": int(step_bytes),
+        "bandwidth_Bps": float(f"{bandwidth:.3g}"),
+        "bandwidth_source": bandwidth_source,
+        "device": jax.devices()[0].device_kind,
+        "preset": FLAGS.preset,
         "engine_dtype": FLAGS.dtype,
-        "hf_dtype": "float32",
+        "hf_dtype": str(hf_dtype).replace("torch.", ""),
+        "hf_device": hf_device,
         "batch": b,
+        "group": g,
         "new_tokens": m,
         "prompt_len": p,
         "steps_per_sync": FLAGS.steps_per_sync,

@@ -16,7 +16,7 @@ from dvp_jax.model import (
     DTypePolicy,
     ModelConfig,
 )
-from dvp_jax.model.attention import KVCache
+from dvp_jax.model.attention import KVCache, cache_storage, to_storage
 from tests.helpers import padded_batch, tiny_model
 
 
@@ -167,14 +167,39 @@ def test_layers_are_stacked_and_the_block_body_is_compiled_once():
     assert _count(r"stablehlo\.while", programs[5]) == _count(r"stablehlo\.while", programs[2])
 
 
-def test_decode_updates_the_cache_in_place():
+# Opcodes that may produce a cache-shaped array in a decode program without a pass over it.
+_IN_PLACE_OPS = ("parameter", "get-tuple-element", "bitcast", "scatter", "tuple")
+
+
+def _cache_passes(hlo: str, shape: tuple) -> list[str]:
+    """Instructions of a compiled program that produce a `shape` array by a full pass over it
+    (copy, convert, elementwise fusion...): everything but the in-place ops and scatter
+    fusions."""
+    dims = "[" + ",".join(map(str, shape)) + "]"
+    found = []
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = [a-z0-9]+(\[[0-9,]*\])\S* ([a-z-]+)\(", line)
+        if not m or m.group(2) != dims or m.group(3) in _IN_PLACE_OPS:
+            continue
+        if m.group(3) == "fusion" and "scatter" in m.group(1):
+            continue
+        found.append(line.strip()[:160])
+    return found
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16"])
+def test_decode_updates_the_cache_in_place(name):
     """The layer scan carries the whole donated cache and scatters each layer's new entry into
     it: the compiled decode step's scratch memory stays below the size of one cache array (a
-    scan emitting the updated cache as stacked outputs, or a copy, would need at least that)."""
-    model = tiny_model(seed=7, n_layers=6)
+    scan emitting the updated cache as stacked outputs, or a copy, would need at least that),
+    and no instruction passes over a whole cache array. A bfloat16 cache is carried as its bits
+    (`cache_storage`): a bf16 scatter on CPU converts the whole cache to float32 and back
+    around every layer's write (before this layout: 4 such passes per layer)."""
+    policy = DTypePolicy.named(name)
+    model = tiny_model(seed=7, n_layers=6, policy=policy)
     graphdef, params = nnx.split(model)
     b, cache_len = 8, 1024
-    cache = KVCache.zeros(model.cfg, b, cache_len, jnp.float32)
+    cache = KVCache.zeros(model.cfg, b, cache_len, cache_storage(policy.cache_dtype))
     step = jax.jit(
         lambda p, t, pos, c: nnx.merge(graphdef, p).decode(t, pos, c), donate_argnums=(3,)
     )
@@ -182,6 +207,33 @@ def test_decode_updates_the_cache_in_place():
     compiled = step.lower(params, zeros, zeros, cache).compile()
     scratch = compiled.memory_analysis().temp_size_in_bytes
     assert scratch < cache.k.nbytes, (scratch, cache.k.nbytes)
+    assert _cache_passes(compiled.as_text(), cache.k.shape) == []
+
+
+def test_decode_over_a_length_bucket_equals_the_whole_cache():
+    """`decode(..., kv_len)` attends over the first kv_len cache positions: with every row's
+    position below kv_len it gives the logits of attending over the whole cache (the masked
+    tail adds exact zeros; only the softmax's summation order differs: float32 logits within
+    1e-6 of O(1) values), and the caches are identical bit for bit. The last step writes
+    position kv_len - 1, the bucket's edge."""
+    policy = DTypePolicy.named("float32")
+    model = tiny_model(seed=9, policy=policy)
+    rng = np.random.default_rng(9)
+    lengths, cache_len, kv_len = np.array([5, 2, 13]), 64, 16
+    prompt = jnp.asarray(rng.integers(1, 64, size=(3, 16)).astype(np.int32))
+    _, cache = jax.jit(model.prefill, static_argnums=2)(prompt, jnp.asarray(lengths), cache_len)
+    cache = KVCache(*(to_storage(c, policy.cache_dtype) for c in cache))
+    decode = jax.jit(model.decode, static_argnums=3)
+    full, bucket = cache, cache
+    pos = jnp.asarray(lengths)
+    for _ in range(kv_len - lengths.max()):
+        tokens = jnp.asarray(rng.integers(1, 64, size=(3,)).astype(np.int32))
+        a, full = decode(tokens, pos, full, None)
+        b, bucket = decode(tokens, pos, bucket, kv_len)
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+        pos = pos + 1
+    for x, y in zip(full, bucket, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_mixed_policy_keeps_fp32_params_and_is_close_to_fp32():

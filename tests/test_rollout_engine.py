@@ -198,18 +198,29 @@ def test_rollout_batch_layout(bf16, batch):
 
 
 def test_one_prefill_per_prompt_and_seed_reproduces(bf16, batch, monkeypatch):
-    calls = {"prefill": 0, "insert": 0}
+    calls = {"prefill_batch": [], "insert_batch": []}
+    prompt_keys = []
     for name in calls:
         original = getattr(bf16, name)
 
         def counted(*args, _original=original, _name=name, **kwargs):
-            calls[_name] += 1
+            calls[_name].append(len(args[1] if _name == "prefill_batch" else args[2]))
+            if _name == "prefill_batch":
+                prompt_keys.extend(map(tuple, np.asarray(args[2])))
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(bf16, name, counted)
-    # 3 prompts x 4 samples over 4 slots: continuous batching refills slots as they free up.
-    b = generate_rollouts(bf16, PROMPTS, 4, jax.random.key(7))
-    assert calls == {"prefill": 3, "insert": 12}
+    # 3 prompts x 4 samples over 4 slots: continuous batching refills slots as they free up;
+    # every prompt is prefilled once and its samples inserted in batches.
+    rng = jax.random.key(7)
+    b = generate_rollouts(bf16, PROMPTS, 4, rng, first_prompt_index=5)
+    assert sum(calls["prefill_batch"]) == 3 and sum(calls["insert_batch"]) == 12, calls
+    assert calls["insert_batch"][0] == 4  # the first prompt's 4 samples in one call
+    # Prompt p's key is fold_in(rng, first_prompt_index + p) (the slot keys fold in g).
+    expect = [
+        tuple(np.asarray(jax.random.key_data(jax.random.fold_in(rng, 5 + p)))) for p in range(3)
+    ]
+    assert prompt_keys == expect
     assert (b.response_lengths >= 1).all()
     again = generate_rollouts(bf16, PROMPTS, 3, jax.random.key(1))
     for field in RolloutBatch.__dataclass_fields__:
@@ -319,3 +330,145 @@ def test_sharded_engine_equals_single_device(fp32, master):
     np.testing.assert_allclose(
         a.behaviour_pruned_mass, b.behaviour_pruned_mass, rtol=1e-5, atol=1e-12
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# Batched prefill and insert, length-bucketed decode, in-place cache, bad input.
+# ----------------------------------------------------------------------------------------------
+def _raw_keys(seed: int, n: int) -> np.ndarray:
+    key = jax.random.key(seed)
+    return np.stack([np.asarray(jax.random.key_data(jax.random.fold_in(key, i))) for i in range(n)])
+
+
+def test_batched_prefill_and_insert_equal_per_prompt(fp32):
+    """`prefill_batch` + `insert_batch` (one call each) put into the slots what per-prompt
+    `prefill` + `insert` put: the same keys (fold_in(prompt key, sample index)), positions and
+    flags exactly, and the same next-token logits and prompt KV up to float32 rounding (the
+    batch pads the short prompts to the longest prompt's bucket, so padding and matmul shapes
+    differ: observed |d| <= 1e-6, bound 1e-5); the next generated tokens are identical. The
+    second part inserts one prompt's G = 4 samples into 4 slots in one call."""
+    keys = _raw_keys(3, len(PROMPTS))
+    params = fp32.params
+    single = fp32.init_decode_state()
+    for i, prompt in enumerate(PROMPTS):
+        prefix = fp32.prefill(
+            params=params, padded_tokens=prompt, true_length=len(prompt), rng=keys[i]
+        )
+        single = fp32.insert(prefix, single, slot=3 - i, sample_index=i)
+    batch = fp32.prefill_batch(params, PROMPTS, keys)
+    assert batch.cache.k.shape[1] == 4  # 3 prompts padded to the row bucket 4
+    batched = fp32.insert_batch(batch, fp32.init_decode_state(), [3, 2, 1], [0, 1, 2], [0, 1, 2])
+    for field in ("key", "pos", "step", "done"):
+        np.testing.assert_array_equal(getattr(single, field), getattr(batched, field), field)
+    np.testing.assert_allclose(single.logits, batched.logits, rtol=0, atol=1e-5)
+    for a, b in zip(single.cache, batched.cache, strict=True):
+        for i, prompt in enumerate(PROMPTS):
+            live = np.s_[:, 3 - i, : len(prompt)]
+            np.testing.assert_allclose(np.asarray(a)[live], np.asarray(b)[live], atol=1e-5)
+    single, _ = fp32.generate(params, single)
+    batched, _ = fp32.generate(params, batched)
+    np.testing.assert_array_equal(single.tokens, batched.tokens)
+
+    # One prompt's 4 samples into 4 slots in one call == 4 single inserts.
+    prefix = fp32.prefill(params=params, padded_tokens=PROMPTS[1], true_length=11, rng=keys[1])
+    single = fp32.init_decode_state()
+    for g in range(4):
+        single = fp32.insert(prefix, single, slot=g, sample_index=g)
+    group = fp32.insert_batch(batch, fp32.init_decode_state(), [0, 1, 2, 3], [1] * 4, range(4))
+    np.testing.assert_array_equal(single.key, group.key)
+    assert len({tuple(k) for k in np.asarray(group.key)}) == 4
+
+
+def test_length_buckets_equal_the_whole_cache_and_bound_the_compiles(master):
+    """Rollouts whose decode attends over length buckets (`kv_buckets`, chosen on the host per
+    dispatch) equal rollouts attending over the whole cache: the same tokens, log-probs within
+    1e-5 (float32; only the attention softmax's summation order differs, and its few-ulp
+    differences in O(10) logits carry through 40 decode steps; observed <= 2.9e-6 over 60).
+    One compiled decode loop per bucket reached (2 of `kv_buckets` (32, 56)), and a second
+    batch (new key, weights unchanged) compiles nothing."""
+    config = EngineConfig(
+        **{**_engine_config("float32").__dict__, "max_decode_length": 40, "stop_tokens": ()}
+    )
+    engine = RolloutEngine(CFG, config, params=nnx.state(master))
+    assert config.kv_buckets == (32, 56)
+    key = jax.random.key(11)
+    bucketed = generate_rollouts(engine, PROMPTS, 1, key, steps_per_sync=4)
+    sizes = engine.compile_cache_sizes()
+    assert sizes["generate_steps"] == len(config.kv_buckets), sizes
+    generate_rollouts(engine, PROMPTS, 1, jax.random.key(12), steps_per_sync=4)
+    assert engine.compile_cache_sizes() == sizes
+    with pytest.MonkeyPatch.context() as m:  # every dispatch over the whole cache
+        m.setattr(engine, "kv_bucket", lambda length: config.cache_length)
+        whole = generate_rollouts(engine, PROMPTS, 1, key, steps_per_sync=4)
+    np.testing.assert_array_equal(bucketed.tokens, whole.tokens)
+    for field in ("behaviour_logp", "behaviour_logp_full", "behaviour_pruned_mass"):
+        np.testing.assert_allclose(
+            getattr(bucketed, field), getattr(whole, field), rtol=0, atol=1e-5, err_msg=field
+        )
+
+
+def test_the_decode_loop_updates_the_cache_in_place(bf16):
+    """The compiled k-step decode loop of the bf16 engine never passes over a whole cache
+    array (no copy, no float32 convert of the bf16 cache around a scatter; the state carries
+    the cache's bits): only parameters, loop plumbing and in-place scatters have its shape."""
+    from tests.test_model import _cache_passes
+
+    state = bf16.init_decode_state()
+    assert state.cache.k.dtype == jnp.uint16
+    hlo = bf16._generate_steps_jit.lower(bf16.params, state, 2, ENGINE.cache_length)
+    assert _cache_passes(hlo.compile().as_text(), state.cache.k.shape) == []
+
+
+def test_bad_input_gets_clear_errors_and_the_engine_keeps_working(bf16):
+    params, state = bf16.params, bf16.init_decode_state()
+    keys = _raw_keys(0, 5)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        bf16.prefill_batch(params, [[1, 2], []], keys[:2])
+    with pytest.raises(ValueError, match="max_prefill_length=16"):
+        bf16.prefill_batch(params, [[1] * 17], keys[:1])
+    with pytest.raises(ValueError, match="max_concurrent_decodes=4"):
+        bf16.prefill_batch(params, [[1]] * 5, keys)
+    with pytest.raises(ValueError, match=r"prompt 0 has token ids outside \[0, 64\)"):
+        bf16.prefill_batch(params, [[1, 64]], keys[:1])
+    with pytest.raises(ValueError, match=r"keys must have shape \(2, 2\)"):
+        bf16.prefill_batch(params, [[1], [2]], keys[:1])
+    prefix = bf16.prefill_batch(params, [[1, 2]], keys[:1])
+    with pytest.raises(ValueError, match="max_concurrent_decodes=4 slots"):
+        bf16.insert_batch(prefix, state, range(5), [0] * 5, range(5))
+    with pytest.raises(ValueError, match="distinct"):
+        bf16.insert_batch(prefix, state, [0, 0], [0, 0], [0, 1])
+    with pytest.raises(ValueError, match="outside the prefix"):
+        bf16.insert_batch(prefix, state, [0], [7], [0])
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        generate_rollouts(bf16, [[]], 1, jax.random.key(0))
+    with pytest.raises(ValueError, match="max_prefill_length=16"):
+        generate_rollouts(bf16, [[1] * 17], 1, jax.random.key(0))
+    # G larger than the slots is not an error for generate_rollouts: the prompt's samples
+    # span several refills (6 samples over 4 slots), each its own sample key.
+    b = generate_rollouts(bf16, [PROMPTS[2]], 6, jax.random.key(4))
+    assert b.num_rows == 6 and (b.response_lengths >= 1).all()
+    assert len({tuple(b.response(i)) for i in range(6)}) > 1
+
+
+def test_logit_noise_is_shared_by_a_prompts_samples_and_fixed_across_calls(bf16):
+    """noise_std is a deterministic function of the context: the G samples of a prompt start
+    from one noisy distribution (every row that drew the same first token records the same
+    log mu), and another rollout key meets the same noise there. Fresh per-sample noise would
+    give each row its own value."""
+    noisy = bf16.config.sampling_params(noise_std=3.0)
+    prompt = [PROMPTS[0]]
+    runs = [
+        generate_rollouts(bf16, prompt, 8, jax.random.key(seed), sampling=noisy) for seed in (3, 4)
+    ]
+    first = {}
+    for b in runs:
+        col = b.prompt_lengths[0]
+        for i in range(b.num_rows):
+            first.setdefault(int(b.tokens[i, col]), set()).add(float(b.behaviour_logp_full[i, col]))
+    assert sum(len(v) for v in first.values()) == len(first)  # one log mu per first token
+    assert sum(1 for b in runs for _ in range(b.num_rows)) > len(first)  # repeats were checked
+    clean = generate_rollouts(bf16, prompt, 8, jax.random.key(3))
+    col = clean.prompt_lengths[0]
+    y = int(clean.tokens[0, col])
+    if y in first:  # the noise really moved the distribution
+        assert float(clean.behaviour_logp_full[0, col]) not in first[y]

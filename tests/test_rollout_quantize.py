@@ -186,3 +186,25 @@ def test_mismatch_ladder_is_ordered_on_the_tiny_model(trainer):
         assert upper > 1.5 * lower, kl
     for lower, upper in zip(max_diff[:-1], max_diff[1:], strict=True):
         assert upper > 1.5 * lower, max_diff
+
+
+@pytest.mark.parametrize("name", ["bfloat16_fp8kv_fp8w", "bfloat16_fp8kv_int4w"])
+def test_engine_weight_sync_quantizes_the_block_kernels_without_recompiling(trainer, name):
+    from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
+
+    cfg, model = trainer
+    policy = DTypePolicy.named(name)
+    engine = RolloutEngine(cfg, EngineConfig(dtype=name, max_decode_length=4), params=model)
+    src = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    got = {p: v.get_value() for p, v in nnx.to_flat_state(engine.load_params())}
+    for path, value in got.items():
+        if path in quantize.KERNEL_CONTRACTION_AXES:
+            want = quantize.fake_quantize(
+                src[path], policy.weight_quant, quantize.KERNEL_CONTRACTION_AXES[path], jnp.bfloat16
+            )
+        else:  # embedding and norms: a plain bf16 cast
+            want = jnp.asarray(src[path]).astype(jnp.bfloat16)
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(want), err_msg=str(path))
+    casts = engine._cast_jit._cache_size()
+    engine.update_params(model)
+    assert engine._cast_jit._cache_size() == casts  # weight sync compiles nothing new

@@ -89,14 +89,38 @@ def test_greedy_takes_argmax_for_every_key():
 def test_noise_changes_the_behaviour_distribution_consistently():
     logits = jnp.asarray(np.random.default_rng(4).standard_normal((256, 16)) * 3, jnp.float32)
     keys = _keys(4, 256)
-    clean, _ = _sample(keys, logits, sampling.SamplingParams.create(log_rho=-3.0))
-    noisy, st = _sample(keys, logits, sampling.SamplingParams.create(log_rho=-3.0, noise_std=1.0))
+    context = jnp.arange(256, dtype=jnp.uint32)
+    noise = sampling.SamplingParams.create(log_rho=-3.0, noise_std=1.0)
+    clean, _ = _sample(keys, logits, sampling.SamplingParams.create(log_rho=-3.0), context)
+    noisy, st = _sample(keys, logits, noise, context)
     assert (np.asarray(clean) != np.asarray(noisy)).any()
+    # Without a context there is no noise, whatever noise_std says.
+    np.testing.assert_array_equal(_sample(keys, logits, noise)[0], clean)
     # Pruned log-probs renormalise over V_S: log mu_S >= log mu, equal iff nothing is pruned.
     # Exact in float32: both are (z_y - max z) - log(s) with s = sum_safe <= sum_safe + sum_out,
     # and rounding is monotone.
     assert (np.asarray(st.logp) >= np.asarray(st.logp_full)).all()
     assert np.isfinite(np.asarray(st.logp)).all()
+
+
+def test_noise_is_a_fixed_function_of_the_context():
+    """Rows with the same context and logits see the same noisy distribution whatever their key
+    (so every recorded log mu of that context agrees); other contexts see other noise."""
+    logits = jnp.tile(jnp.asarray(np.linspace(-2.0, 2.0, 32), jnp.float32), (512, 1))
+    params = sampling.SamplingParams.create(noise_std=2.0)
+    same = jnp.full((512,), 12345, jnp.uint32)
+    tokens, st = _sample(_keys(7, 512), logits, params, same)
+    tokens, logp = np.asarray(tokens), np.asarray(st.logp_full)
+    for y in np.unique(tokens):
+        assert np.ptp(logp[tokens == y]) == 0.0  # one distribution, every key
+    _, other = _sample(_keys(7, 512), logits, params, jnp.arange(512, dtype=jnp.uint32))
+    assert np.unique(np.asarray(other.logp_full)).size > 100
+    # The hash: extending context by context equals hashing the whole sequence.
+    ids = jnp.asarray([[5, 9, 2, 7, 0, 0]], jnp.int32)
+    whole = sampling.context_hash(ids, jnp.asarray([4]))
+    step = sampling.context_hash(ids, jnp.asarray([3]))
+    assert int(sampling.extend_context(step, ids[:, 3])[0]) == int(whole[0])
+    assert int(whole[0]) != int(sampling.context_hash(ids[:, ::-1], jnp.asarray([4]))[0])
 
 
 @pytest.mark.parametrize("log_rho, tau, n_safe", [(-4.0, 1.0, 5), (-math.inf, 1.5, 8)])

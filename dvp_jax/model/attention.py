@@ -35,7 +35,9 @@ k = n // g, `out[t] = sum_s softmax_s(q[t] . k[s] / sqrt(h) + mask[t, s]) v[s]` 
 On CPU "auto" is "xla"; on an NVIDIA GPU "cudnn" and on a TPU "splash" for 16-bit compute
 dtypes where the shapes allow, "xla" otherwise (a float32 policy never runs a fused kernel:
 neither kernel runs fp32 matmuls at the policy's precision). Decode (one query against the
-cache) always runs the explicit path.
+cache) always runs the explicit path, over the first `kv_len` cache positions (a static length
+bucket the engine picks per dispatch, docs/design.md section 3), and writes its new key and value
+in place (`write_cache`; 16- and 8-bit caches are carried as their bits, `cache_storage`).
 """
 
 from __future__ import annotations
@@ -375,26 +377,83 @@ class Attention(nnx.Module):
         attn = full_attention(q, k, v, valid, self.policy)
         return self._out(attn), (k, v)
 
-    def decode(self, x, positions, k_all, v_all, layer):
-        """One new token per row, attending to the cache.
+    def decode(self, x, positions, k_all, v_all, layer, kv_len: int | None = None):
+        """One new token per row, attending to the live prefix of the cache.
 
         Args:
           x: [b, 1, d] the new token's activations; positions: [b] its position (= cache slot).
-          k_all, v_all: [L, b, S, k, h] the whole stacked cache.
+          k_all, v_all: [L, b, S, k, h] the whole stacked cache, stored as `cache_storage`
+            (the bits of a 16- or 8-bit cache dtype, the values of a float32 one).
           layer: [] int32 (traced under `nnx.scan`) or int, this layer's index in the cache.
+          kv_len: static number of leading cache positions attended to (default S). Rows whose
+            `positions` are >= kv_len get wrong outputs: the caller picks kv_len above every
+            live row's position (`RolloutEngine` picks a length bucket per dispatch).
         Returns:
           (out [b, 1, d], k_all, v_all) with the new key/value written at
-          `[layer, row, positions[row]]`: a scatter into the stacked cache, which the layer scan
-          carries, so a decode step updates the (donated) cache in place and never copies it.
+          `[layer, row, positions[row]]` (`write_cache`, in place in the donated cache).
         """
         q, k, v = self._qkv(x, positions[:, None])
-        rows = jnp.arange(x.shape[0])
-        k_all = k_all.at[layer, rows, positions].set(k[:, 0].astype(k_all.dtype))
-        v_all = v_all.at[layer, rows, positions].set(v[:, 0].astype(v_all.dtype))
-        cache_len = k_all.shape[2]
-        mask = (jnp.arange(cache_len)[None, :] <= positions[:, None])[:, None, :]  # [b, 1, S]
+        dtype = self.policy.cache_dtype
+        k_all = write_cache(k_all, layer, positions, k[:, 0], dtype)
+        v_all = write_cache(v_all, layer, positions, v[:, 0], dtype)
+        kv_len = k_all.shape[2] if kv_len is None else kv_len
+        mask = (jnp.arange(kv_len)[None, :] <= positions[:, None])[:, None, :]  # [b, 1, kv_len]
         cd = self.policy.compute_dtype
         attn = _masked_softmax_attention(
-            self._group(q), k_all[layer].astype(cd), v_all[layer].astype(cd), mask, self.policy
+            self._group(q),
+            from_storage(read_cache(k_all, layer, kv_len), dtype).astype(cd),
+            from_storage(read_cache(v_all, layer, kv_len), dtype).astype(cd),
+            mask,
+            self.policy,
         )
         return self._out(attn), k_all, v_all
+
+
+# A KV cache of a 16- or 8-bit float dtype is stored and written as the unsigned integers of the
+# same width (its bits): XLA's CPU backend has no 16-/8-bit float scatter and would convert the
+# whole stacked [L, b, S, k, h] cache to float32 and back around every layer's write (4 full
+# passes over the cache per layer and decode step). An integer scatter is native on every
+# backend and updates the donated buffer in place; readers bitcast the slice they read, which
+# fuses into the attention. float32 caches are stored as they are.
+def cache_storage(dtype) -> jnp.dtype:
+    """The dtype a KV cache of `dtype` is stored in during decode (`write_cache`)."""
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(f"uint{8 * dtype.itemsize}") if dtype.itemsize < 4 else dtype
+
+
+def to_storage(x: jax.Array, dtype) -> jax.Array:
+    """Cache values (any float dtype) -> `cache_storage(dtype)` (rounded to dtype, bitcast);
+    an array already in `cache_storage(dtype)` is returned as is."""
+    storage = cache_storage(dtype)
+    if x.dtype == storage:
+        return x
+    x = x.astype(dtype)
+    return x if storage == x.dtype else jax.lax.bitcast_convert_type(x, storage)
+
+
+def from_storage(x: jax.Array, dtype) -> jax.Array:
+    """`cache_storage(dtype)` (or already `dtype`) -> values in `dtype`."""
+    dtype = jnp.dtype(dtype)
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
+
+
+def write_cache(cache: jax.Array, layer, positions: jax.Array, new: jax.Array, dtype) -> jax.Array:
+    """`cache[layer, row, positions[row]] = new[row]` for every row, in place.
+
+    Args:
+      cache: [L, b, S, k, h] in `cache_storage(dtype)`.
+      layer: [] int (traced) layer index.
+      positions: [b] int32 write positions.
+      new: [b, k, h] the new keys or values (rounded to `dtype`).
+      dtype: the cache dtype.
+    Returns:
+      The updated cache (the same buffer when donated).
+    """
+    rows = jnp.arange(cache.shape[1])
+    return cache.at[layer, rows, positions].set(to_storage(new, dtype))
+
+
+def read_cache(cache: jax.Array, layer, kv_len: int) -> jax.Array:
+    """`cache[layer, :, :kv_len]` ([b, kv_len, k, h]) for a traced layer index, static kv_len."""
+    _, b, _, k, h = cache.shape
+    return jax.lax.dynamic_slice(cache, (layer, 0, 0, 0, 0), (1, b, kv_len, k, h))[0]

@@ -21,7 +21,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dvp_jax.model.attention import CACHE_AXES, Attention, KVCache
+from dvp_jax.model.attention import (
+    CACHE_AXES,
+    Attention,
+    KVCache,
+    cache_storage,
+    from_storage,
+    to_storage,
+)
 from dvp_jax.model.config import REMAT_POLICIES, TRAIN_POLICY, DTypePolicy, ModelConfig
 from dvp_jax.model.layers import MLP, RMSNorm, matmul, param
 from dvp_jax.sharding import Sharder
@@ -84,8 +91,10 @@ class Block(nnx.Module):
         x = self.sharder.constrain(x + self.mlp(self.post_attn_norm(x)), ACT)
         return x, kv
 
-    def decode(self, x, positions, k_all, v_all, layer):
-        attn, k_all, v_all = self.attn.decode(self.input_norm(x), positions, k_all, v_all, layer)
+    def decode(self, x, positions, k_all, v_all, layer, kv_len=None):
+        attn, k_all, v_all = self.attn.decode(
+            self.input_norm(x), positions, k_all, v_all, layer, kv_len
+        )
         x = x + attn
         return x + self.mlp(self.post_attn_norm(x)), k_all, v_all
 
@@ -225,27 +234,43 @@ class Transformer(nnx.Module):
         )
         return self.logits(last), cache
 
-    def decode(self, tokens, positions, cache: KVCache):
+    def decode(self, tokens, positions, cache: KVCache, kv_len: int | None = None):
         """One decode step.
 
         Args:
           tokens: [b] int32, the token at `positions` for each row.
           positions: [b] int32 per-row positions (also the cache slot written).
-          cache: KVCache with k, v [L, b, S, k, h].
+          cache: KVCache with k, v [L, b, S, k, h], in the policy's cache dtype or stored as
+            `attention.cache_storage` (its bits for 16- and 8-bit dtypes; the engine keeps
+            its cache so, and then no step converts the cache).
+          kv_len: static count of leading cache positions attention reads (default S); rows
+            with `positions >= kv_len` get wrong logits (`Attention.decode`).
         Returns:
-          (logits [b, v] float32 predicting position `positions + 1`, updated KVCache).
+          (logits [b, v] float32 predicting position `positions + 1`, the updated KVCache: in
+          `cache_storage` if it came so, else in the cache dtype).
         """
         x = self._embed(tokens[:, None])
 
         # The whole cache rides in the scan carry and each step scatters its layer's new key and
-        # value into it (`Attention.decode`): the loop updates the donated buffer in place
-        # instead of emitting a second [L, b, S, k, h] cache as stacked outputs.
+        # value into it (`attention.write_cache`): the loop updates the donated buffer in place
+        # instead of emitting a second [L, b, S, k, h] cache as stacked outputs. A 16-/8-bit
+        # cache rides as its bits (an integer scatter; a float one would be converted to
+        # float32 and back per layer on CPU); a caller passing bits pays no conversion at all.
         def block_fn(block, layer, carry, positions):
             x, k_all, v_all = carry
-            return block.decode(x, positions, k_all, v_all, layer)
+            return block.decode(x, positions, k_all, v_all, layer, kv_len)
 
         scan = _scan(block_fn, in_axes=(0, 0, nnx.Carry, None), out_axes=nnx.Carry)
         layers = jnp.arange(self.cfg.n_layers, dtype=jnp.int32)
-        x, k_all, v_all = scan(self.blocks, layers, (x, *cache), positions)
-        cache = KVCache(*(self.sharder.constrain(c, CACHE_AXES) for c in (k_all, v_all)))
+        dtype = self.policy.cache_dtype
+        storage = cache_storage(dtype)
+        x, k_all, v_all = scan(
+            self.blocks, layers, (x, *(to_storage(c, dtype) for c in cache)), positions
+        )
+        # Back in the dtype the caller gave: the storage as is, else the cache dtype's values.
+        out = [
+            c if a.dtype == storage else from_storage(c, dtype)
+            for c, a in zip((k_all, v_all), cache, strict=True)
+        ]
+        cache = KVCache(*(self.sharder.constrain(c, CACHE_AXES) for c in out))
         return self.logits(self.final_norm(x)[:, 0]), cache

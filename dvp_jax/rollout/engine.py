@@ -22,6 +22,16 @@ Data flow per request (b = slot, M = max_decode_length, S = max_prefill_length +
   length) or after M tokens. Keys depend only on (request key, sample index, step), never on the
   slot or the schedule, so a fixed seed reproduces a rollout exactly.
 
+The RL path (`offline.generate_rollouts`) uses the batched forms: `prefill_batch` runs many
+prompts of one length bucket in one call (rows padded to `EngineConfig.row_buckets`),
+`insert_batch` puts rows of it into many slots in one call (e.g. a prompt's G samples, with
+sample indices 0..G-1: the same keys as G `insert` calls), and `generate_steps(..., kv_len)` runs
+k decode steps in one compiled loop whose attention reads only the first `kv_bucket(kv_len)`
+cache positions (`EngineConfig.kv_buckets`: powers of two from 32, and S), chosen on the host
+from the slots' positions. `generate` (the orchestrator's) attends over the whole cache. The
+decode state keeps a 16- or 8-bit KV cache as its bits (`attention.cache_storage`), so every
+cache write is an in-place integer scatter (docs/design.md section 3).
+
 Jitted functions take the parameters as an argument (never closed over), so `update_params`
 (cast + reshard of trainer weights) never recompiles: tests assert the compile caches do not grow.
 """
@@ -29,7 +39,6 @@ Jitted functions take the parameters as an argument (never closed over), so `upd
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import os
 import threading
 from collections.abc import Sequence
@@ -38,14 +47,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 from jax.sharding import NamedSharding
 from jetstream.engine import engine_api, tokenizer_pb2
 
-from dvp_jax.model.attention import CACHE_AXES, KVCache
-from dvp_jax.model.config import PRECISIONS, DTypePolicy, ModelConfig
+from dvp_jax.model.attention import CACHE_AXES, KVCache, cache_storage, to_storage
+from dvp_jax.model.config import DTypePolicy, ModelConfig
 from dvp_jax.model.transformer import Transformer
 from dvp_jax.rollout import sampling
+from dvp_jax.rollout.quantize import quantize_leaves
+from dvp_jax.rollout.state import RECORD_FIELDS, DecodeState, EngineConfig, Prefix
 from dvp_jax.rollout.tokenizers import load_tokenizer
 from dvp_jax.sharding import (
     ROLLOUT_RULES,
@@ -56,135 +67,7 @@ from dvp_jax.sharding import (
     state_shardings,
 )
 
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Rollout engine settings (static shapes, precision and default sampling).
-
-    Attributes:
-      dtype: rollout precision, one of `PRECISIONS`: 'float32' (no mismatch with the
-        trainer), 'bfloat16' (params, activations and KV cache; the default) or
-        'bfloat16_fp8kv' (bf16 with a float8_e4m3fn KV cache).
-      noise_std: sigma of additive Gaussian noise on the rollout logits before pruning
-        (0 = off); a controlled, stronger mismatch.
-      max_concurrent_decodes: decode slots (the decode batch).
-      max_prefill_length: longest prompt in tokens (BOS included).
-      prefill_buckets: prompt lengths prefill is compiled for; values above
-        `max_prefill_length` are dropped and `max_prefill_length` is always added.
-      max_decode_length: most tokens generated per request.
-      temperature, log_rho, greedy: default sampling (see `sampling.SamplingParams`);
-        `init_decode_state(sampling=...)` overrides them without recompiling.
-      seed: base seed of the keys given to requests prefilled without an explicit `rng`.
-      stop_tokens: token ids that end a response; None: the tokenizer's `stop_tokens`; () never
-        stops early (benchmarks).
-    """
-
-    dtype: str = "bfloat16"
-    noise_std: float = 0.0
-    max_concurrent_decodes: int = 8
-    max_prefill_length: int = 64
-    prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-    max_decode_length: int = 64
-    temperature: float = 1.0
-    log_rho: float = -13.0
-    greedy: bool = False
-    seed: int = 0
-    stop_tokens: tuple[int, ...] | None = None
-
-    def __post_init__(self):
-        if self.dtype not in PRECISIONS:
-            raise ValueError(f"EngineConfig.dtype must be one of {PRECISIONS}, got {self.dtype!r}")
-        for name in ("max_concurrent_decodes", "max_prefill_length", "max_decode_length"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")
-        if any(not isinstance(b, int) or b < 1 for b in self.prefill_buckets):
-            raise ValueError(
-                f"EngineConfig.prefill_buckets must be positive ints, got {self.prefill_buckets}"
-            )
-        sampling.check_sampling_values(self.temperature, self.log_rho, self.noise_std)
-
-    @property
-    def buckets(self) -> tuple[int, ...]:
-        """Sorted prefill lengths actually compiled for."""
-        kept = {b for b in self.prefill_buckets if b < self.max_prefill_length}
-        return tuple(sorted(kept | {self.max_prefill_length}))
-
-    @property
-    def cache_length(self) -> int:
-        """S: every slot holds a full prompt plus a full response."""
-        return self.max_prefill_length + self.max_decode_length
-
-    def sampling_params(self, **overrides) -> sampling.SamplingParams:
-        kwargs = dict(
-            temperature=self.temperature,
-            log_rho=self.log_rho,
-            noise_std=self.noise_std,
-            greedy=self.greedy,
-        )
-        kwargs.update(overrides)
-        return sampling.SamplingParams.create(**kwargs)
-
-
-@struct.dataclass
-class Prefix:
-    """A prefilled request (JetStream's `Prefix`).
-
-    Attributes:
-      cache: KVCache with k, v `[L, 1, bucket, k, h]` in the cache dtype.
-      logits: `[v]` float32 logits for the first generated token.
-      length: `[]` int32 true prompt length (BOS included).
-      key: `[2]` uint32 raw PRNG key of the request.
-    """
-
-    cache: KVCache
-    logits: jax.Array
-    length: jax.Array
-    key: jax.Array
-
-
-@struct.dataclass
-class DecodeState:
-    """Per-slot decode state (B slots, M = max_decode_length, S = cache length).
-
-    Attributes:
-      cache: KVCache with k, v `[L, B, S, k, h]`.
-      logits: `[B, v]` float32 pending next-token logits of each slot.
-      pos: `[B]` int32 position of the next token (= tokens in the slot's sequence so far).
-      step: `[B]` int32 tokens generated so far.
-      done: `[B]` bool, True once a slot finished (or was never filled).
-      key: `[B, 2]` uint32 raw per-slot PRNG key.
-      tokens: `[B, M]` int32 generated token ids.
-      behaviour_logp: `[B, M]` float32 log mu_S of each generated token (E4, pruned behaviour
-        log-prob; `TokenLogprobs.logp` of the sampler).
-      behaviour_logp_full: `[B, M]` float32 unpruned log mu.
-      behaviour_pruned_mass: `[B, M]` float32 delta_S of the rollout safe set (E3).
-      behaviour_safe_size: `[B, M]` int32 |V_S| of the rollout safe set (E1).
-      sampling: the sampling parameters (arrays, so changing them never recompiles).
-    """
-
-    cache: KVCache
-    logits: jax.Array
-    pos: jax.Array
-    step: jax.Array
-    done: jax.Array
-    key: jax.Array
-    tokens: jax.Array
-    behaviour_logp: jax.Array
-    behaviour_logp_full: jax.Array
-    behaviour_pruned_mass: jax.Array
-    behaviour_safe_size: jax.Array
-    sampling: sampling.SamplingParams
-
-
-# The per-generated-token record arrays of `DecodeState` (the names `RolloutBatch` keeps).
-RECORD_FIELDS = (
-    "tokens",
-    "behaviour_logp",
-    "behaviour_logp_full",
-    "behaviour_pruned_mass",
-    "behaviour_safe_size",
-)
+_DEFAULT_CONFIG = EngineConfig()
 
 
 def _key_data(key: jax.Array) -> jax.Array:
@@ -210,7 +93,7 @@ class RolloutEngine(engine_api.Engine):
     def __init__(
         self,
         model_cfg: ModelConfig,
-        config: EngineConfig = EngineConfig(),
+        config: EngineConfig = _DEFAULT_CONFIG,
         tokenizer: Any = "char",
         params: Any = None,
         mesh: jax.sharding.Mesh | None = None,
@@ -243,24 +126,35 @@ class RolloutEngine(engine_api.Engine):
         self._lock = threading.Lock()
 
         self._prefill_jit = jax.jit(self._prefill_impl)
+        self._prefill_batch_jit = jax.jit(self._prefill_batch_impl)
         self._insert_jit = jax.jit(
             self._insert_impl, donate_argnums=(1,), out_shardings=self._state_shardings
         )
+        self._insert_batch_jit = jax.jit(
+            self._insert_batch_impl, donate_argnums=(1,), out_shardings=self._state_shardings
+        )
         self._generate_jit = jax.jit(
             self._generate_impl,
+            static_argnums=(2,),
             donate_argnums=(1,),
             out_shardings=(self._state_shardings, self.sharder.replicated()),
         )
         self._generate_steps_jit = jax.jit(
             self._generate_steps_impl,
-            static_argnums=(2,),
+            static_argnums=(2, 3),
             donate_argnums=(1,),
             out_shardings=self._state_shardings,
         )
         self._init_state_jit = jax.jit(self._init_state_impl, out_shardings=self._state_shardings)
         dtypes = [a.dtype for a in self._abstract_leaves]
+        paths, policy = self._param_paths, self.policy
+        # The policy's weight quantization first (the mismatch ladder of e004; quantized kernels
+        # come back in the param dtype), then the cast of every leaf to the rollout dtype.
         self._cast_jit = jax.jit(
-            lambda leaves: [x.astype(d) for x, d in zip(leaves, dtypes, strict=True)]
+            lambda leaves: [
+                x.astype(d)
+                for x, d in zip(quantize_leaves(leaves, paths, policy), dtypes, strict=True)
+            ]
         )
 
         if params is None:  # born sharded: full parameters never sit on one device
@@ -333,14 +227,14 @@ class RolloutEngine(engine_api.Engine):
         rep = self.sharder.replicated()
         return DecodeState(
             cache=KVCache(cache, cache),
-            **{f: rep for f in ("logits", "pos", "step", "done", "key") + RECORD_FIELDS},
+            **{f: rep for f in ("logits", "pos", "step", "done", "key", "context") + RECORD_FIELDS},
             sampling=sampling.SamplingParams(rep, rep, rep, rep),
         )
 
     def _make_prefix_shardings(self) -> Prefix:
         cache = self._cache_sharding(1, 1)
         rep = self.sharder.replicated()
-        return Prefix(cache=KVCache(cache, cache), logits=rep, length=rep, key=rep)
+        return Prefix(cache=KVCache(cache, cache), logits=rep, length=rep, key=rep, context=rep)
 
     def get_prefix_destination_sharding(self) -> Prefix:
         """A `Prefix` of shardings (JetStream device_puts prefixes to it between engines)."""
@@ -359,10 +253,17 @@ class RolloutEngine(engine_api.Engine):
             )
         return buckets[bisect.bisect_left(buckets, length)]
 
-    def _prefill_impl(self, params, tokens, length, key):
+    def _prefill_batch_impl(self, params, tokens, lengths, keys):
         model = nnx.merge(self._graphdef, params)
-        logits, cache = model.prefill(tokens, length[None], cache_len=tokens.shape[1])
-        return Prefix(cache=cache, logits=logits[0], length=length, key=key)
+        logits, cache = model.prefill(tokens, lengths, cache_len=tokens.shape[1])
+        context = sampling.context_hash(tokens, lengths)  # fixes the logit noise (sampling.py)
+        return Prefix(cache=cache, logits=logits, length=lengths, key=keys, context=context)
+
+    def _prefill_impl(self, params, tokens, length, key):
+        out = self._prefill_batch_impl(params, tokens, length[None], key[None])
+        return Prefix(
+            cache=out.cache, logits=out.logits[0], length=length, key=key, context=out.context[0]
+        )
 
     def prefill(
         self,
@@ -396,18 +297,75 @@ class RolloutEngine(engine_api.Engine):
             rng = jax.random.fold_in(jax.random.wrap_key_data(self._base_key), request)
         return self._prefill_jit(params, tokens, np.int32(true_length), _key_data(rng))
 
+    def prefill_batch(
+        self, params: nnx.State, prompts: Sequence[Sequence[int]], keys: jax.Array | np.ndarray
+    ) -> Prefix:
+        """Prefills n prompts in one call (the RL path; `insert_batch` takes the result).
+
+        All rows are padded to the bucket of the longest prompt and the row count to the next
+        of `EngineConfig.row_buckets` (padding rows are 1-token prompts, ignored), so this
+        compiles at most `len(buckets) * len(row_buckets)` times. Callers batch prompts of
+        one bucket together (`offline.generate_rollouts` does) to avoid padding work.
+
+        Args:
+          params: rollout params.
+          prompts: n token-id sequences, each 1..max_prefill_length tokens (BOS included);
+            1 <= n <= max_concurrent_decodes.
+          keys: `[n, 2]` uint32 raw PRNG keys of the requests (row i is prompt i's key).
+        Returns:
+          A `Prefix` with a leading row axis: cache k, v `[L, rows, bucket, k, h]`, logits
+          `[rows, v]`, length `[rows]`, key `[rows, 2]`; rows `>= n`, row i is prompt i.
+        Raises:
+          ValueError: naming the limit, for no prompts, more prompts than slots, an empty or
+            too long prompt, token ids outside the vocabulary, or keys of the wrong shape.
+        """
+        n, limit = len(prompts), self.config.max_concurrent_decodes
+        if not 1 <= n <= limit:
+            raise ValueError(
+                f"prefill_batch: {n} prompts, allowed 1..max_concurrent_decodes={limit}; split "
+                "the prompts into several calls"
+            )
+        if not isinstance(keys, np.ndarray):
+            keys = np.asarray(jax.device_get(_key_data(keys)))
+        if keys.shape != (n,) + self._base_key.shape:
+            raise ValueError(
+                f"prefill_batch: keys must have shape {(n,) + self._base_key.shape} (one raw key "
+                f"per prompt), got {keys.shape}"
+            )
+        lengths = [len(p) for p in prompts]
+        for i, length in enumerate(lengths):
+            if length < 1:
+                raise ValueError(f"prefill_batch: prompt {i} is empty (at least 1 token, e.g. BOS)")
+        bucket = self.bucket(max(lengths))  # raises naming max_prefill_length
+        rows = self.config.row_buckets[bisect.bisect_left(self.config.row_buckets, n)]
+        tokens = np.zeros((rows, bucket), np.int32)
+        vocab = self.model_cfg.vocab_size
+        for i, prompt in enumerate(prompts):
+            ids = np.asarray(prompt, np.int64).reshape(-1)
+            if ids.min() < 0 or ids.max() >= vocab:
+                raise ValueError(f"prefill_batch: prompt {i} has token ids outside [0, {vocab})")
+            tokens[i, : lengths[i]] = ids
+        all_lengths = np.ones((rows,), np.int32)
+        all_lengths[:n] = lengths
+        all_keys = np.zeros((rows,) + self._base_key.shape, np.uint32)
+        all_keys[:n] = keys
+        return self._prefill_batch_jit(params, tokens, all_lengths, all_keys)
+
     # ------------------------------------------------------------------------------------------
     # Decode state and insert.
     # ------------------------------------------------------------------------------------------
     def _init_state_impl(self, params: sampling.SamplingParams) -> DecodeState:
         cfg, b, m = self.config, self.config.max_concurrent_decodes, self.config.max_decode_length
         return DecodeState(
-            cache=KVCache.zeros(self.model_cfg, b, cfg.cache_length, self.policy.cache_dtype),
+            cache=KVCache.zeros(
+                self.model_cfg, b, cfg.cache_length, cache_storage(self.policy.cache_dtype)
+            ),
             logits=jnp.zeros((b, self.model_cfg.vocab_size), jnp.float32),
             pos=jnp.zeros((b,), jnp.int32),
             step=jnp.zeros((b,), jnp.int32),
             done=jnp.ones((b,), bool),
             key=jnp.zeros((b,) + self._base_key.shape, jnp.uint32),
+            context=jnp.zeros((b,), jnp.uint32),
             tokens=jnp.zeros((b, m), jnp.int32),
             behaviour_logp=jnp.zeros((b, m), jnp.float32),
             behaviour_logp_full=jnp.zeros((b, m), jnp.float32),
@@ -426,8 +384,9 @@ class RolloutEngine(engine_api.Engine):
     def _insert_impl(self, prefix: Prefix, state: DecodeState, slot, sample_index):
         def put(buf, value):
             start = (0, slot) + (0,) * (buf.ndim - 2)
-            return jax.lax.dynamic_update_slice(buf, value.astype(buf.dtype), start)
+            return jax.lax.dynamic_update_slice(buf, to_storage(value, dtype), start)
 
+        dtype = self.policy.cache_dtype
         row = lambda a: a.at[slot].set(jnp.zeros_like(a[slot]))
         key = jax.random.key_data(
             jax.random.fold_in(jax.random.wrap_key_data(prefix.key), sample_index)
@@ -439,6 +398,7 @@ class RolloutEngine(engine_api.Engine):
             step=state.step.at[slot].set(0),
             done=state.done.at[slot].set(False),
             key=state.key.at[slot].set(key),
+            context=state.context.at[slot].set(prefix.context),
             **{f: row(getattr(state, f)) for f in RECORD_FIELDS},
         )
 
@@ -454,10 +414,78 @@ class RolloutEngine(engine_api.Engine):
             )
         return self._insert_jit(prefix, decode_state, np.int32(slot), np.int32(sample_index))
 
+    def _insert_batch_impl(self, prefix: Prefix, state: DecodeState, slots, rows, sample_index):
+        # slots [B]: target slot of each insertion, B (out of range, dropped) for padding.
+        bucket = prefix.cache.k.shape[2]
+
+        def put(buf, value):  # buf in the cache storage dtype (`attention.cache_storage`)
+            value = to_storage(value[:, rows], self.policy.cache_dtype)
+            return buf.at[:, slots, :bucket].set(value, mode="drop")
+
+        set_rows = lambda a, v: a.at[slots].set(v, mode="drop")
+        fold = lambda k, g: jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(k), g))
+        keys = jax.vmap(fold)(prefix.key[rows], sample_index)
+        return state.replace(
+            cache=KVCache(put(state.cache.k, prefix.cache.k), put(state.cache.v, prefix.cache.v)),
+            logits=set_rows(state.logits, prefix.logits[rows]),
+            pos=set_rows(state.pos, prefix.length[rows]),
+            step=set_rows(state.step, 0),
+            done=set_rows(state.done, False),
+            key=set_rows(state.key, keys),
+            context=set_rows(state.context, prefix.context[rows]),
+            **{f: set_rows(getattr(state, f), 0) for f in RECORD_FIELDS},
+        )
+
+    def insert_batch(
+        self,
+        prefix: Prefix,
+        decode_state: DecodeState,
+        slots: Sequence[int],
+        rows: Sequence[int],
+        sample_indices: Sequence[int],
+    ) -> DecodeState:
+        """Inserts rows of a `prefill_batch` result into slots in one call (donating the state).
+
+        Insertion i puts prompt row `rows[i]` into slot `slots[i]` with the key
+        `fold_in(prefix.key[rows[i]], sample_indices[i])`: exactly what `insert` of that
+        prompt's own prefix with `sample_index=sample_indices[i]` does, e.g. a prompt's G
+        samples into G slots at once. Compiles once per prefix shape (bucket, rows).
+
+        Raises:
+          ValueError: naming the limit, for more insertions than slots, unequal list lengths,
+            a slot outside [0, max_concurrent_decodes) or used twice, or a row outside the
+            prefix.
+        """
+        b, n_rows = self.config.max_concurrent_decodes, prefix.length.shape[0]
+        n = len(slots)
+        if not (len(rows) == len(sample_indices) == n):
+            raise ValueError(
+                f"insert_batch: slots, rows and sample_indices differ in length ({n}, "
+                f"{len(rows)}, {len(sample_indices)})"
+            )
+        if n > b:
+            raise ValueError(
+                f"insert_batch: {n} insertions (e.g. G samples of a prompt), more than the "
+                f"max_concurrent_decodes={b} slots; insert at most {b} at a time "
+                "(generate_rollouts refills slots as they free up) or raise "
+                "EngineConfig.max_concurrent_decodes"
+            )
+        if any(not 0 <= int(s) < b for s in slots) or len(set(map(int, slots))) != n:
+            raise ValueError(
+                f"insert_batch: slots {list(slots)} must be distinct and in [0, "
+                f"max_concurrent_decodes={b})"
+            )
+        if any(not 0 <= int(r) < n_rows for r in rows):
+            raise ValueError(f"insert_batch: rows {list(rows)} outside the prefix's [0, {n_rows})")
+        pad = lambda v, fill: np.asarray(list(v) + [fill] * (b - n), np.int32)
+        return self._insert_batch_jit(
+            prefix, decode_state, pad(slots, b), pad(rows, 0), pad(sample_indices, 0)
+        )
+
     # ------------------------------------------------------------------------------------------
     # Generate.
     # ------------------------------------------------------------------------------------------
-    def _generate_impl(self, params, state: DecodeState):
+    def _generate_impl(self, params, state: DecodeState, kv_len: int):
         model = nnx.merge(self._graphdef, params)
         b, m = self.config.max_concurrent_decodes, self.config.max_decode_length
         active = ~state.done
@@ -465,7 +493,7 @@ class RolloutEngine(engine_api.Engine):
             state.key, state.step
         )
         # tokens [B] and their pruning.TokenLogprobs (E2-E4) under the slot's mu_S.
-        tokens, sampled = sampling.sample(keys, state.logits, state.sampling)
+        tokens, sampled = sampling.sample(keys, state.logits, state.sampling, state.context)
 
         rows, col = jnp.arange(b), jnp.minimum(state.step, m - 1)
 
@@ -475,13 +503,16 @@ class RolloutEngine(engine_api.Engine):
         step = state.step + active.astype(jnp.int32)
         stop = jnp.isin(tokens, jnp.asarray(self.stop_tokens, jnp.int32))
         done = state.done | (active & (stop | (step >= m)))
-        logits, cache = model.decode(tokens, state.pos, state.cache)
+        logits, cache = model.decode(tokens, state.pos, state.cache, kv_len)
         new_state = state.replace(
             cache=cache,
             logits=logits,
             pos=jnp.minimum(state.pos + active.astype(jnp.int32), self.config.cache_length - 1),
             step=step,
             done=done,
+            context=jnp.where(
+                active, sampling.extend_context(state.context, tokens), state.context
+            ),
             tokens=record(state.tokens, tokens),
             behaviour_logp=record(state.behaviour_logp, sampled.logp),
             behaviour_logp_full=record(state.behaviour_logp_full, sampled.logp_full),
@@ -500,18 +531,27 @@ class RolloutEngine(engine_api.Engine):
         The `ResultTokens` row of a slot is (token, valid, length): `valid` is 0 for a slot that
         had already finished, `length` counts the slot's generated tokens including this one.
         """
-        state, data = self._generate_jit(params, decode_state)
+        state, data = self._generate_jit(params, decode_state, self.config.cache_length)
         return state, engine_api.ResultTokens(
             data=data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3), samples_per_slot=1
         )
 
-    def _generate_steps_impl(self, params, state: DecodeState, num_steps: int):
+    def _generate_steps_impl(self, params, state: DecodeState, num_steps: int, kv_len: int):
         return jax.lax.fori_loop(
-            0, num_steps, lambda _, st: self._generate_impl(params, st)[0], state
+            0, num_steps, lambda _, st: self._generate_impl(params, st, kv_len)[0], state
         )
 
+    def kv_bucket(self, length: int) -> int:
+        """The smallest of `EngineConfig.kv_buckets` >= `length` (the cache length if none)."""
+        buckets = self.config.kv_buckets
+        return buckets[min(bisect.bisect_left(buckets, int(length)), len(buckets) - 1)]
+
     def generate_steps(
-        self, params: nnx.State, decode_state: DecodeState, num_steps: int
+        self,
+        params: nnx.State,
+        decode_state: DecodeState,
+        num_steps: int,
+        kv_len: int | None = None,
     ) -> DecodeState:
         """`num_steps` generate steps in one compiled loop (donates `decode_state`).
 
@@ -520,8 +560,21 @@ class RolloutEngine(engine_api.Engine):
         slots do not change; keys depend on the step, not on the call), so the sampled tokens
         are the same; recorded log-probs agree to float rounding (the loop is compiled
         separately, so XLA may fuse differently).
+
+        Args:
+          params: rollout params.
+          decode_state: the state (donated).
+          num_steps: decode steps (static: one compiled loop per value).
+          kv_len: attention reads the first `kv_bucket(kv_len)` cache positions (at most
+            `len(kv_buckets)` compiled variants per `num_steps`). It must exceed the last
+            position any active slot writes in these steps: `max(pos) + num_steps` over active
+            slots (an upper bound is fine); a smaller value gives those slots wrong logits.
+            None: the whole cache.
         """
-        return self._generate_steps_jit(params, decode_state, int(num_steps))
+        kv_len = self.config.cache_length if kv_len is None else self.kv_bucket(kv_len)
+        if int(num_steps) == 1:
+            return self._generate_jit(params, decode_state, kv_len)[0]
+        return self._generate_steps_jit(params, decode_state, int(num_steps), kv_len)
 
     # ------------------------------------------------------------------------------------------
     # Tokenizer and static properties.
@@ -563,5 +616,13 @@ class RolloutEngine(engine_api.Engine):
         """Compiled-program counts of the jitted entry points (tests assert they stay put)."""
         return {
             name: getattr(self, f"_{name}_jit")._cache_size()
-            for name in ("prefill", "insert", "generate", "generate_steps", "init_state")
+            for name in (
+                "prefill",
+                "prefill_batch",
+                "insert",
+                "insert_batch",
+                "generate",
+                "generate_steps",
+                "init_state",
+            )
         }

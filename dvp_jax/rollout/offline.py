@@ -3,10 +3,15 @@
 JetStream 0.2.2's orchestrator returns no log-probs and cannot swap weights, so the RL loop
 drives `RolloutEngine` directly (docs/design.md sections 3-4):
 
-* each prompt is prefilled exactly once, and its `Prefix` is inserted into G decode slots with
+* each prompt is prefilled exactly once, and its prefix is inserted into G decode slots with
   sample indices 0..G-1 (each slot's key is `fold_in(fold_in(rng, first_prompt_index + p), g)`);
+  the prompts needed by one refill are prefilled together (`engine.prefill_batch`, one call per
+  prompt-length bucket) and inserted together (`engine.insert_batch`, one call per prefill);
 * continuous batching: whenever a slot finishes (stop token or `max_decode_length`), its record
-  is copied out and the next (prompt, sample) pair is inserted into it;
+  is copied out and the next (prompt, sample) pair is inserted into it; a prompt's G samples may
+  span several refills when G exceeds the free slots;
+* each dispatch attends over the smallest `kv_buckets` length above every occupied slot's
+  position (tracked on the host), so decode reads the live prefix of the cache;
 * the per-token records of the engine (`RECORD_FIELDS`: token, log mu_S, log mu, delta_S, |V_S|;
   E4) are laid out under the same names as `[N, T]` arrays aligned with the tokens, N = P * G
   (row `p * G + g`), T = prompt_len + max_decode_length.
@@ -166,9 +171,19 @@ def generate_rollouts(
         prompt_lengths[rows] = ids.size
 
     stop = np.asarray(engine.stop_tokens, np.int32)
+    # Prompt p's key fold_in(rng, first_prompt_index + p), all at once (raw [P, 2] on the host).
+    prompt_keys = np.asarray(
+        jax.device_get(
+            jax.vmap(lambda i: jax.random.key_data(jax.random.fold_in(rng, i)))(
+                first_prompt_index + np.arange(n_prompts, dtype=np.int32)
+            )
+        )
+    )
     pending = collections.deque((p, g) for p in range(n_prompts) for g in range(g_size))
-    prefixes: dict[int, list] = {}  # p -> [Prefix, inserts left]
+    prefixes: dict[int, list] = {}  # p -> [batched Prefix, its row, inserts left]
     owner: list[tuple[int, int] | None] = [None] * engine.max_concurrent_decodes
+    # Host upper bound of each occupied slot's position (the decode's length bucket).
+    slot_pos = np.zeros((engine.max_concurrent_decodes,), np.int64)
 
     def harvest(state, slots):
         host = jax.device_get({f: getattr(state, f) for f in RECORD_FIELDS + ("step",)})
@@ -182,29 +197,45 @@ def generate_rollouts(
             finished[i] = r > 0 and bool(np.isin(host["tokens"][slot, r - 1], stop))
             owner[slot] = None
 
-    while pending or any(o is not None for o in owner):
-        for slot in range(len(owner)):
-            if owner[slot] is not None or not pending:
-                continue
-            p, g = pending.popleft()
-            if p not in prefixes:
-                ids = token_lists[p]
-                prefix = engine.prefill(
-                    params=params,
-                    padded_tokens=ids,
-                    true_length=ids.size,
-                    rng=jax.random.fold_in(rng, first_prompt_index + p),
-                )
-                prefixes[p] = [prefix, g_size]
-            state = engine.insert(prefixes[p][0], state, slot, sample_index=g)
-            prefixes[p][1] -= 1
-            if prefixes[p][1] == 0:
+    def refill(state):
+        """Fills every free slot with the next (prompt, sample) pairs: new prompts prefilled in
+        one call per prompt bucket, then one insert per prefill batch."""
+        free = [s for s, o in enumerate(owner) if o is None][: len(pending)]
+        pairs = [pending.popleft() for _ in free]
+        new = sorted({p for p, _ in pairs if p not in prefixes})
+        by_bucket = collections.defaultdict(list)
+        for p in new:
+            by_bucket[engine.bucket(token_lists[p].size)].append(p)
+        for group in by_bucket.values():
+            prefix = engine.prefill_batch(
+                params, [token_lists[p] for p in group], prompt_keys[group]
+            )
+            for row, p in enumerate(group):
+                prefixes[p] = [prefix, row, g_size]
+        inserts = {}  # id(prefix) -> (prefix, slots, rows, sample indices)
+        for slot, (p, g) in zip(free, pairs, strict=True):
+            prefix, row, _ = prefixes[p]
+            _, slots, rows, samples = inserts.setdefault(id(prefix), (prefix, [], [], []))
+            slots.append(slot)
+            rows.append(row)
+            samples.append(g)
+            prefixes[p][2] -= 1
+            if prefixes[p][2] == 0:
                 del prefixes[p]
             owner[slot] = (p, g)
-        if steps_per_sync == 1:
-            state, _ = engine.generate(params, state)
-        else:
-            state = engine.generate_steps(params, state, steps_per_sync)
+            slot_pos[slot] = token_lists[p].size
+        for prefix, slots, rows, samples in inserts.values():
+            state = engine.insert_batch(prefix, state, slots, rows, samples)
+        return state
+
+    while pending or any(o is not None for o in owner):
+        if pending and None in owner:
+            state = refill(state)
+        occupied = np.array([o is not None for o in owner])
+        # Attention reads the live prefix: every active slot writes below pos + steps_per_sync.
+        kv_len = int(slot_pos[occupied].max()) + steps_per_sync
+        state = engine.generate_steps(params, state, steps_per_sync, kv_len=kv_len)
+        slot_pos[occupied] += steps_per_sync
         done = np.asarray(state.done)  # the one host sync per step (or per steps_per_sync)
         ended = [s for s, o in enumerate(owner) if o is not None and done[s]]
         if ended:

@@ -2,7 +2,7 @@
 
 One step for a batch of rows, a pure function of arrays (the engine's jitted `generate` calls it):
 
-  z  = (logits + sigma * n) / tau          n ~ N(0, I) per row, sigma = `noise_std` (default 0)
+  z  = (logits + sigma * n(c)) / tau       sigma = `noise_std` (default 0), c = the context
   V_S = { a : z_a >= max_b z_b + log_rho }  (E1; log_rho = -inf keeps the whole vocabulary)
   y  ~ mu_S = softmax(z restricted to V_S)  (E4, exponential race), or argmax z when greedy
 
@@ -13,8 +13,14 @@ the safe set, the shifted exponentials and their sums come from `pruning.safe_se
 token record from `pruning.token_logprobs`, the same code the reference path
 `pruning.pruned_token_logprobs` runs; the race reuses those exponentials.
 
-The noise models a larger rollout/trainer mismatch for controlled experiments: it is part of the
-behaviour policy, so the recorded log mu_S are those of the noisy logits actually sampled from.
+The noise models a larger, systematic rollout/trainer mismatch for controlled experiments: a
+fixed perturbation of the rollout model's logits, n(c) ~ N(0, I) drawn once per context c (the
+token ids so far, prompt included) and the same every time that context is met: for every sample
+of a group at their shared prompt, on every step, whatever the weights. Its key is
+`fold_in(NOISE_SEED key, context_hash(c))`, an FNV-1a hash of the ids that the engine carries per
+slot. Like bf16 or quantization error it is deterministic given the context, so mu is a fixed
+distribution and the recorded log mu_S are exactly the behaviour probabilities the engine samples
+from (not conditional on a random draw).
 With `greedy` the token is the argmax of z (always in V_S) and the recorded log-probs are still
 those of mu_S (the model's pruned distribution, not the degenerate greedy policy).
 
@@ -31,6 +37,28 @@ import jax.numpy as jnp
 from flax import struct
 
 from dvp_jax.dvp import pruning
+
+# The noise of context c is drawn with fold_in(key(NOISE_SEED), context_hash(c)).
+NOISE_SEED = 0x5EED
+# FNV-1a over token ids (32 bit): h0 = offset basis, h <- (h xor id) * prime, wrapping.
+_FNV_OFFSET, _FNV_PRIME = 2166136261, 16777619
+
+
+def extend_context(h: jax.Array, tokens: jax.Array) -> jax.Array:
+    """The context hash after appending `tokens` ([b] ids) to contexts hashed `h` ([b] uint32)."""
+    return (h ^ tokens.astype(jnp.uint32)) * jnp.uint32(_FNV_PRIME)
+
+
+def context_hash(tokens: jax.Array, lengths: jax.Array) -> jax.Array:
+    """[b] uint32 hash of each row's first `lengths[i]` ids of `tokens` ([b, T])."""
+    valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+
+    def step(h, column):
+        ids, keep = column
+        return jnp.where(keep, extend_context(h, ids), h), None
+
+    h0 = jnp.full(tokens.shape[:1], _FNV_OFFSET, jnp.uint32)
+    return jax.lax.scan(step, h0, (tokens.T, valid.T))[0]
 
 
 @struct.dataclass
@@ -103,7 +131,7 @@ def scaled_logits(
 
 
 def sample(
-    key: jax.Array, logits: jax.Array, params: SamplingParams
+    key: jax.Array, logits: jax.Array, params: SamplingParams, context: jax.Array | None = None
 ) -> tuple[jax.Array, pruning.TokenLogprobs]:
     """Draws one token per row from the pruned distribution mu_S (E4) and records its stats.
 
@@ -114,21 +142,25 @@ def sample(
     exponentials `pruning.safe_set_sums` computes for the statistics.
 
     Args:
-      key: [b] PRNG keys, one per row; each is split into a noise key and a sampling key, so a
-        row's draw depends only on its own key.
+      key: [b] PRNG keys, one per row (a row's draw depends only on its own key).
       logits: [b, v] raw next-token logits (float32 from the model).
       params: sampling parameters.
+      context: [b] uint32 `context_hash` of each row's context, which fixes its logit noise;
+        None: no noise whatever `params.noise_std` says.
     Returns:
       (tokens [b] int32, `pruning.TokenLogprobs` with fields [b] of the sampled tokens under
       mu_S; `in_safe` is always True, so `logp` never holds `pruning.LOGP_FLOOR`).
     """
-    keys = jax.vmap(lambda k: jax.random.split(k, 2))(key)  # [b, 2] keys
-    z = scaled_logits(logits, params, keys[:, 0])
+    noise_keys = None
+    if context is not None:
+        base = jax.random.key(NOISE_SEED)
+        noise_keys = jax.vmap(lambda c: jax.random.fold_in(base, c))(context)
+    z = scaled_logits(logits, params, noise_keys)
     sums = pruning.safe_set_sums(z, params.log_rho)  # E1-E3 core, log_rho traced
     w_safe = jnp.where(sums.safe, sums.exp_shifted, 0.0)  # in [0, 1], exactly 1 at the argmax
     # u in [tiny, 1), so E = -log u is finite and > 0: no 0/0, and pruned tokens score 0.
     tiny = jnp.finfo(jnp.float32).tiny
-    u = jax.vmap(lambda k: jax.random.uniform(k, z.shape[-1:], minval=tiny))(keys[:, 1])
+    u = jax.vmap(lambda k: jax.random.uniform(k, z.shape[-1:], minval=tiny))(key)
     sampled = jnp.argmax(w_safe / -jnp.log(u), axis=-1)
     tokens = jnp.where(params.greedy, jnp.argmax(z, axis=-1), sampled).astype(jnp.int32)
     return tokens, pruning.token_logprobs(sums, tokens)
