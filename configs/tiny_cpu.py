@@ -7,8 +7,8 @@ Command:
 Hardware: 2 CPU cores, no accelerator.
 Expected: the 600-step supervised warm-up takes the random model to ~27% held-out avg@4 on
   2-operand +/- problems (operands 0..49); 250 DVP-RLOO steps with bf16 rollouts raise it to
-  ~44% (measured on the 2-core development machine: 26.6% -> 43.7%, rollout/training PPL gap
-  0.013, wall_time_s 115; the exact figures depend on the CPU, see README "Quick start").
+  ~47% (measured on the 2-core development machine: 27.1% -> 47.4%, rollout/training PPL gap
+  0.014, wall_time_s 112; the exact figures depend on the CPU, see README "Quick start").
 """
 
 from dvp_jax.train.config import default_config

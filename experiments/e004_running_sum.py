@@ -1,0 +1,336 @@
+"""e004: does the paper's effect appear under a systematic mismatch with long responses?
+
+Question (issue 14): with ~170-token high-entropy responses (the running-sum task) and a
+deterministic rollout mismatch (the ladder M0 fp32, M1 bf16 + fp8 KV, M2 + fp8 weights, M3 +
+int4 weights), does unpruned RLOO degrade (the premise), do DVP and MIS+DVP stay stable (C1), and
+does MIS+DVP beat the best unpruned estimator (C2)? Config: configs/e004_running_sum.py (every
+unit; the level is `rollout.dtype`, the held-out avg@16 is always sampled by an fp32 engine).
+
+Stages (each resumable: finished pieces are found and skipped; results written as they come):
+  0 warm start: one supervised run (`SFT_STEPS`, 0 RL steps) exported once; every unit and
+    every stage-1 measurement starts from it (`model.hf_path`, `sft.steps=0`).
+  1 power: `e004_measure.measure` samples >= 1,000 responses from the warm start at each
+    ladder level (the same prompts and keys at every level, the RLOO rollout: unpruned) and
+    computes the trainer's teacher-forced statistics with the trainer's own functions
+    (`train.step.token_stats`, `dvp.diagnostics.tail_metrics`): response length, truncation,
+    entropy, E[L], the share of E[L] from outside the e^-13 safe set, reward ->
+    results/e004/stage1_levels.json. Then the M0 RLOO gain run (pilot seed 100,
+    `get_sweep(stage="gain")`).
+  2 premise: RLOO at the level and M0 RLOO, final seeds 0..4 (`get_sweep(stage="premise")`).
+  3 methods: TIS, MIS, DVP, MIS+DVP at the level, final seeds (`get_sweep(stage="methods")`).
+  After every stage the unit records go to results/e004/units/<unit>.json and the gates to
+  results/e004/verdict.json (experiments/e004_verdict.py); a failed gate stops the later stages.
+
+Commands (from the repository root):
+  python -m experiments.e004_running_sum --stage 0 --root /tmp/e004/root
+  python -m experiments.e004_running_sum --stage 1 --root /tmp/e004/root [--levels M0,M1]
+  python -m experiments.e004_running_sum --stage gain --root /tmp/e004/root
+  python -m experiments.e004_running_sum --stage 2 --root /tmp/e004/root   # then 3
+  (units also run alone: python -m experiments.launch experiments/e004_running_sum.py
+   --sweep stage=gain --sweep init_hf=/tmp/e004/root/e004_running_sum/_init_sft<N>/hf_export)
+  Smoke (CI): `--sweep smoke=True` (tests/test_experiments_e004.py).
+Hardware: 2 CPU cores shared with other jobs (load ~7). Times: see experiments/README.md, e004.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+
+import numpy as np
+
+from experiments import e004_measure as measure_lib
+from experiments import e004_verdict as gates
+from experiments import launch
+
+CONFIG = measure_lib.CONFIG
+CONFIG_ARG = "rloo:M0"
+SUMMARY_KEYS = ("start_eval_accuracy", "eval_accuracy", "final_log_ppl_diff", "wall_time_s")
+EXPERIMENT = "e004_running_sum"
+OUT = "experiments/results/e004"
+SFT_STEPS = 400
+METHODS = ("rloo", "tis", "mis", "dvp", "mis_dvp")
+FINAL_SEEDS = (0, 1, 2, 3, 4)
+PILOT_SEEDS = (100,)  # separate from the final seeds
+LEVEL = "M3"  # the strongest level: the one stages 2-3 use
+GAIN_STEPS = 40
+STEPS = 100
+# RL unit sizes on top of the config (whose RL batch is 8 prompts x 8 responses): fp32 held-out
+# avg@16 on 32 prompts at the start and the end.
+SIZES = {"train.learning_rate": 5e-4, "eval.every": 0, "checkpoint.every": 10, "plots": False}
+SMOKE = {  # CI sizes: random init, 2 RL steps, 2 prompts x 2 responses of <= 17 tokens
+    "sft.steps": 0,
+    "train.steps": 2,
+    "train.prompts_per_step": 2,
+    "train.group_size": 2,
+    "eval.num_prompts": 2,
+    "eval.k": 2,
+    "eval.every": 0,
+    "eval.dtype": "",  # the rollout engine evaluates (one engine compile less)
+    "checkpoint.every": 0,
+    "plots": False,
+    "model.d_model": 32,
+    "model.head_dim": 8,
+    "model.d_ff": 64,
+    "data.min_response_len": 14,  # the least a 3-operand problem needs (4 * 3 + 2)
+    "data.max_response_len": 16,
+    "rollout.max_decode_length": 17,
+}
+
+
+def _config():
+    return measure_lib.config_module()
+
+
+def unit(method: str, level: str, seed: int, role: str, init_hf: str, steps: int) -> dict:
+    """One RL unit from the warm start: `method` at ladder `level`, seed `seed`."""
+    return {
+        "_name": f"{role}_{method}_{level}_s{seed}",
+        "method": method,
+        "rollout.dtype": _config().LEVELS[level],
+        "train.seed": seed,
+        "data.seed": seed,
+        "train.steps": steps,
+        **SIZES,
+        "model.hf_path": os.path.abspath(init_hf) if init_hf else "",
+        "sft.steps": 0 if init_hf else SFT_STEPS,
+    }
+
+
+def get_sweep(
+    stage: str = "gain",
+    init_hf: str = "",
+    level: str = LEVEL,
+    seeds: int = len(FINAL_SEEDS),
+    steps: int = STEPS,
+    gain_steps: int = GAIN_STEPS,
+    smoke: bool = False,
+) -> list[dict]:
+    """The units of one stage: "gain" (M0 RLOO, pilot seeds), "premise" (RLOO at `level` and
+    M0 RLOO, final seeds), "methods" (TIS, MIS, DVP, MIS+DVP at `level`, final seeds).
+    `smoke`: one MIS+DVP unit at M3 at the CI sizes (`SMOKE`, from a random init)."""
+    if smoke:
+        dtype = _config().LEVELS["M3"]
+        return [{"_name": "smoke_mis_dvp_M3", "method": "mis_dvp", "rollout.dtype": dtype, **SMOKE}]
+    final = FINAL_SEEDS[:seeds]
+    if stage == "gain":
+        return [unit("rloo", "M0", s, "gain", init_hf, gain_steps) for s in PILOT_SEEDS]
+    if stage == "premise":
+        return [unit("rloo", lv, s, "final", init_hf, steps) for lv in (level, "M0") for s in final]
+    if stage == "methods":
+        return [
+            unit(m, level, s, "final", init_hf, steps)
+            for m in ("tis", "mis", "dvp", "mis_dvp")
+            for s in final
+        ]
+    raise ValueError(f"get_sweep(stage={stage!r}): want 'gain', 'premise' or 'methods'")
+
+
+# ------------------------------------------------------------------------------------------------
+# Stage 0: the shared warm start.
+# ------------------------------------------------------------------------------------------------
+def init_workdir(root: str) -> str:
+    return os.path.join(os.path.abspath(root), EXPERIMENT, f"_init_sft{SFT_STEPS}")
+
+
+def prepare_init(root: str, extra: dict | None = None) -> str:
+    """Runs (once) the supervised warm start (`SFT_STEPS`, no RL, fp32 avg@16 on the held-out
+    prompts) and returns its hf_export directory."""
+    workdir = init_workdir(root)
+    export = os.path.join(workdir, "hf_export")
+    if os.path.exists(os.path.join(export, "config.json")):
+        return export
+    overrides = {"train.steps": 0, "sft.steps": SFT_STEPS, "checkpoint.every": 0, **(extra or {})}
+    argv = launch.unit_argv(f"{CONFIG}:{CONFIG_ARG}", overrides.items(), workdir, sys.executable)
+    print("[e004 stage 0] " + shlex.join(argv), flush=True)
+    rc = launch.run_logged(argv, workdir)
+    if rc:
+        raise RuntimeError(f"the warm start failed (exit {rc}); see {workdir}/launch.log")
+    return export
+
+
+# ------------------------------------------------------------------------------------------------
+# Stage 1: sampling statistics of the warm start at each level.
+# ------------------------------------------------------------------------------------------------
+def stage1(root: str, out: str, levels, num_prompts: int, samples: int) -> dict:
+    """Measures each level not yet in out/stage1_levels.json (same warm start), adding each as
+    it finishes."""
+    hf = prepare_init(root)
+    path = os.path.join(out, "stage1_levels.json")
+    data = {"init_hf": hf, "levels": {}}
+    if os.path.exists(path):
+        with open(path) as fh:
+            data = json.load(fh)
+    for level in levels:
+        have = data["levels"].get(level)
+        if have and have["responses"] == num_prompts * samples:
+            print(f"[e004 stage 1] {level}: done ({path})", flush=True)
+            continue
+        print(f"[e004 stage 1] measuring {level} ({num_prompts} x {samples})", flush=True)
+        data["levels"][level] = measure_lib.measure(hf, level, num_prompts, samples)
+        print(json.dumps(data["levels"][level]), flush=True)
+        os.makedirs(out, exist_ok=True)
+        with open(path, "w") as fh:
+            json.dump(data, fh, indent=1)
+    return data
+
+
+# ------------------------------------------------------------------------------------------------
+# RL units: run through launch.py, then one compact record each (units/<unit>.json).
+# ------------------------------------------------------------------------------------------------
+def unit_record(workdir: str, overrides: dict) -> dict | None:
+    """The record the gates read, from a finished unit's summary.json and metrics.jsonl."""
+    from dvp_jax import metrics
+
+    summary = launch.read_summary(workdir)
+    if summary is None:
+        return None
+    rows = [r for r in metrics.read_metrics(workdir) if r["step"] > 0 and "loss" in r]
+    series = lambda k: [float(r[k]) for r in rows if k in r]
+    levels = {v: k for k, v in _config().LEVELS.items()}
+    name = os.path.basename(workdir)
+    return {
+        "unit": name,
+        "role": name.split("_")[1],  # "NN_role_method_level_sSEED"
+        "method": overrides["method"],
+        "level": levels[overrides["rollout.dtype"]],
+        "seed": overrides.get("train.seed", 0),
+        "steps": summary["steps"],
+        "start_acc": summary["start_eval_accuracy"],
+        "final_acc": summary["eval_accuracy"],
+        "indicators": gates.collapse_indicators(
+            series("log_ppl_diff"), series("grad_norm"), series("entropy")
+        ),
+        "abs_seq_log_ratio": float(np.mean(np.abs(series("seq_log_ratio")))),
+        "abs_seq_log_ratio_pruned": float(np.mean(np.abs(series("seq_log_ratio_pruned")))),
+        "mean_response_length": float(np.mean(series("response_length"))),
+        "mean_truncation_rate": float(np.mean(series("truncation_rate"))),
+        "wall_time_s": summary["wall_time_s"],
+        "curves": {
+            k: series(k)
+            for k in (
+                "reward_mean",
+                "entropy",
+                "log_ppl_diff",
+                "grad_norm",
+                "seq_log_ratio",
+                "seq_log_ratio_pruned",
+                "response_length",
+            )
+        },
+    }
+
+
+def run_stage(root: str, out: str, stage: str, parallel: int, sweep: dict) -> list[dict]:
+    """Runs a stage's units (a finished unit resumes from its last checkpoint and stops at once)
+    and writes their records."""
+    exp = launch.load_experiment(
+        os.path.join(launch.REPO, "experiments", f"{EXPERIMENT}.py"), sweep
+    )
+    print(f"[e004 {stage}] {exp.sweep_call}", flush=True)
+    results = launch.run_local(exp, root, parallel, dry_run=False, timeout=None)
+    print(launch.summary_table(results, exp.summary_keys), flush=True)
+    return write_records(root, out)
+
+
+def write_records(root: str, out: str) -> list[dict]:
+    """units/<unit>.json for every finished unit under root/e004_running_sum."""
+    base = os.path.join(os.path.abspath(root), EXPERIMENT)
+    records = []
+    os.makedirs(os.path.join(out, "units"), exist_ok=True)
+    for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        workdir = os.path.join(base, name)
+        if name.startswith(("_", "smoke")) or not os.path.isdir(workdir):
+            continue
+        from experiments.analyze import unit_overrides
+
+        rec = unit_record(workdir, unit_overrides(workdir))
+        if rec is not None:
+            records.append(rec)
+            with open(os.path.join(out, "units", f"{name}.json"), "w") as fh:
+                json.dump(rec, fh, indent=1)
+    return records
+
+
+def plot_units(records: list[dict], path: str) -> None:
+    """Per-step curves of every unit (reward, entropy, log PPL diff, grad norm, E[L])."""
+    from experiments.analyze import pyplot
+
+    plt = pyplot()
+    keys = (
+        "reward_mean",
+        "entropy",
+        "log_ppl_diff",
+        "grad_norm",
+        "seq_log_ratio",
+        "response_length",
+    )
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    for ax, key in zip(axes.flat, keys, strict=True):
+        for r in records:
+            ys = r["curves"][key]
+            ax.plot(range(1, len(ys) + 1), ys, label=f"{r['method']} {r['level']} s{r['seed']}")
+        ax.set(title=key, xlabel="RL step")
+    axes[0, 0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def write_verdict(out: str) -> dict:
+    gates.main(["--out", out])
+    with open(os.path.join(out, "verdict.json")) as fh:
+        return json.load(fh)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--stage", required=True, choices=("0", "1", "gain", "2", "3", "verdict"))
+    p.add_argument("--root", default=launch.DEFAULT_ROOT, help="root of the unit workdirs")
+    p.add_argument("--out", default=OUT, help="results folder")
+    p.add_argument("--levels", default="M0,M1,M2,M3", help="stage 1: ladder levels to measure")
+    p.add_argument("--prompts", type=int, default=64, help="stage 1: prompts (x --samples)")
+    p.add_argument("--samples", type=int, default=16, help="stage 1: responses per prompt")
+    p.add_argument("--parallel", type=int, default=1, help="RL units at a time")
+    p.add_argument("--seeds", type=int, default=len(FINAL_SEEDS), help="final seeds (stages 2-3)")
+    p.add_argument("--steps", type=int, default=STEPS, help="RL steps (stages 2-3)")
+    p.add_argument("--gain_steps", type=int, default=GAIN_STEPS, help="RL steps of the gain run")
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if args.stage == "0":
+        print(prepare_init(args.root))
+        return 0
+    if args.stage == "1":
+        data = stage1(args.root, args.out, args.levels.split(","), args.prompts, args.samples)
+        measure_lib.plot_levels(data["levels"], os.path.join(args.out, "stage1_levels.png"))
+    elif args.stage != "verdict":
+        v = write_verdict(args.out)
+        blocked = {"2": ("power",), "3": ("power", "premise")}.get(args.stage, ())
+        for gate in blocked:
+            if v[gate]["pass"] is not True:
+                print(
+                    f"[e004] stage {args.stage} not run: gate {gate} is {v[gate]['pass']} "
+                    f"({v['verdict']})"
+                )
+                return 1
+        stage = {"gain": "gain", "2": "premise", "3": "methods"}[args.stage]
+        sweep = {
+            "stage": stage,
+            "init_hf": prepare_init(args.root),
+            "steps": args.steps,
+            "gain_steps": args.gain_steps,
+            "seeds": args.seeds,
+            "level": v["level"],
+        }
+        records = run_stage(args.root, args.out, stage, args.parallel, sweep)
+        plot_units(records, os.path.join(args.out, "units.png"))
+    v = write_verdict(args.out)
+    print(json.dumps({"verdict": v["verdict"], "level": v["level"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

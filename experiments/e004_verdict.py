@@ -1,0 +1,372 @@
+"""e004 gates: reads the stage results under experiments/results/e004/ and writes verdict.json.
+
+Command (from the repository root, after any stage of experiments/e004_running_sum.py):
+  python -m experiments.e004_verdict --out experiments/results/e004
+
+Inputs (written by experiments/e004_running_sum.py as each stage finishes):
+  stage1_levels.json  sampling statistics of the warm start at each ladder level (>= 1,000
+                      responses, the trainer's teacher-forced statistics);
+  units/<unit>.json   one RL unit each: method, level, seed, role ("gain", "final"), start and
+                      final held-out avg@16 (fp32 evaluation), collapse indicators, tail means.
+
+The gates (issue 14), each a pure function of plain numbers below (tests/test_experiments_e004.py
+checks each passing and failing on synthetic inputs):
+
+* Power (`power_gate`): from the warm start, mean response length >= 150 tokens; policy entropy
+  >= 1 nat; |E[L]| >= 2 nats and the share of E[L] from tokens outside the trainer's e^-13 safe
+  set >= 0.25, both under the strongest level measured (the level every later stage uses); and a
+  short M0 RLOO run (pilot seeds) gains >= 0.05 avg@16 over the warm start. Any failure: verdict
+  "no power".
+* Premise (`premise_gate`): at that level, RLOO's final avg@16 is >= 0.05 below M0 RLOO's (mean
+  over the final seeds) with a one-sided Welch t-test p < 0.05, and a collapse indicator fires in
+  a majority of the RLOO seeds (`collapse_indicators`). Failure: "premise does not reproduce".
+* C1 stability (`c1_gate`): DVP and MIS+DVP each end with a mean final avg@16 no more than 0.03
+  below M0 RLOO, with no indicator firing in >= 4 of 5 seeds; and their pruned |E[L]| is <= 0.5x
+  the unpruned |E[L]| of the same batches.
+* C2 ordering (`c2_gate`): MIS+DVP minus the best (by mean) of RLOO, TIS, MIS at the level: the
+  95% bootstrap CI of the mean difference (seeds resampled within each method) lies above 0; the
+  headline in the paper's form is the relative difference (MIS+DVP / best - 1) with its CI.
+* `verdict`: "no power", "premise does not reproduce", "claim refuted at this scale" (C1 or C2
+  fails), "claim reproduces" (both pass), or "incomplete: <stage>" for the first stage not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+# ------------------------------------------------------------------------------------------------
+# Thresholds (issue 14).
+# ------------------------------------------------------------------------------------------------
+MIN_LENGTH = 150.0  # mean response length, tokens
+MIN_ENTROPY = 1.0  # nats per response token
+MIN_ABS_SEQ_LOG_RATIO = 2.0  # |E[L]|, nats, under the strongest level
+MIN_OUTSIDE_SHARE = 0.25  # share of E[L] from tokens outside the trainer's safe set
+MIN_GAIN = 0.05  # M0 RLOO avg@16 gain over the warm start
+PREMISE_DROP = 0.05  # RLOO at the level vs M0 RLOO, final avg@16
+PREMISE_P = 0.05  # one-sided p of that drop
+C1_TOLERANCE = 0.03  # DVP / MIS+DVP may end at most this far below M0 RLOO
+C1_MIN_CLEAN_SEEDS = 4  # of 5: seeds without any collapse indicator
+C1_PRUNED_RATIO = 0.5  # pruned |E[L]| <= this x unpruned |E[L]|
+BOOTSTRAP = 10_000
+LEVEL_ORDER = ("M0", "M1", "M2", "M3")  # weakest to strongest
+# Collapse indicators (issue 14): over the RL steps of one unit, with windows of WINDOW steps.
+WINDOW = 50
+PPL_FACTOR = 2.0  # mean |log PPL diff| of the last window >= 2x the first window's
+GRAD_FACTOR = 3.0  # p95 of grad_norm over the run >= 3x the initial grad norm
+ENTROPY_FACTOR = 1.5  # mean entropy of the last window >= 1.5x the first window's (+50%)
+INITIAL_STEPS = 5  # "initial" grad norm: median of the first INITIAL_STEPS steps
+
+
+def _check(name: str, value, threshold, ok: bool, rule: str) -> dict:
+    return {"name": name, "value": value, "threshold": threshold, "rule": rule, "pass": bool(ok)}
+
+
+def _finite(x) -> bool:
+    return x is not None and isinstance(x, int | float) and math.isfinite(x)
+
+
+# ------------------------------------------------------------------------------------------------
+# Collapse indicators of one unit.
+# ------------------------------------------------------------------------------------------------
+def collapse_indicators(
+    log_ppl_diff: Sequence[float], grad_norm: Sequence[float], entropy: Sequence[float]
+) -> dict:
+    """The three collapse indicators of one RL unit, from its per-step series (step order).
+
+    With w = min(WINDOW, steps // 2) (runs shorter than 100 steps use half their length):
+    `ppl` fires when mean |log_ppl_diff| over the last w steps >= PPL_FACTOR x that of the first
+    w; `grad` when the 95th percentile of grad_norm over the run >= GRAD_FACTOR x the median of
+    the first INITIAL_STEPS steps; `entropy` when the mean entropy of the last w steps >=
+    ENTROPY_FACTOR x the first w's. `any` is their or. Series too short (< 2 steps) fire nothing.
+    """
+    out = {}
+    n = min(len(log_ppl_diff), len(grad_norm), len(entropy))
+    w = min(WINDOW, n // 2)
+    if w < 1:
+        return {"window": w, "ppl": False, "grad": False, "entropy": False, "any": False}
+    lp = np.abs(np.asarray(log_ppl_diff[:n], float))
+    first, last = lp[:w].mean(), lp[-w:].mean()
+    out["ppl_first"], out["ppl_last"] = float(first), float(last)
+    out["ppl"] = bool(last >= PPL_FACTOR * first and last > 0)
+    g = np.asarray(grad_norm[:n], float)
+    g0 = float(np.median(g[: min(INITIAL_STEPS, n)]))
+    out["grad_initial"], out["grad_p95"] = g0, float(np.percentile(g, 95))
+    out["grad"] = bool(out["grad_p95"] >= GRAD_FACTOR * g0)
+    e = np.asarray(entropy[:n], float)
+    out["entropy_first"], out["entropy_last"] = float(e[:w].mean()), float(e[-w:].mean())
+    out["entropy"] = bool(out["entropy_last"] >= ENTROPY_FACTOR * out["entropy_first"])
+    out["window"] = w
+    out["any"] = out["ppl"] or out["grad"] or out["entropy"]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Gates: pure functions of numbers.
+# ------------------------------------------------------------------------------------------------
+def strongest_level(levels: Mapping[str, dict]) -> str | None:
+    """The strongest ladder level among `levels` (M3 > M2 > M1 > M0), None if none."""
+    present = [lv for lv in LEVEL_ORDER if lv in levels]
+    return present[-1] if present else None
+
+
+def power_gate(
+    levels: Mapping[str, dict], level: str, gain: Sequence[tuple[float, float]] | None
+) -> dict:
+    """Power gate from the warm start's sampling statistics and the M0 RLOO pilot run(s).
+
+    Args:
+      levels: {level: {"responses", "response_length", "entropy", "seq_log_ratio",
+        "seq_log_ratio_outside_share"}} (stage1_levels.json).
+      level: the mismatch level the later stages use (the strongest measured); every sampling
+        figure is gated under it.
+      gain: (start avg@16, final avg@16) of each M0 RLOO pilot unit; None: not run yet.
+    Returns:
+      {"level", "checks": [...], "pass": True / False / None (incomplete), "missing": [...]}.
+    """
+    if level not in levels:
+        return {
+            "level": level,
+            "checks": [],
+            "pass": None,
+            "missing": [f"stage 1 sampling at {level}"],
+        }
+    s = levels[level]
+    checks = [
+        _check("responses", s["responses"], 1000, s["responses"] >= 1000, ">="),
+        _check(
+            "mean_response_length",
+            s["response_length"],
+            MIN_LENGTH,
+            s["response_length"] >= MIN_LENGTH,
+            ">=",
+        ),
+        _check("entropy_nats", s["entropy"], MIN_ENTROPY, s["entropy"] >= MIN_ENTROPY, ">="),
+        _check(
+            "abs_seq_log_ratio",
+            abs(s["seq_log_ratio"]),
+            MIN_ABS_SEQ_LOG_RATIO,
+            abs(s["seq_log_ratio"]) >= MIN_ABS_SEQ_LOG_RATIO,
+            ">=",
+        ),
+        _check(
+            "seq_log_ratio_outside_share",
+            s["seq_log_ratio_outside_share"],
+            MIN_OUTSIDE_SHARE,
+            s["seq_log_ratio_outside_share"] >= MIN_OUTSIDE_SHARE,
+            ">=",
+        ),
+    ]
+    missing = []
+    if gain:
+        d = float(np.mean([f - st for st, f in gain]))
+        checks.append(_check("m0_rloo_gain_avg16", d, MIN_GAIN, d >= MIN_GAIN, ">="))
+    else:
+        missing.append("M0 RLOO gain run")
+    failed = any(not c["pass"] for c in checks)
+    passed = None if (missing and not failed) else not failed
+    return {"level": level, "checks": checks, "pass": passed, "missing": missing}
+
+
+def welch_one_sided_p(a: Sequence[float], b: Sequence[float]) -> float:
+    """p of H1: mean(a) < mean(b) (Welch's t-test, one-sided); 0/1 when both have no spread."""
+    from scipy import stats
+
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    if a.std() == 0 and b.std() == 0:
+        return 0.0 if a.mean() < b.mean() else 1.0
+    return float(stats.ttest_ind(a, b, equal_var=False, alternative="less").pvalue)
+
+
+def premise_gate(
+    rloo_level: Sequence[float], rloo_m0: Sequence[float], fired: Sequence[bool]
+) -> dict:
+    """RLOO at the level ends >= PREMISE_DROP below M0 RLOO (p < PREMISE_P) and collapses.
+
+    Args:
+      rloo_level: final avg@16 of RLOO at the level, one per seed.
+      rloo_m0: final avg@16 of M0 RLOO, one per seed.
+      fired: per RLOO-at-level seed, whether any collapse indicator fired.
+    """
+    if len(rloo_level) < 2 or len(rloo_m0) < 2:
+        return {"checks": [], "pass": None, "missing": ["stage 2 units (>= 2 seeds each)"]}
+    drop = float(np.mean(rloo_m0) - np.mean(rloo_level))
+    p = welch_one_sided_p(rloo_level, rloo_m0)
+    n_fired = int(sum(bool(f) for f in fired))
+    checks = [
+        _check("drop_vs_m0_rloo", drop, PREMISE_DROP, drop >= PREMISE_DROP, ">="),
+        _check("one_sided_p", p, PREMISE_P, p < PREMISE_P, "<"),
+        _check(
+            "seeds_with_collapse_indicator",
+            n_fired,
+            f"> {len(fired) / 2:g} of {len(fired)}",
+            n_fired > len(fired) / 2,
+            "majority",
+        ),
+    ]
+    return {"checks": checks, "pass": all(c["pass"] for c in checks), "missing": []}
+
+
+def c1_gate(
+    methods: Mapping[str, dict], rloo_m0: Sequence[float], min_clean: int = C1_MIN_CLEAN_SEEDS
+) -> dict:
+    """C1 stability of DVP and MIS+DVP.
+
+    Args:
+      methods: {"dvp": {...}, "mis_dvp": {...}}, each with "final" (avg@16 per seed), "fired"
+        (any indicator per seed), "abs_L_pruned" and "abs_L_unpruned" (mean |E[L]| of the
+        pruned objective and unpruned, over the unit's RL steps, per seed).
+      rloo_m0: final avg@16 of M0 RLOO per seed.
+    """
+    if not rloo_m0 or any(m not in methods or not methods[m]["final"] for m in ("dvp", "mis_dvp")):
+        return {"checks": [], "pass": None, "missing": ["stage 3 units (dvp, mis_dvp, M0 rloo)"]}
+    ref = float(np.mean(rloo_m0))
+    checks = []
+    for m in ("dvp", "mis_dvp"):
+        d = methods[m]
+        gap = float(np.mean(d["final"])) - ref
+        clean = int(sum(not f for f in d["fired"]))
+        ratio = float(np.mean(d["abs_L_pruned"]) / max(np.mean(d["abs_L_unpruned"]), 1e-12))
+        checks += [
+            _check(f"{m}_minus_m0_rloo", gap, -C1_TOLERANCE, gap >= -C1_TOLERANCE, ">="),
+            _check(
+                f"{m}_seeds_without_indicator",
+                clean,
+                f">= {min_clean} of {len(d['fired'])}",
+                clean >= min_clean,
+                ">=",
+            ),
+            _check(
+                f"{m}_pruned_over_unpruned_abs_L",
+                ratio,
+                C1_PRUNED_RATIO,
+                ratio <= C1_PRUNED_RATIO,
+                "<=",
+            ),
+        ]
+    return {"checks": checks, "pass": all(c["pass"] for c in checks), "missing": []}
+
+
+def _bootstrap(a, b, n: int = BOOTSTRAP, seed: int = 0) -> dict:
+    """Percentile bootstrap of mean(a) - mean(b) and mean(a) / mean(b) - 1 (each group resampled
+    with replacement on its own), `n` resamples, a fixed seed."""
+    rng = np.random.default_rng(seed)
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    ma = a[rng.integers(0, len(a), (n, len(a)))].mean(1)
+    mb = b[rng.integers(0, len(b), (n, len(b)))].mean(1)
+    diff = ma - mb
+    rel = np.where(mb > 0, ma / np.where(mb > 0, mb, 1.0) - 1, np.nan)
+    q = lambda x: [float(v) for v in np.nanpercentile(x, [2.5, 97.5])]
+    mean_b = b.mean()
+    return {
+        "diff": float(a.mean() - mean_b),
+        "diff_ci95": q(diff),
+        "relative": float(a.mean() / mean_b - 1) if mean_b > 0 else None,
+        "relative_ci95": q(rel) if np.isfinite(rel).any() else None,
+    }
+
+
+def c2_gate(finals: Mapping[str, Sequence[float]]) -> dict:
+    """C2 ordering: MIS+DVP minus the best (by mean final avg@16) of RLOO, TIS, MIS.
+
+    Args:
+      finals: {method: final avg@16 per seed} at the level, for "mis_dvp", "rloo", "tis", "mis".
+    """
+    base = [m for m in ("rloo", "tis", "mis") if finals.get(m)]
+    if not finals.get("mis_dvp") or len(base) < 3:
+        return {"checks": [], "pass": None, "missing": ["stage 3 units (rloo, tis, mis, mis_dvp)"]}
+    best = max(base, key=lambda m: float(np.mean(finals[m])))
+    bs = _bootstrap(finals["mis_dvp"], finals[best])
+    lo = bs["diff_ci95"][0]
+    checks = [_check(f"mis_dvp_minus_{best}_ci95_low", lo, 0.0, lo > 0, ">")]
+    return {"best_unpruned": best, **bs, "checks": checks, "pass": lo > 0, "missing": []}
+
+
+def verdict(power: dict, premise: dict, c1: dict, c2: dict) -> str:
+    """The e004 verdict string from the four gates (each `pass` True, False or None)."""
+    if power["pass"] is False:
+        return "no power"
+    if power["pass"] is None:
+        return "incomplete: stage 1 (power gate: " + ", ".join(power["missing"]) + ")"
+    if premise["pass"] is False:
+        return "premise does not reproduce"
+    if premise["pass"] is None:
+        return "incomplete: stage 2 (premise)"
+    if c1["pass"] is False or c2["pass"] is False:
+        return "claim refuted at this scale"
+    if c1["pass"] is None or c2["pass"] is None:
+        return "incomplete: stage 3 (C1, C2)"
+    return "claim reproduces"
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading the stage results and writing verdict.json.
+# ------------------------------------------------------------------------------------------------
+def load_units(out: str) -> list[dict]:
+    """Every units/<unit>.json under `out` (one RL unit each)."""
+    base = os.path.join(out, "units")
+    units = []
+    for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        if name.endswith(".json"):
+            with open(os.path.join(base, name)) as fh:
+                units.append(json.load(fh))
+    return units
+
+
+def gates_from_results(levels: Mapping[str, dict], units: Sequence[dict]) -> dict:
+    """All four gates and the verdict from stage1_levels.json's levels and the unit records."""
+    level = strongest_level({k: v for k, v in levels.items() if k != "M0"}) or "M1"
+    gain = [(u["start_acc"], u["final_acc"]) for u in units if u["role"] == "gain"]
+    power = power_gate(levels, level, gain or None)
+    final = [u for u in units if u["role"] == "final"]
+    pick = lambda m, lv: [u for u in final if u["method"] == m and u["level"] == lv]
+    m0 = [u["final_acc"] for u in pick("rloo", "M0")]
+    rl = pick("rloo", level)
+    premise = premise_gate([u["final_acc"] for u in rl], m0, [u["indicators"]["any"] for u in rl])
+    methods = {
+        m: {
+            "final": [u["final_acc"] for u in pick(m, level)],
+            "fired": [u["indicators"]["any"] for u in pick(m, level)],
+            "abs_L_pruned": [u["abs_seq_log_ratio_pruned"] for u in pick(m, level)],
+            "abs_L_unpruned": [u["abs_seq_log_ratio"] for u in pick(m, level)],
+        }
+        for m in ("dvp", "mis_dvp")
+    }
+    c1 = c1_gate(methods, m0)
+    c2 = c2_gate(
+        {m: [u["final_acc"] for u in pick(m, level)] for m in ("rloo", "tis", "mis", "mis_dvp")}
+    )
+    return {
+        "level": level,
+        "power": power,
+        "premise": premise,
+        "c1": c1,
+        "c2": c2,
+        "verdict": verdict(power, premise, c1, c2),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="experiments/results/e004", help="the e004 results folder")
+    args = p.parse_args(argv)
+    path = os.path.join(args.out, "stage1_levels.json")
+    levels = {}
+    if os.path.exists(path):
+        with open(path) as fh:
+            levels = json.load(fh)["levels"]
+    result = gates_from_results(levels, load_units(args.out))
+    with open(os.path.join(args.out, "verdict.json"), "w") as fh:
+        json.dump(result, fh, indent=1)
+    print(json.dumps({"level": result["level"], "verdict": result["verdict"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

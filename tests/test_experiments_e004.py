@@ -1,0 +1,259 @@
+"""e004 (experiments/e004_running_sum.py, e004_measure.py, e004_verdict.py): smoke run, gates.
+
+The smoke run is real and minimal: one MIS+DVP work unit at M3 through experiments/launch.py
+(random init, 2 RL steps, 2 prompts x 2 responses of <= 17 tokens, tiny model) in a subprocess,
+while this process runs stage 1's measurement (`measure`: engine sampling at M3 with the int4
+weights, the trainer's teacher-forced statistics) on a random tiny model exported here. Then the
+unit's record and the verdict are built from the real outputs. The gates are pure functions,
+each checked passing and failing on synthetic numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from experiments import e004_measure as measure_lib
+from experiments import e004_running_sum as e004
+from experiments import e004_verdict as v
+from experiments import launch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+E004 = os.path.join("experiments", "e004_running_sum.py")
+
+
+def _smoke_overrides() -> dict:
+    return dict(launch.load_experiment(E004, {"smoke": True}).units[0].overrides)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """Starts the smoke unit, measures M3 on a random exported model meanwhile; yields both."""
+    root = tmp_path_factory.mktemp("e004")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
+    env["JAX_PLATFORMS"] = "cpu"
+    argv = [sys.executable, "-m", "experiments.launch", E004, "--sweep", "smoke=True"]
+    proc = subprocess.Popen(
+        [*argv, "--root", str(root)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    from dvp_jax.model import TRAIN_POLICY
+    from dvp_jax.model.hf_import import save_hf
+    from dvp_jax.model.transformer import Transformer
+
+    overrides = _smoke_overrides()
+    cfg = measure_lib.level_config("M3", overrides)
+    hf = str(root / "random_hf")
+    save_hf(Transformer(cfg.model, TRAIN_POLICY, rngs=nnx.Rngs(0)), hf)
+    measured = measure_lib.measure(hf, "M3", num_prompts=2, samples=3, overrides=overrides)
+    out, _ = proc.communicate(timeout=600)
+    return root, proc.returncode, out, measured
+
+
+def test_stage_sweeps_name_roles_levels_and_seeds():
+    premise = launch.load_experiment(E004, {"stage": "premise", "init_hf": "/x/hf_export"})
+    names = [u.name for u in premise.units]
+    assert names[0] == "00_final_rloo_M3_s0" and names[-1] == "09_final_rloo_M0_s4"
+    for u in premise.units:
+        ov = dict(u.overrides)
+        assert ov["model.hf_path"] == "/x/hf_export" and ov["sft.steps"] == 0
+        assert ov["rollout.dtype"] in ("bfloat16_fp8kv_int4w", "float32")
+        measure_lib.level_config("M0", ov)  # every override is a declared field with a valid value
+    gain = launch.load_experiment(E004, {"stage": "gain", "init_hf": "/x/hf_export"}).units
+    assert [dict(u.overrides)["train.seed"] for u in gain] == list(e004.PILOT_SEEDS)
+    assert not set(e004.PILOT_SEEDS) & set(e004.FINAL_SEEDS)
+    methods = launch.load_experiment(E004, {"stage": "methods", "level": "M1"}).units
+    assert {dict(u.overrides)["method"] for u in methods} == {"tis", "mis", "dvp", "mis_dvp"}
+    assert {dict(u.overrides)["rollout.dtype"] for u in methods} == {"bfloat16_fp8kv"}
+    with pytest.raises(ValueError, match="want 'gain', 'premise' or 'methods'"):
+        e004.get_sweep(stage="nope")
+
+
+def test_config_meets_the_task_budget():
+    cfg = measure_lib.level_config("M2")
+    assert cfg.rollout.max_decode_length >= cfg.data.max_response_len + 1
+    assert cfg.model.max_position_embeddings >= (
+        cfg.data.max_prompt_len + cfg.rollout.max_decode_length
+    )
+    assert cfg.eval.dtype == "float32" and cfg.eval.k == 16
+    assert cfg.rollout.dtype == "bfloat16_fp8kv_fp8w" and cfg.data.min_response_len >= 150
+    with pytest.raises(ValueError, match="level 'M9'"):
+        measure_lib.config_module().get_config("rloo:M9")
+
+
+def test_smoke_unit_and_stage1_measurement(smoke, tmp_path):
+    root, rc, out, m = smoke
+    assert rc == 0, out[-3000:]
+    assert "get_sweep(smoke=True)" in out
+    workdir = root / "e004_running_sum" / "00_smoke_mis_dvp_M3"
+    rec = e004.unit_record(str(workdir), _smoke_overrides())
+    assert rec["role"] == "smoke" and rec["level"] == "M3" and rec["steps"] == 2
+    assert len(rec["curves"]["entropy"]) == 2 and all(e > 0 for e in rec["curves"]["entropy"])
+    assert all(math.isfinite(x) for k in ("log_ppl_diff", "grad_norm") for x in rec["curves"][k])
+    assert set(rec["indicators"]) >= {"ppl", "grad", "entropy", "any"}
+    # Stage 1 on a random model: 6 responses, statistics of the trainer's functions.
+    assert m["responses"] == 6 and m["level"] == "M3" and m["rollout_dtype"].endswith("int4w")
+    assert 0 < m["response_length"] <= 17 and 0 <= m["truncation_rate"] <= 1
+    # A random model over ~7,000 ids is near uniform: entropy close to log V (within 1 nat).
+    assert abs(m["entropy"] - math.log(7008)) < 1.0
+    assert 0.0 <= m["seq_log_ratio_outside_share"] <= 1.0
+    assert m["seq_log_ratio"] != 0.0  # int4 weights + bf16 + fp8 KV: a nonzero mismatch
+    assert abs(m["seq_log_ratio"]) <= m["seq_log_ratio_abs_mean"] + 1e-6
+    # The verdict on a results folder with only these: incomplete at stage 1 (no gain run).
+    (tmp_path / "stage1_levels.json").write_text(json.dumps({"levels": {"M3": m}}))
+    assert v.main(["--out", str(tmp_path)]) == 0
+    verdict = json.loads((tmp_path / "verdict.json").read_text())
+    assert verdict["level"] == "M3" and verdict["power"]["checks"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Gate logic on synthetic inputs.
+# ------------------------------------------------------------------------------------------------
+def _level(**kw) -> dict:
+    base = {
+        "responses": 1024,
+        "response_length": 170.0,
+        "entropy": 3.0,
+        "seq_log_ratio": -3.0,
+        "seq_log_ratio_outside_share": 0.4,
+    }
+    return base | kw
+
+
+def test_power_gate_passes_and_fails_on_each_figure():
+    ok = v.power_gate({"M3": _level()}, "M3", [(0.1, 0.2)])
+    assert ok["pass"] is True and all(c["pass"] for c in ok["checks"])
+    for bad in (
+        {"response_length": 120.0},
+        {"entropy": 0.5},
+        {"seq_log_ratio": 1.5},
+        {"seq_log_ratio_outside_share": 0.1},
+        {"responses": 512},
+    ):
+        g = v.power_gate({"M3": _level(**bad)}, "M3", [(0.1, 0.2)])
+        assert g["pass"] is False, bad
+    assert v.power_gate({"M3": _level()}, "M3", [(0.1, 0.12)])["pass"] is False  # gain 0.02
+    assert v.power_gate({"M3": _level()}, "M3", None)["pass"] is None  # gain run missing
+    assert v.power_gate({"M3": _level(entropy=0.1)}, "M3", None)["pass"] is False
+    assert v.power_gate({"M1": _level()}, "M3", None)["pass"] is None  # level not measured
+
+
+def test_premise_gate():
+    m0 = [0.40, 0.42, 0.41, 0.43, 0.39]
+    low = [0.30, 0.31, 0.29, 0.32, 0.30]
+    assert v.premise_gate(low, m0, [True, True, True, False, False])["pass"] is True
+    assert v.premise_gate(low, m0, [True, True, False, False, False])["pass"] is False  # 2 of 5
+    assert v.premise_gate([0.38, 0.39, 0.40, 0.41, 0.37], m0, [True] * 5)["pass"] is False
+    noisy = [0.10, 0.60, 0.20, 0.55, 0.30]  # drop 0.056 but p > 0.05
+    g = v.premise_gate(noisy, m0, [True] * 5)
+    assert g["checks"][0]["pass"] and not g["checks"][1]["pass"] and g["pass"] is False
+    assert v.premise_gate([0.3], m0, [True])["pass"] is None
+
+
+def test_collapse_indicators():
+    n = 100
+    flat = v.collapse_indicators([0.01] * n, [1.0] * n, [3.0] * n)
+    assert flat["any"] is False and flat["window"] == 50
+    assert v.collapse_indicators([0.01] * 50 + [0.03] * 50, [1.0] * n, [3.0] * n)["ppl"]
+    spikes = [1.0] * 90 + [5.0] * 10  # p95 = 5 >= 3 x 1
+    assert v.collapse_indicators([0.01] * n, spikes, [3.0] * n)["grad"]
+    assert v.collapse_indicators([0.01] * n, [1.0] * n, [2.0] * 50 + [3.1] * 50)["entropy"]
+    assert not v.collapse_indicators([0.01] * n, [1.0] * n, [2.0] * 50 + [2.9] * 50)["entropy"]
+    assert v.collapse_indicators([0.1] * 10, [1.0] * 10, [1.0] * 10)["window"] == 5
+    assert v.collapse_indicators([], [], [])["any"] is False
+
+
+def test_c1_gate():
+    m0 = [0.40, 0.42, 0.41, 0.43, 0.39]
+
+    def meth(final, fired=(False,) * 5, pruned=1.0, unpruned=3.0):
+        return {
+            "final": final,
+            "fired": list(fired),
+            "abs_L_pruned": [pruned] * 5,
+            "abs_L_unpruned": [unpruned] * 5,
+        }
+
+    good = meth([0.40, 0.41, 0.42, 0.40, 0.39])
+    assert v.c1_gate({"dvp": good, "mis_dvp": good}, m0)["pass"] is True
+    worse = meth([0.36, 0.37, 0.38, 0.36, 0.37])  # 0.044 below
+    assert v.c1_gate({"dvp": good, "mis_dvp": worse}, m0)["pass"] is False
+    unstable = meth(good["final"], fired=(True, True, False, False, False))
+    assert v.c1_gate({"dvp": unstable, "mis_dvp": good}, m0)["pass"] is False
+    one_fired = meth(good["final"], fired=(True, False, False, False, False))
+    assert v.c1_gate({"dvp": one_fired, "mis_dvp": good}, m0)["pass"] is True
+    big_l = meth(good["final"], pruned=2.0, unpruned=3.0)
+    assert v.c1_gate({"dvp": big_l, "mis_dvp": good}, m0)["pass"] is False
+    assert v.c1_gate({"dvp": good}, m0)["pass"] is None
+
+
+def test_c2_gate_and_bootstrap():
+    base = {"rloo": [0.30, 0.31, 0.32, 0.30, 0.31], "tis": [0.28] * 5, "mis": [0.25] * 5}
+    g = v.c2_gate(base | {"mis_dvp": [0.36, 0.37, 0.38, 0.36, 0.37]})
+    assert g["pass"] is True and g["best_unpruned"] == "rloo"
+    assert g["diff"] == pytest.approx(0.06) and g["diff_ci95"][0] > 0
+    assert g["relative"] == pytest.approx(0.06 / 0.308) and g["relative_ci95"][0] > 0
+    g = v.c2_gate(base | {"mis_dvp": [0.25, 0.40, 0.30, 0.35, 0.28]})  # CI straddles 0
+    assert g["pass"] is False and g["diff_ci95"][0] < 0 < g["diff_ci95"][1]
+    assert v.c2_gate({"mis_dvp": [0.3] * 5, "rloo": [0.2] * 5})["pass"] is None
+    # Deterministic (fixed bootstrap seed).
+    a = v._bootstrap([0.1, 0.2, 0.3], [0.1, 0.1, 0.2])
+    assert a == v._bootstrap([0.1, 0.2, 0.3], [0.1, 0.1, 0.2])
+    assert np.isclose(a["diff"], 0.2 / 3)
+
+
+def test_verdict_strings():
+    def gate(p):
+        return {"pass": p, "missing": ["x"] if p is None else []}
+
+    T, F, N = gate(True), gate(False), gate(None)
+    assert v.verdict(F, N, N, N) == "no power"
+    assert v.verdict(N, N, N, N).startswith("incomplete: stage 1")
+    assert v.verdict(T, F, N, N) == "premise does not reproduce"
+    assert v.verdict(T, N, N, N) == "incomplete: stage 2 (premise)"
+    assert v.verdict(T, T, F, T) == "claim refuted at this scale"
+    assert v.verdict(T, T, T, F) == "claim refuted at this scale"
+    assert v.verdict(T, T, N, T) == "incomplete: stage 3 (C1, C2)"
+    assert v.verdict(T, T, T, T) == "claim reproduces"
+
+
+def test_gates_from_unit_records():
+    levels = {"M0": _level(seq_log_ratio=0.0), "M3": _level()}
+
+    def rec(method, level, seed, final, role="final", fired=False):
+        return {
+            "role": role,
+            "method": method,
+            "level": level,
+            "seed": seed,
+            "start_acc": 0.2,
+            "final_acc": final,
+            "indicators": {"any": fired},
+            "abs_seq_log_ratio": 3.0,
+            "abs_seq_log_ratio_pruned": 1.0,
+        }
+
+    units = [rec("rloo", "M0", 100, 0.3, role="gain")]
+    out = v.gates_from_results(levels, units)
+    assert out["level"] == "M3" and out["power"]["pass"] is True
+    assert out["verdict"] == "incomplete: stage 2 (premise)"
+    units += [rec("rloo", "M0", s, 0.40 + 0.01 * s) for s in range(5)]
+    units += [rec("rloo", "M3", s, 0.30 + 0.01 * s, fired=True) for s in range(5)]
+    assert v.gates_from_results(levels, units)["verdict"] == "incomplete: stage 3 (C1, C2)"
+    for m, acc in (("tis", 0.31), ("mis", 0.29), ("dvp", 0.42), ("mis_dvp", 0.43)):
+        units += [rec(m, "M3", s, acc + 0.005 * s) for s in range(5)]
+    out = v.gates_from_results(levels, units)
+    assert out["c1"]["pass"] and out["c2"]["pass"] and out["verdict"] == "claim reproduces"
+    no_gain = [rec("rloo", "M0", 100, 0.21, role="gain")] + units[1:]
+    assert v.gates_from_results(levels, no_gain)["verdict"] == "no power"
