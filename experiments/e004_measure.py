@@ -104,6 +104,7 @@ def measure(
         cfg.model,
         EngineConfig(
             dtype=cfg.rollout.dtype,
+            noise_std=cfg.rollout.noise_std,  # 0 on the ladder; a stronger rung adds it
             max_concurrent_decodes=rows_per_pass,
             max_prefill_length=cfg.data.max_prompt_len,
             prefill_buckets=(cfg.data.max_prompt_len,),
