@@ -70,10 +70,7 @@ TOKENIZER_NAME = "running_sum"
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
 _SYLLABLES = tuple(c + v for c in _CONSONANTS for v in _VOWELS)  # 70 syllables.
-_HELDOUT_STREAM = 2**31 - 1  # A stream id train draws never use (checked in train_example).
 _SPLIT_SALT = b"dvp_jax.running_sum.split.v1"
-_MAX_TRIES = 10_000
-_MAX_HELDOUT_MISSES = 50_000  # Consecutive draws without a new held-out problem.
 _STEP_TOKENS = 4  # "+ x = total"
 _END_TOKENS = 2  # "<ans> total"
 
@@ -117,6 +114,8 @@ def zipf_entropy(n: int, exponent: float) -> float:
 @dataclasses.dataclass(frozen=True)
 class RunningSumTask(GeneratedTask):
     """Generated running-sum problems with free Zipf "thoughts" (see module docstring)."""
+
+    _TRAIN_HINT = _HELDOUT_HINT = "widen the operands"
 
     seed: int = 0
     min_operands: int = 4
@@ -194,7 +193,7 @@ class RunningSumTask(GeneratedTask):
         return [int(x) for x in rng.integers(self.min_operand, self.max_operand + 1, size=n)]
 
     @staticmethod
-    def _key(operands: list[int]) -> str:
+    def _problem_key(operands: list[int]) -> str:
         return "+".join(str(x) for x in operands)
 
     def _example(self, operands: list[int], rng: np.random.Generator, index: int) -> Example:
@@ -219,45 +218,7 @@ class RunningSumTask(GeneratedTask):
         return Example(
             prompt=prompt,
             answer=str(total),
-            key=self._key(operands),
+            key=self._problem_key(operands),
             index=index,
             target=" ".join(parts),
         )
-
-    def _rng(self, stream: int, i: int) -> np.random.Generator:
-        return np.random.default_rng([self.seed, stream, i])
-
-    def train_example(self, i: int, stream: int = 0) -> Example:
-        """Train problem number `i` (>= 0) of `stream`; a pure function of (seed, stream, i)."""
-        i, stream = int(i), int(stream)
-        if i < 0 or not 0 <= stream < _HELDOUT_STREAM:
-            raise ValueError(f"need i >= 0 and 0 <= stream < {_HELDOUT_STREAM}, got {i}, {stream}")
-        rng = self._rng(stream, i)
-        for _ in range(_MAX_TRIES):
-            operands = self._draw(rng)
-            if not self.is_heldout(self._key(operands)):
-                return self._example(operands, rng, i)
-        raise ValueError(
-            f"{self}: no train problem found in {_MAX_TRIES} draws; lower heldout_fraction or "
-            "widen the operands"
-        )
-
-    def heldout_examples(self, n: int) -> list[Example]:
-        """`n` distinct held-out problems, a pure function of (seed, n), in a fixed order."""
-        rng = self._rng(_HELDOUT_STREAM, 0)
-        seen: dict[str, Example] = {}
-        misses = 0
-        while len(seen) < n:
-            operands = self._draw(rng)
-            key = self._key(operands)
-            if key not in seen and self.is_heldout(key):
-                seen[key] = self._example(operands, rng, len(seen))
-                misses = 0
-            else:
-                misses += 1
-                if misses > _MAX_HELDOUT_MISSES:
-                    raise ValueError(
-                        f"{self}: found only {len(seen)} distinct held-out problems, {n} "
-                        "requested; widen the operands or raise heldout_fraction"
-                    )
-        return list(seen.values())

@@ -92,18 +92,58 @@ class Example:
     target: str = ""
 
 
+# Generated tasks: stream ids, draw limits.
+_HELDOUT_STREAM = 2**31 - 1  # A stream id train draws never use (checked in train_example).
+_MAX_TRIES = 10_000
+_MAX_HELDOUT_MISSES = 50_000  # Consecutive draws without a new held-out problem.
+
+
 class GeneratedTask:
     """Base class of the generated tasks (`ArithmeticTask`, `running_sum.RunningSumTask`).
 
     A generated task has an endless train split addressed by (stream, index) and a held-out split
     defined by a hash of each problem's canonical key; `isinstance(x, GeneratedTask)` is how the
-    pipeline, the warm-up and the evaluation recognise one. Subclasses implement `train_example`,
-    `heldout_examples` and `is_heldout`.
+    pipeline, the warm-up and the evaluation recognise one. Both splits are drawn here from a
+    subclass's `seed` and its hooks: `is_heldout(key)`, `_draw(rng)` (a problem, or None for a
+    rejected draw), `_problem_key(problem)` (its canonical key) and `_example(problem, rng,
+    index)` (words it, drawing from `rng` only after the problem is fixed). `_TRAIN_HINT` and
+    `_HELDOUT_HINT` say how to widen the task when a split runs dry.
     """
 
-    def train_example(self, i: int, stream: int = 0) -> Example:
-        """Train problem number `i` of `stream`, a pure function of (seed, stream, i)."""
+    seed: int
+    _TRAIN_HINT = "widen the task"
+    _HELDOUT_HINT = "widen the task"
+
+    def is_heldout(self, key: str) -> bool:
+        """Whether the problem with canonical key `key` is in the held-out split."""
         raise NotImplementedError
+
+    def _draw(self, rng: np.random.Generator) -> Any:
+        raise NotImplementedError
+
+    def _problem_key(self, problem) -> str:
+        raise NotImplementedError
+
+    def _example(self, problem, rng: np.random.Generator, index: int) -> Example:
+        raise NotImplementedError
+
+    def _rng(self, stream: int, i: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed, stream, i])
+
+    def train_example(self, i: int, stream: int = 0) -> Example:
+        """Train problem number `i` (>= 0) of `stream`; a pure function of (seed, stream, i)."""
+        i, stream = int(i), int(stream)
+        if i < 0 or not 0 <= stream < _HELDOUT_STREAM:
+            raise ValueError(f"need i >= 0 and 0 <= stream < {_HELDOUT_STREAM}, got {i}, {stream}")
+        rng = self._rng(stream, i)
+        for _ in range(_MAX_TRIES):
+            problem = self._draw(rng)
+            if problem is not None and not self.is_heldout(self._problem_key(problem)):
+                return self._example(problem, rng, i)
+        raise ValueError(
+            f"{self}: no train problem found in {_MAX_TRIES} draws; lower heldout_fraction or "
+            + self._TRAIN_HINT
+        )
 
     def train_examples(self, n: int, start: int = 0, stream: int = 0) -> list[Example]:
         """Train problems `start` .. `start + n - 1` of `stream`."""
@@ -111,11 +151,23 @@ class GeneratedTask:
 
     def heldout_examples(self, n: int) -> list[Example]:
         """`n` distinct held-out problems, a pure function of (seed, n), in a fixed order."""
-        raise NotImplementedError
-
-    def is_heldout(self, key: str) -> bool:
-        """Whether the problem with canonical key `key` is in the held-out split."""
-        raise NotImplementedError
+        rng = self._rng(_HELDOUT_STREAM, 0)
+        seen: dict[str, Example] = {}
+        misses = 0
+        while len(seen) < n:
+            problem = self._draw(rng)
+            key = None if problem is None else self._problem_key(problem)
+            if key is not None and key not in seen and self.is_heldout(key):
+                seen[key] = self._example(problem, rng, len(seen))
+                misses = 0
+            else:
+                misses += 1
+                if misses > _MAX_HELDOUT_MISSES:
+                    raise ValueError(
+                        f"{self}: found only {len(seen)} distinct held-out problems, {n} "
+                        f"requested; {self._HELDOUT_HINT} or raise heldout_fraction"
+                    )
+        return list(seen.values())
 
 
 def in_hash_fraction(key: str, salt: bytes, fraction: float) -> bool:
@@ -133,10 +185,7 @@ _OPS = ("+", "-", "*")
 _OP_WORDS = {"+": "plus", "-": "minus", "*": "times"}
 _WORD_TEMPLATES = ("what is {}? ", "{} is ", "{} equals ")
 _STYLES = ("symbolic", "words", "mixed")
-_HELDOUT_STREAM = 2**31 - 1  # A stream id train draws never use (asserted in train_example).
 _SPLIT_SALT = b"dvp_jax.arithmetic.split.v1"
-_MAX_TRIES = 10_000
-_MAX_HELDOUT_MISSES = 50_000  # Consecutive draws without a new held-out problem.
 
 
 def _evaluate(operands: Sequence[int], ops: Sequence[str]) -> int:
@@ -156,6 +205,9 @@ def _evaluate(operands: Sequence[int], ops: Sequence[str]) -> int:
 @dataclasses.dataclass(frozen=True)
 class ArithmeticTask(GeneratedTask):
     """Generated arithmetic problems with an integer answer (see module docstring)."""
+
+    _TRAIN_HINT = "allow negative answers"
+    _HELDOUT_HINT = "widen the task (operands, ops)"
 
     seed: int = 0
     num_operands: int = 2
@@ -233,43 +285,8 @@ class ArithmeticTask(GeneratedTask):
             prompt = key + "="
         return Example(prompt=prompt, answer=str(answer), key=key, index=index)
 
-    def _rng(self, stream: int, i: int) -> np.random.Generator:
-        return np.random.default_rng([self.seed, stream, i])
-
-    def train_example(self, i: int, stream: int = 0) -> Example:
-        """Train problem number `i` (>= 0) of `stream`; a pure function of (seed, stream, i)."""
-        i, stream = int(i), int(stream)
-        if i < 0 or not 0 <= stream < _HELDOUT_STREAM:
-            raise ValueError(f"need i >= 0 and 0 <= stream < {_HELDOUT_STREAM}, got {i}, {stream}")
-        rng = self._rng(stream, i)
-        for _ in range(_MAX_TRIES):
-            problem = self._draw(rng)
-            if problem is not None and not self.is_heldout(self._key(*problem[:2])):
-                return self._example(problem, rng, i)
-        raise ValueError(
-            f"{self}: no train problem found in {_MAX_TRIES} draws; lower heldout_fraction or "
-            "allow negative answers"
-        )
-
-    def heldout_examples(self, n: int) -> list[Example]:
-        """`n` distinct held-out problems, a pure function of (seed, n), in a fixed order."""
-        rng = self._rng(_HELDOUT_STREAM, 0)
-        seen: dict[str, Example] = {}
-        misses = 0
-        while len(seen) < n:
-            problem = self._draw(rng)
-            key = None if problem is None else self._key(*problem[:2])
-            if key is not None and key not in seen and self.is_heldout(key):
-                seen[key] = self._example(problem, rng, len(seen))
-                misses = 0
-            else:
-                misses += 1
-                if misses > _MAX_HELDOUT_MISSES:
-                    raise ValueError(
-                        f"{self}: found only {len(seen)} distinct held-out problems, {n} "
-                        "requested; widen the task (operands, ops) or raise heldout_fraction"
-                    )
-        return list(seen.values())
+    def _problem_key(self, problem) -> str:
+        return self._key(*problem[:2])
 
 
 # ----------------------------------------------------------------------------------------------

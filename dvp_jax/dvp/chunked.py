@@ -301,29 +301,10 @@ def _chunked_bwd(log_rho, temperature, chunk_size, precision, axes, residuals, a
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
-def chunked_pruned_logprobs(
-    h: jax.Array,
-    w: jax.Array,
-    y: jax.Array,
-    *,
-    log_rho: float | None,
-    temperature: float = 1.0,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    precision: jax.lax.Precision | str | None = None,
-    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
-) -> TokenLogprobs:
+def chunked_pruned_logprobs(h: jax.Array, w: jax.Array, y: jax.Array, **kwargs) -> TokenLogprobs:
     """Pruned token log-probabilities (E1-E3) of targets y, in vocabulary chunks: the
-    `TokenLogprobs` of `chunked_token_stats` (see there for everything)."""
-    return chunked_token_stats(
-        h,
-        w,
-        y,
-        log_rho=log_rho,
-        temperature=temperature,
-        chunk_size=chunk_size,
-        precision=precision,
-        mesh=mesh,
-    )[0]
+    `TokenLogprobs` of `chunked_token_stats`, which takes the same (keyword) arguments."""
+    return chunked_token_stats(h, w, y, **kwargs)[0]
 
 
 def chunked_token_stats(

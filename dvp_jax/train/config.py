@@ -43,6 +43,13 @@ def _int(field: str, value: Any, lo: int | None = None) -> None:
     _check(ok, field, f"an int >= {lo}" if lo is not None else "an int", value)
 
 
+def _int_range(lo_field: str, lo: Any, hi_field: str, hi: Any, floor: int) -> None:
+    """Both ints >= `floor` and lo <= hi (the error names the field at fault)."""
+    _int(lo_field, lo, floor)
+    _int(hi_field, hi, floor)
+    _check(lo <= hi, hi_field, f">= {lo_field}={lo}", hi)
+
+
 def _pos_float(field: str, value: Any, allow_zero: bool = False) -> None:
     ok = (
         isinstance(value, int | float)
@@ -132,21 +139,19 @@ class DataConfig:
     def _check_running_sum(self) -> None:
         from dvp_jax.data import running_sum as rs
 
-        _int("data.sum_min_operands", self.sum_min_operands, 1)
-        _int("data.sum_max_operands", self.sum_max_operands, 1)
-        _check(
-            self.sum_min_operands <= self.sum_max_operands,
+        _int_range(
+            "data.sum_min_operands",
+            self.sum_min_operands,
             "data.sum_max_operands",
-            f">= data.sum_min_operands={self.sum_min_operands}",
             self.sum_max_operands,
+            1,
         )
-        _int("data.sum_min_operand", self.sum_min_operand, 0)
-        _int("data.sum_max_operand", self.sum_max_operand, 0)
-        _check(
-            self.sum_min_operand <= self.sum_max_operand,
+        _int_range(
+            "data.sum_min_operand",
+            self.sum_min_operand,
             "data.sum_max_operand",
-            f">= data.sum_min_operand={self.sum_min_operand}",
             self.sum_max_operand,
+            0,
         )
         _check(
             self.sum_max_operands * self.sum_max_operand <= rs.MAX_NUMBER,
@@ -163,21 +168,20 @@ class DataConfig:
             self.thought_words,
         )
         _pos_float("data.thought_zipf", self.thought_zipf, allow_zero=True)
+        _int_range(
+            "data.min_response_len",
+            self.min_response_len,
+            "data.max_response_len",
+            self.max_response_len,
+            1,
+        )
         least = 4 * self.sum_max_operands + 2
-        _int("data.min_response_len", self.min_response_len, 1)
         _check(
             self.min_response_len >= least,
             "data.min_response_len",
             f">= {least} (4 * data.sum_max_operands + 2: the longest problem's steps and "
             "answer without any thought word)",
             self.min_response_len,
-        )
-        _int("data.max_response_len", self.max_response_len, 1)
-        _check(
-            self.max_response_len >= self.min_response_len,
-            "data.max_response_len",
-            f">= data.min_response_len={self.min_response_len}",
-            self.max_response_len,
         )
         spec = rs.tokenizer_spec(self.thought_words)
         word_tokenizer = self.tokenizer.split(":")[0] == rs.TOKENIZER_NAME

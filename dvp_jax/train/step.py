@@ -25,28 +25,10 @@ from dvp_jax.train.batch import RLBatch
 from dvp_jax.train.state import TrainState, skipped_updates
 
 
-def token_logprobs(
-    params,
-    graphdef,
-    tokens,
-    positions,
-    valid,
-    *,
-    log_rho: float,
-    temperature: float,
-    chunk_size: int,
-) -> TokenLogprobs:
-    """Trainer-side pruned logprobs of tokens[:, 1:] given tokens[:, :-1] (E1-E3), [B, T-1]."""
-    return token_stats(
-        params,
-        graphdef,
-        tokens,
-        positions,
-        valid,
-        log_rho=log_rho,
-        temperature=temperature,
-        chunk_size=chunk_size,
-    )[0]
+def token_logprobs(params, graphdef, tokens, positions, valid, **kwargs) -> TokenLogprobs:
+    """Trainer-side pruned logprobs of tokens[:, 1:] given tokens[:, :-1] (E1-E3), [B, T-1]: the
+    `TokenLogprobs` of `token_stats`, which takes the same (keyword) arguments."""
+    return token_stats(params, graphdef, tokens, positions, valid, **kwargs)[0]
 
 
 def token_stats(
