@@ -56,7 +56,11 @@ flags.DEFINE_integer("batch", 16, "Decode slots (= rows: prompts x group).")
 flags.DEFINE_integer("group", 1, "Samples per prompt (G); must divide --batch.")
 flags.DEFINE_integer("new_tokens", 128, "Tokens generated per prompt.")
 flags.DEFINE_integer("prompt_len", 16, "Prompt length in tokens.")
-flags.DEFINE_integer("steps_per_sync", 1, "Engine decode steps per dispatch / host check.")
+flags.DEFINE_integer(
+    "steps_per_sync",
+    8,
+    "At most this many engine decode steps per dispatch / host check (the RL loop's default).",
+)
 flags.DEFINE_integer("repeats", 3, "Timed runs per side (interleaved; best counts).")
 
 LOG_RHO = -13.0

@@ -295,13 +295,15 @@ def test_fp32_rollout_matches_trainer_and_bf16_mismatch_is_measured(fp32, bf16, 
         assert math.isfinite(figures[name]["mean_abs"])
 
 
-def test_steps_per_sync_gives_the_same_rollouts(fp32):
-    """k decode steps per dispatch (one compiled loop) == k single steps: same tokens and
-    statistics. The loop is compiled separately, so fusion may round differently: float32
-    statistics within 1e-6 (about one ulp of O(1) log-probs); observed bit-identical."""
+@pytest.mark.parametrize("k", [4, 8])
+def test_steps_per_sync_gives_the_same_rollouts(fp32, k):
+    """Up to k decode steps per dispatch (one compiled loop, ending early when a slot finishes
+    while prompts wait) == single steps: same tokens and statistics. The loop is compiled
+    separately, so fusion may round differently: float32 statistics within 1e-6 (about one ulp
+    of O(1) log-probs); observed bit-identical. 9 rows over 4 slots refill slots mid-run."""
     key = jax.random.key(5)
-    a = generate_rollouts(fp32, PROMPTS, 3, key)
-    b = generate_rollouts(fp32, PROMPTS, 3, key, steps_per_sync=4)
+    a = generate_rollouts(fp32, PROMPTS, 3, key, steps_per_sync=1)
+    b = generate_rollouts(fp32, PROMPTS, 3, key, steps_per_sync=k)
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_array_equal(a.response_mask, b.response_mask)
     np.testing.assert_array_equal(a.behaviour_safe_size, b.behaviour_safe_size)
@@ -309,6 +311,36 @@ def test_steps_per_sync_gives_the_same_rollouts(fp32):
         np.testing.assert_allclose(
             getattr(a, field), getattr(b, field), rtol=0, atol=1e-6, err_msg=field
         )
+
+
+def test_decode_loop_stops_where_a_slot_finishes(fp32):
+    """`generate_steps(..., stop_at_finish=True)` ends the dispatch after the step in which a
+    slot finishes (here slot 0 reaches max_decode_length M three steps before slot 1), so the
+    host can refill it at once; without the flag the loop runs on until every slot is done.
+    Either way the loop never runs past `num_steps`, and stops once every slot is done."""
+    m = fp32.config.max_decode_length
+    config = EngineConfig(**{**fp32.config.__dict__, "stop_tokens": ()})
+    engine = RolloutEngine(CFG, config, params=fp32.params)
+    keys = _raw_keys(4, 2)
+
+    def two_slots():
+        prefix = engine.prefill_batch(engine.params, PROMPTS[:2], keys)
+        state = engine.insert_batch(prefix, engine.init_decode_state(), [0], [0], [0])
+        state = engine.generate_steps(engine.params, state, 3)
+        return engine.insert_batch(prefix, state, [1], [1], [0])
+
+    stopped = engine.generate_steps(engine.params, two_slots(), 2 * m, stop_at_finish=True)
+    np.testing.assert_array_equal(stopped.step[:2], [m, m - 3])
+    np.testing.assert_array_equal(stopped.done[:2], [True, False])
+    ran_on = engine.generate_steps(engine.params, two_slots(), 2 * m)
+    np.testing.assert_array_equal(ran_on.step[:2], [m, m])
+    assert bool(ran_on.done.all())
+    capped = engine.generate_steps(engine.params, two_slots(), 2, stop_at_finish=True)
+    np.testing.assert_array_equal(capped.step[:2], [5, 2])
+    # The two-step dispatches sampled what the single long ones did.
+    np.testing.assert_array_equal(
+        np.asarray(capped.tokens)[1, :2], np.asarray(ran_on.tokens)[1, :2]
+    )
 
 
 def test_sharded_engine_equals_single_device(fp32, master):
@@ -415,7 +447,7 @@ def test_the_decode_loop_updates_the_cache_in_place(bf16):
 
     state = bf16.init_decode_state()
     assert state.cache.k.dtype == jnp.uint16
-    hlo = bf16._generate_steps_jit.lower(bf16.params, state, 2, ENGINE.cache_length)
+    hlo = bf16._generate_steps_jit.lower(bf16.params, state, 2, ENGINE.cache_length, True)
     assert _cache_passes(hlo.compile().as_text(), state.cache.k.shape) == []
 
 

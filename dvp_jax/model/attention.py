@@ -1,8 +1,11 @@
 """Grouped-query attention with per-head q/k RMSNorm, RoPE, and a functional KV cache.
 
-The KV cache is a pair of arrays `k, v: [L, b, S, k, h]` (layers, batch slots, cache length, kv
-heads, head dim) in the policy's cache dtype. Rows are right-padded: a row's tokens occupy cache
-positions `0 .. pos`, so a decode step at position `p` attends to cache positions `<= p`.
+The KV cache is a pair of arrays `k, v: [L, b, k, S, h]` (layers, batch slots, kv heads, cache
+length, head dim) in the policy's cache dtype. Rows are right-padded: a row's tokens occupy cache
+positions `0 .. pos`, so a decode step at position `p` attends to cache positions `<= p`. The kv
+heads come before the positions because that is the layout both decode matmuls take as stored
+(a kv head is a batch dimension of q.k and of p.v): with positions first, XLA re-lays out every
+layer's live keys and values on every step (docs/design.md section 3).
 
 `Attention(..., layers=L)` holds the parameters of L layers (leading `[L]` axis) and is called on
 one layer's slice inside `nnx.scan`; every matmul runs at the policy's precision.
@@ -55,7 +58,7 @@ from dvp_jax.model.config import ATTENTION_IMPLS, DTypePolicy, ModelConfig
 from dvp_jax.model.layers import RMSNorm, matmul, param, rope
 from dvp_jax.sharding import Sharder
 
-CACHE_AXES = ("cache_layers", "cache_batch", "cache_seq", "act_kv_heads", "act_head_dim")
+CACHE_AXES = ("cache_layers", "cache_batch", "act_kv_heads", "cache_seq", "act_head_dim")
 
 # Backend names (`jax.default_backend()`, or a device's platform) of each fused kernel. JAX's
 # cuDNN attention is NVIDIA-only; on a ROCm "gpu" set attention_impl to "xla" or "dot_product".
@@ -67,14 +70,14 @@ _SPLASH_BLOCK = 128
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer: `k, v: [L, b, S, k, h]`."""
+    """Keys and values of every layer: `k, v: [L, b, k, S, h]`."""
 
     k: jax.Array
     v: jax.Array
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype) -> KVCache:
-        shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, length, cfg.head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
@@ -382,7 +385,7 @@ class Attention(nnx.Module):
 
         Args:
           x: [b, 1, d] the new token's activations; positions: [b] its position (= cache slot).
-          k_all, v_all: [L, b, S, k, h] the whole stacked cache, stored as `cache_storage`
+          k_all, v_all: [L, b, k, S, h] the whole stacked cache, stored as `cache_storage`
             (the bits of a 16- or 8-bit cache dtype, the values of a float32 one).
           layer: [] int32 (traced under `nnx.scan`) or int, this layer's index in the cache.
           kv_len: static number of leading cache positions attended to (default S). Rows whose
@@ -390,28 +393,35 @@ class Attention(nnx.Module):
             live row's position (`RolloutEngine` picks a length bucket per dispatch).
         Returns:
           (out [b, 1, d], k_all, v_all) with the new key/value written at
-          `[layer, row, positions[row]]` (`write_cache`, in place in the donated cache).
+          `[layer, row, :, positions[row]]` (`write_cache`, in place in the donated cache).
         """
         q, k, v = self._qkv(x, positions[:, None])
         dtype = self.policy.cache_dtype
         k_all = write_cache(k_all, layer, positions, k[:, 0], dtype)
         v_all = write_cache(v_all, layer, positions, v[:, 0], dtype)
-        kv_len = k_all.shape[2] if kv_len is None else kv_len
-        mask = (jnp.arange(kv_len)[None, :] <= positions[:, None])[:, None, :]  # [b, 1, kv_len]
-        cd = self.policy.compute_dtype
-        attn = _masked_softmax_attention(
-            self._group(q),
-            from_storage(read_cache(k_all, layer, kv_len), dtype).astype(cd),
-            from_storage(read_cache(v_all, layer, kv_len), dtype).astype(cd),
-            mask,
-            self.policy,
+        kv_len = k_all.shape[3] if kv_len is None else kv_len
+        cd, p = self.policy.compute_dtype, self.policy.precision
+        keys = from_storage(read_cache(k_all, layer, kv_len), dtype).astype(cd)  # [b, k, s, h]
+        values = from_storage(read_cache(v_all, layer, kv_len), dtype).astype(cd)
+        q = self._group(q)[:, 0]  # [b, k, g, h]
+        # [b, k, g, h] x [b, k, s, h] -> [b, k, g, s]: kv head and row are batch dimensions and
+        # the keys are read in their stored layout; scores and softmax in float32.
+        scores = jnp.einsum(
+            "bkgh,bksh->bkgs", q, keys, precision=p, preferred_element_type=jnp.float32
         )
+        scores = scores * (q.shape[-1] ** -0.5)
+        visible = jnp.arange(kv_len)[None, :] <= positions[:, None]  # [b, s]
+        # A large finite negative, as in `_masked_softmax_attention`.
+        scores = jnp.where(visible[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(cd)
+        # [b, k, g, s] x [b, k, s, h] -> [b, k, g, h] -> [b, 1, k, g, h]
+        attn = matmul("bkgs,bksh->bkgh", probs, values, self.policy)[:, None]
         return self._out(attn), k_all, v_all
 
 
 # A KV cache of a 16- or 8-bit float dtype is stored and written as the unsigned integers of the
 # same width (its bits): XLA's CPU backend has no 16-/8-bit float scatter and would convert the
-# whole stacked [L, b, S, k, h] cache to float32 and back around every layer's write (4 full
+# whole stacked [L, b, k, S, h] cache to float32 and back around every layer's write (4 full
 # passes over the cache per layer and decode step). An integer scatter is native on every
 # backend and updates the donated buffer in place; readers bitcast the slice they read, which
 # fuses into the attention. float32 caches are stored as they are.
@@ -438,10 +448,10 @@ def from_storage(x: jax.Array, dtype) -> jax.Array:
 
 
 def write_cache(cache: jax.Array, layer, positions: jax.Array, new: jax.Array, dtype) -> jax.Array:
-    """`cache[layer, row, positions[row]] = new[row]` for every row, in place.
+    """`cache[layer, row, :, positions[row]] = new[row]` for every row, in place.
 
     Args:
-      cache: [L, b, S, k, h] in `cache_storage(dtype)`.
+      cache: [L, b, k, S, h] in `cache_storage(dtype)`.
       layer: [] int (traced) layer index.
       positions: [b] int32 write positions.
       new: [b, k, h] the new keys or values (rounded to `dtype`).
@@ -450,10 +460,12 @@ def write_cache(cache: jax.Array, layer, positions: jax.Array, new: jax.Array, d
       The updated cache (the same buffer when donated).
     """
     rows = jnp.arange(cache.shape[1])
-    return cache.at[layer, rows, positions].set(to_storage(new, dtype))
+    # The advanced indices (layer, rows, positions) broadcast to [b] and lead the indexed
+    # shape, so the update is [b, k, h]: one scatter of b rows.
+    return cache.at[layer, rows, :, positions].set(to_storage(new, dtype))
 
 
 def read_cache(cache: jax.Array, layer, kv_len: int) -> jax.Array:
-    """`cache[layer, :, :kv_len]` ([b, kv_len, k, h]) for a traced layer index, static kv_len."""
-    _, b, _, k, h = cache.shape
-    return jax.lax.dynamic_slice(cache, (layer, 0, 0, 0, 0), (1, b, kv_len, k, h))[0]
+    """`cache[layer, :, :, :kv_len]` ([b, k, kv_len, h]) for a traced layer index, static kv_len."""
+    _, b, k, _, h = cache.shape
+    return jax.lax.dynamic_slice(cache, (layer, 0, 0, 0, 0), (1, b, k, kv_len, h))[0]

@@ -210,20 +210,24 @@ class Transformer(nnx.Module):
           lengths: [b] int32 true prompt lengths (>= 1).
           cache_len: S >= P, the cache length (static).
         Returns:
-          (logits [b, v] float32 at each row's last real token, KVCache with k, v [L, b, S, k, h]).
+          (logits [b, v] float32 at each row's last real token, KVCache with k, v [L, b, k, S, h]).
         """
         b, p = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         valid = positions < lengths[:, None]
         x = self._embed(tokens)
-        pad = ((0, 0), (0, cache_len - p), (0, 0), (0, 0))
+        pad = ((0, 0), (0, 0), (0, cache_len - p), (0, 0))
         cd = self.policy.cache_dtype
 
-        # Each scan step emits its layer's keys and values, padded to the cache length and cast
-        # to the cache dtype: the stacked outputs are the [L, b, S, k, h] cache.
+        # Each scan step emits its layer's keys and values [b, P, k, h] in the cache layout
+        # [b, k, S, h] (`attention.py`), padded to the cache length and cast to the cache dtype:
+        # the stacked outputs are the [L, b, k, S, h] cache.
+        def to_cache(x):
+            return jnp.pad(jnp.swapaxes(x, 1, 2).astype(cd), pad)
+
         def block_fn(block, x, positions, valid):
             x, (k, v) = block(x, positions, valid)
-            return x, (jnp.pad(k.astype(cd), pad), jnp.pad(v.astype(cd), pad))
+            return x, (to_cache(k), to_cache(v))
 
         scan = _scan(block_fn, in_axes=(0, nnx.Carry, None, None), out_axes=(nnx.Carry, 0))
         x, (k, v) = scan(self.blocks, x, positions, valid)
@@ -240,7 +244,7 @@ class Transformer(nnx.Module):
         Args:
           tokens: [b] int32, the token at `positions` for each row.
           positions: [b] int32 per-row positions (also the cache slot written).
-          cache: KVCache with k, v [L, b, S, k, h], in the policy's cache dtype or stored as
+          cache: KVCache with k, v [L, b, k, S, h], in the policy's cache dtype or stored as
             `attention.cache_storage` (its bits for 16- and 8-bit dtypes; the engine keeps
             its cache so, and then no step converts the cache).
           kv_len: static count of leading cache positions attention reads (default S); rows
@@ -253,7 +257,7 @@ class Transformer(nnx.Module):
 
         # The whole cache rides in the scan carry and each step scatters its layer's new key and
         # value into it (`attention.write_cache`): the loop updates the donated buffer in place
-        # instead of emitting a second [L, b, S, k, h] cache as stacked outputs. A 16-/8-bit
+        # instead of emitting a second [L, b, k, S, h] cache as stacked outputs. A 16-/8-bit
         # cache rides as its bits (an integer scatter; a float one would be converted to
         # float32 and back per layer on CPU); a caller passing bits pays no conversion at all.
         def block_fn(block, layer, carry, positions):

@@ -8,7 +8,7 @@ Data flow per request (b = slot, M = max_decode_length, S = max_prefill_length +
 
 * `prefill(params, padded_tokens, true_length, rng=None) -> Prefix`: the prompt is re-padded to
   the smallest prefill bucket that holds it (so prefill compiles at most once per bucket) and run
-  once; the `Prefix` holds its KV cache `[L, 1, bucket, k, h]`, the next-token logits `[v]`, the
+  once; the `Prefix` holds its KV cache `[L, 1, k, bucket, h]`, the next-token logits `[v]`, the
   true length and the request's PRNG key (`rng`, or `fold_in(seed key, request counter)` when
   the caller gives none, as JetStream's orchestrator does).
 * `insert(prefix, state, slot, sample_index=0)`: copies the prefix into slot `slot` and gives the
@@ -219,7 +219,7 @@ class RolloutEngine(engine_api.Engine):
     # ------------------------------------------------------------------------------------------
     def _cache_sharding(self, batch: int, length: int) -> NamedSharding:
         cfg = self.model_cfg
-        shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, length, cfg.head_dim)
         return self.sharder.sharding(CACHE_AXES, shape)
 
     def _decode_state_shardings(self) -> DecodeState:
@@ -313,7 +313,7 @@ class RolloutEngine(engine_api.Engine):
             1 <= n <= max_concurrent_decodes.
           keys: `[n, 2]` uint32 raw PRNG keys of the requests (row i is prompt i's key).
         Returns:
-          A `Prefix` with a leading row axis: cache k, v `[L, rows, bucket, k, h]`, logits
+          A `Prefix` with a leading row axis: cache k, v `[L, rows, k, bucket, h]`, logits
           `[rows, v]`, length `[rows]`, key `[rows, 2]`; rows `>= n`, row i is prompt i.
         Raises:
           ValueError: naming the limit, for no prompts, more prompts than slots, an empty or
@@ -416,11 +416,11 @@ class RolloutEngine(engine_api.Engine):
 
     def _insert_batch_impl(self, prefix: Prefix, state: DecodeState, slots, rows, sample_index):
         # slots [B]: target slot of each insertion, B (out of range, dropped) for padding.
-        bucket = prefix.cache.k.shape[2]
+        bucket = prefix.cache.k.shape[3]
 
         def put(buf, value):  # buf in the cache storage dtype (`attention.cache_storage`)
             value = to_storage(value[:, rows], self.policy.cache_dtype)
-            return buf.at[:, slots, :bucket].set(value, mode="drop")
+            return buf.at[:, slots, :, :bucket].set(value, mode="drop")
 
         set_rows = lambda a, v: a.at[slots].set(v, mode="drop")
         fold = lambda k, g: jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(k), g))
@@ -536,10 +536,24 @@ class RolloutEngine(engine_api.Engine):
             data=data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3), samples_per_slot=1
         )
 
-    def _generate_steps_impl(self, params, state: DecodeState, num_steps: int, kv_len: int):
-        return jax.lax.fori_loop(
-            0, num_steps, lambda _, st: self._generate_impl(params, st, kv_len)[0], state
-        )
+    def _generate_steps_impl(
+        self, params, state: DecodeState, num_steps: int, kv_len: int, stop_at_finish
+    ):
+        # A while loop, so a dispatch can end on the device the moment a slot finishes: the
+        # host refills it at once instead of letting it idle for the rest of a fixed k steps.
+        # Once every slot is done further steps change nothing, so the loop stops there too.
+        was_done = state.done
+
+        def cond(carry):
+            i, st = carry
+            finished = jnp.any(st.done & ~was_done)
+            return (i < num_steps) & ~jnp.all(st.done) & ~(stop_at_finish & finished)
+
+        def body(carry):
+            i, st = carry
+            return i + 1, self._generate_impl(params, st, kv_len)[0]
+
+        return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
 
     def kv_bucket(self, length: int) -> int:
         """The smallest of `EngineConfig.kv_buckets` >= `length` (the cache length if none)."""
@@ -552,29 +566,36 @@ class RolloutEngine(engine_api.Engine):
         decode_state: DecodeState,
         num_steps: int,
         kv_len: int | None = None,
+        stop_at_finish: bool = False,
     ) -> DecodeState:
-        """`num_steps` generate steps in one compiled loop (donates `decode_state`).
+        """Up to `num_steps` generate steps in one compiled loop (donates `decode_state`).
 
         Not part of JetStream's API: the RL loop uses it to dispatch and synchronise once per
-        `num_steps` tokens. It computes what `num_steps` calls of `generate` compute (finished
-        slots do not change; keys depend on the step, not on the call), so the sampled tokens
-        are the same; recorded log-probs agree to float rounding (the loop is compiled
-        separately, so XLA may fuse differently).
+        up to `num_steps` tokens. It computes what that many calls of `generate` compute
+        (finished slots do not change; keys depend on the step, not on the call), so the
+        sampled tokens are the same; recorded log-probs agree to float rounding (the loop is
+        compiled separately, so XLA may fuse differently). The loop ends early once every
+        slot is done, and with `stop_at_finish` after the first step in which a slot that was
+        active at the call finishes (the caller reads `pos`/`done` to see how far it went).
 
         Args:
           params: rollout params.
           decode_state: the state (donated).
-          num_steps: decode steps (static: one compiled loop per value).
+          num_steps: at most this many decode steps (static: one compiled loop per value).
           kv_len: attention reads the first `kv_bucket(kv_len)` cache positions (at most
             `len(kv_buckets)` compiled variants per `num_steps`). It must exceed the last
             position any active slot writes in these steps: `max(pos) + num_steps` over active
             slots (an upper bound is fine); a smaller value gives those slots wrong logits.
             None: the whole cache.
+          stop_at_finish: end the loop after the step in which a slot finishes (a runtime
+            flag: both settings share one compiled loop).
         """
         kv_len = self.config.cache_length if kv_len is None else self.kv_bucket(kv_len)
         if int(num_steps) == 1:
             return self._generate_jit(params, decode_state, kv_len)[0]
-        return self._generate_steps_jit(params, decode_state, int(num_steps), kv_len)
+        return self._generate_steps_jit(
+            params, decode_state, int(num_steps), kv_len, np.bool_(stop_at_finish)
+        )
 
     # ------------------------------------------------------------------------------------------
     # Tokenizer and static properties.

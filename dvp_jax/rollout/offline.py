@@ -118,7 +118,7 @@ def generate_rollouts(
     params: nnx.State | None = None,
     sampling: SamplingParams | None = None,
     prompt_len: int | None = None,
-    steps_per_sync: int = 1,
+    steps_per_sync: int = 8,
     first_prompt_index: int = 0,
 ) -> RolloutBatch:
     """Samples `num_samples` responses for each prompt (E4) with continuous batching.
@@ -133,10 +133,12 @@ def generate_rollouts(
       sampling: sampling parameters; default the engine config's.
       prompt_len: prompt columns of the output; default `engine.max_prefill_length` (fixed
         shapes across batches for the jitted train step).
-      steps_per_sync: decode steps per dispatch and host check (`engine.generate_steps`). 1
-        refills a finished slot at once; k > 1 saves dispatch/sync latency (small models,
-        remote accelerators) at the cost of up to k - 1 idle steps per finished slot. Tokens
-        are the same for every value (log-probs to float rounding).
+      steps_per_sync: at most this many decode steps per dispatch and host check
+        (`engine.generate_steps`). A dispatch ends on the device after the step in which a slot
+        finishes while prompts wait, so a finished slot is refilled at once whatever k; k > 1
+        saves the per-step dispatch and sync latency, at the cost of attending over a length
+        bucket that covers k more positions. Tokens are the same for every value (log-probs to
+        float rounding).
       first_prompt_index: the global index of `prompts[0]`: prompt p's key is
         `fold_in(rng, first_prompt_index + p)`, so a batch split over hosts (each passing the
         offset of its share) samples exactly what one host sampling the whole batch would.
@@ -182,7 +184,7 @@ def generate_rollouts(
     pending = collections.deque((p, g) for p in range(n_prompts) for g in range(g_size))
     prefixes: dict[int, list] = {}  # p -> [batched Prefix, its row, inserts left]
     owner: list[tuple[int, int] | None] = [None] * engine.max_concurrent_decodes
-    # Host upper bound of each occupied slot's position (the decode's length bucket).
+    # Each occupied slot's position as of the last sync (the decode's length bucket).
     slot_pos = np.zeros((engine.max_concurrent_decodes,), np.int64)
 
     def harvest(state, slots):
@@ -234,9 +236,12 @@ def generate_rollouts(
         occupied = np.array([o is not None for o in owner])
         # Attention reads the live prefix: every active slot writes below pos + steps_per_sync.
         kv_len = int(slot_pos[occupied].max()) + steps_per_sync
-        state = engine.generate_steps(params, state, steps_per_sync, kv_len=kv_len)
-        slot_pos[occupied] += steps_per_sync
-        done = np.asarray(state.done)  # the one host sync per step (or per steps_per_sync)
+        state = engine.generate_steps(
+            params, state, steps_per_sync, kv_len=kv_len, stop_at_finish=bool(pending)
+        )
+        # The one host sync per dispatch: which slots are done, and where each slot stands.
+        done, pos = jax.device_get((state.done, state.pos))
+        slot_pos[occupied] = pos[occupied]
         ended = [s for s, o in enumerate(owner) if o is not None and done[s]]
         if ended:
             harvest(state, ended)
