@@ -395,7 +395,7 @@ def test_batched_prefill_and_insert_equal_per_prompt(fp32):
     np.testing.assert_allclose(single.logits, batched.logits, rtol=0, atol=1e-5)
     for a, b in zip(single.cache, batched.cache, strict=True):
         for i, prompt in enumerate(PROMPTS):
-            live = np.s_[:, 3 - i, : len(prompt)]
+            live = np.s_[:, 3 - i, :, : len(prompt)]  # [L, slot, k, S, h]
             np.testing.assert_allclose(np.asarray(a)[live], np.asarray(b)[live], atol=1e-5)
     single, _ = fp32.generate(params, single)
     batched, _ = fp32.generate(params, batched)
