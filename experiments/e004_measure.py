@@ -1,7 +1,8 @@
 """e004 stage 1: the warm start sampled at each mismatch level, scored by the trainer's functions.
 
 `measure(hf_dir, level)` samples responses from an exported policy with the rollout engine at a
-ladder level (configs/e004_running_sum.py `LEVELS`) and returns the trainer's teacher-forced
+level (configs/e004_running_sum.py: the ladder `LEVELS` M0-M3, or the synthetic rung M4 of
+`SYNTHETIC`, M3 plus tail-shaped logit noise) and returns the trainer's teacher-forced
 statistics of them (`train.step.token_stats`, `dvp.diagnostics.tail_metrics`): response length,
 truncation, reward, entropy, E[L], the share of E[L] from outside the e^-13 safe set. Run through
 experiments/e004_running_sum.py (`--stage 1`), which writes results/e004/stage1_levels.json.
@@ -104,7 +105,8 @@ def measure(
         cfg.model,
         EngineConfig(
             dtype=cfg.rollout.dtype,
-            noise_std=cfg.rollout.noise_std,  # 0 on the ladder; a stronger rung adds it
+            noise_std=cfg.rollout.noise_std,  # 0 on the ladder; the synthetic M4 adds it
+            noise_tail_gap=cfg.rollout.noise_tail_gap,  # M4: shaped to the tail
             max_concurrent_decodes=rows_per_pass,
             max_prefill_length=cfg.data.max_prompt_len,
             prefill_buckets=(cfg.data.max_prompt_len,),
@@ -178,6 +180,8 @@ def measure(
     return {
         "level": level,
         "rollout_dtype": cfg.rollout.dtype,
+        "noise_std": cfg.rollout.noise_std,
+        "noise_tail_gap": cfg.rollout.noise_tail_gap,
         "weights_quantized_by": (
             "this script (engine without quantization)"
             if quantized_here

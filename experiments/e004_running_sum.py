@@ -10,11 +10,12 @@ Stages (each resumable: finished pieces are found and skipped; results written a
   0 warm start: one supervised run (`SFT_STEPS`, 0 RL steps) exported once; every unit and
     every stage-1 measurement starts from it (`model.hf_path`, `sft.steps=0`).
   1 power: `e004_measure.measure` samples >= 1,000 responses from the warm start at each
-    ladder level (the same prompts and keys at every level, the RLOO rollout: unpruned) and
-    computes the trainer's teacher-forced statistics with the trainer's own functions
-    (`train.step.token_stats`, `dvp.diagnostics.tail_metrics`): response length, truncation,
-    entropy, E[L], the share of E[L] from outside the e^-13 safe set, reward ->
-    results/e004/stage1_levels.json. Then the M0 RLOO gain run (pilot seed 100,
+    level (the ladder M0-M3 and the synthetic rung M4; `--stage m4scan` measures M4 at several
+    tail-noise strengths first, stage1_m4_scan.json), the same prompts and keys at every level,
+    the RLOO rollout (unpruned), and computes the trainer's teacher-forced statistics with the
+    trainer's own functions (`train.step.token_stats`, `dvp.diagnostics.tail_metrics`):
+    response length, truncation, entropy, E[L], the share of E[L] from outside the e^-13 safe
+    set, reward -> results/e004/stage1_levels.json. Then the M0 RLOO gain run (pilot seed 100,
     `get_sweep(stage="gain")`).
   2 premise: RLOO at the level and M0 RLOO, final seeds 0..4 (`get_sweep(stage="premise")`).
   3 methods: TIS, MIS, DVP, MIS+DVP at the level, final seeds (`get_sweep(stage="methods")`).
@@ -23,13 +24,15 @@ Stages (each resumable: finished pieces are found and skipped; results written a
 
 Commands (from the repository root):
   python -m experiments.e004_running_sum --stage 0 --root /tmp/e004/root
+  python -m experiments.e004_running_sum --stage m4scan --root /tmp/e004/root [--m4_noise 1,2,3]
   python -m experiments.e004_running_sum --stage 1 --root /tmp/e004/root [--levels M0,M1]
   python -m experiments.e004_running_sum --stage gain --root /tmp/e004/root
   python -m experiments.e004_running_sum --stage 2 --root /tmp/e004/root   # then 3
   (units also run alone: python -m experiments.launch experiments/e004_running_sum.py
    --sweep stage=gain --sweep init_hf=/tmp/e004/root/e004_running_sum/_init_sft<N>/hf_export)
   Smoke (CI): `--sweep smoke=True` (tests/test_experiments_e004.py).
-Hardware: 2 CPU cores shared with other jobs (load ~7). Times: see experiments/README.md, e004.
+  (`--sft_steps N` picks another warm start, workdir _init_sft<N>; default `SFT_STEPS`.)
+Hardware: 2 CPU cores shared with other jobs (load 2-9). Times: see experiments/README.md, e004.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ CONFIG_ARG = "rloo:M0"
 SUMMARY_KEYS = ("start_eval_accuracy", "eval_accuracy", "final_log_ppl_diff", "wall_time_s")
 EXPERIMENT = "e004_running_sum"
 OUT = "experiments/results/e004"
-SFT_STEPS = 400
+SFT_STEPS = 1000  # configs/e004_running_sum.py SFT_STEPS (400 in the first version)
 METHODS = ("rloo", "tis", "mis", "dvp", "mis_dvp")
 FINAL_SEEDS = (0, 1, 2, 3, 4)
 PILOT_SEEDS = (100,)  # separate from the final seeds
@@ -60,7 +63,7 @@ GAIN_STEPS = 40
 STEPS = 100
 # RL unit sizes on top of the config (whose RL batch is 8 prompts x 8 responses): fp32 held-out
 # avg@16 on 32 prompts at the start and the end.
-SIZES = {"train.learning_rate": 5e-4, "eval.every": 0, "checkpoint.every": 10, "plots": False}
+SIZES = {"train.learning_rate": 2e-4, "eval.every": 0, "checkpoint.every": 10, "plots": False}
 SMOKE = {  # CI sizes: random init, 2 RL steps, 2 prompts x 2 responses of <= 17 tokens
     "sft.steps": 0,
     "train.steps": 2,
@@ -75,7 +78,7 @@ SMOKE = {  # CI sizes: random init, 2 RL steps, 2 prompts x 2 responses of <= 17
     "model.d_model": 32,
     "model.head_dim": 8,
     "model.d_ff": 64,
-    "data.min_response_len": 14,  # the least a 3-operand problem needs (4 * 3 + 2)
+    "data.min_response_len": 14,  # >= 4 * 2 + 2, the least a 2-operand problem needs
     "data.max_response_len": 16,
     "rollout.max_decode_length": 17,
 }
@@ -90,7 +93,7 @@ def unit(method: str, level: str, seed: int, role: str, init_hf: str, steps: int
     return {
         "_name": f"{role}_{method}_{level}_s{seed}",
         "method": method,
-        "rollout.dtype": _config().LEVELS[level],
+        **_config().level_overrides(level),
         "train.seed": seed,
         "data.seed": seed,
         "train.steps": steps,
@@ -132,18 +135,18 @@ def get_sweep(
 # ------------------------------------------------------------------------------------------------
 # Stage 0: the shared warm start.
 # ------------------------------------------------------------------------------------------------
-def init_workdir(root: str) -> str:
-    return os.path.join(os.path.abspath(root), EXPERIMENT, f"_init_sft{SFT_STEPS}")
+def init_workdir(root: str, sft_steps: int = SFT_STEPS) -> str:
+    return os.path.join(os.path.abspath(root), EXPERIMENT, f"_init_sft{sft_steps}")
 
 
-def prepare_init(root: str, extra: dict | None = None) -> str:
-    """Runs (once) the supervised warm start (`SFT_STEPS`, no RL, fp32 avg@16 on the held-out
+def prepare_init(root: str, extra: dict | None = None, sft_steps: int = SFT_STEPS) -> str:
+    """Runs (once) the supervised warm start (`sft_steps`, no RL, fp32 avg@16 on the held-out
     prompts) and returns its hf_export directory."""
-    workdir = init_workdir(root)
+    workdir = init_workdir(root, sft_steps)
     export = os.path.join(workdir, "hf_export")
     if os.path.exists(os.path.join(export, "config.json")):
         return export
-    overrides = {"train.steps": 0, "sft.steps": SFT_STEPS, "checkpoint.every": 0, **(extra or {})}
+    overrides = {"train.steps": 0, "sft.steps": sft_steps, "checkpoint.every": 0, **(extra or {})}
     argv = launch.unit_argv(f"{CONFIG}:{CONFIG_ARG}", overrides.items(), workdir, sys.executable)
     print("[e004 stage 0] " + shlex.join(argv), flush=True)
     rc = launch.run_logged(argv, workdir)
@@ -155,10 +158,12 @@ def prepare_init(root: str, extra: dict | None = None) -> str:
 # ------------------------------------------------------------------------------------------------
 # Stage 1: sampling statistics of the warm start at each level.
 # ------------------------------------------------------------------------------------------------
-def stage1(root: str, out: str, levels, num_prompts: int, samples: int) -> dict:
+def stage1(
+    root: str, out: str, levels, num_prompts: int, samples: int, sft_steps: int = SFT_STEPS
+) -> dict:
     """Measures each level not yet in out/stage1_levels.json (same warm start), adding each as
     it finishes."""
-    hf = prepare_init(root)
+    hf = prepare_init(root, sft_steps=sft_steps)
     path = os.path.join(out, "stage1_levels.json")
     data = {"init_hf": hf, "levels": {}}
     if os.path.exists(path):
@@ -178,6 +183,35 @@ def stage1(root: str, out: str, levels, num_prompts: int, samples: int) -> dict:
     return data
 
 
+def scan_m4(
+    root: str, out: str, strengths, num_prompts: int, samples: int, sft_steps: int = SFT_STEPS
+) -> dict:
+    """Stage 1 of the synthetic rung M4 at each tail-noise strength (`rollout.noise_std`) not yet
+    in out/stage1_m4_scan.json; the config's `M4_NOISE_STD` is then chosen from it."""
+    hf = prepare_init(root, sft_steps=sft_steps)
+    path = os.path.join(out, "stage1_m4_scan.json")
+    cfg = _config()
+    data = {"init_hf": hf, "tail_noise_gap": cfg.TAIL_NOISE_GAP, "strengths": {}}
+    if os.path.exists(path):
+        with open(path) as fh:
+            data = json.load(fh)
+    for sigma in strengths:
+        key = f"{float(sigma):g}"
+        if key in data["strengths"]:
+            print(f"[e004 m4 scan] sigma {key}: done ({path})", flush=True)
+            continue
+        print(f"[e004 m4 scan] measuring M4 at noise_std {key}", flush=True)
+        rec = measure_lib.measure(
+            hf, "M4", num_prompts, samples, overrides={"rollout.noise_std": float(sigma)}
+        )
+        data["strengths"][key] = rec
+        print(json.dumps(rec), flush=True)
+        os.makedirs(out, exist_ok=True)
+        with open(path, "w") as fh:
+            json.dump(data, fh, indent=1)
+    return data
+
+
 # ------------------------------------------------------------------------------------------------
 # RL units: run through launch.py, then one compact record each (units/<unit>.json).
 # ------------------------------------------------------------------------------------------------
@@ -190,13 +224,12 @@ def unit_record(workdir: str, overrides: dict) -> dict | None:
         return None
     rows = [r for r in metrics.read_metrics(workdir) if r["step"] > 0 and "loss" in r]
     series = lambda k: [float(r[k]) for r in rows if k in r]
-    levels = {v: k for k, v in _config().LEVELS.items()}
     name = os.path.basename(workdir)
     return {
         "unit": name,
         "role": name.split("_")[1],  # "NN_role_method_level_sSEED"
         "method": overrides["method"],
-        "level": levels[overrides["rollout.dtype"]],
+        "level": _config().level_of(overrides),
         "seed": overrides.get("train.seed", 0),
         "steps": summary["steps"],
         "start_acc": summary["start_eval_accuracy"],
@@ -288,24 +321,34 @@ def write_verdict(out: str) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--stage", required=True, choices=("0", "1", "gain", "2", "3", "verdict"))
+    p.add_argument(
+        "--stage", required=True, choices=("0", "1", "m4scan", "gain", "2", "3", "verdict")
+    )
     p.add_argument("--root", default=launch.DEFAULT_ROOT, help="root of the unit workdirs")
     p.add_argument("--out", default=OUT, help="results folder")
-    p.add_argument("--levels", default="M0,M1,M2,M3", help="stage 1: ladder levels to measure")
+    p.add_argument("--levels", default="M0,M1,M2,M3,M4", help="stage 1: levels to measure")
+    p.add_argument("--m4_noise", default="1,2,3", help="m4scan: tail-noise strengths (sigma)")
     p.add_argument("--prompts", type=int, default=64, help="stage 1: prompts (x --samples)")
     p.add_argument("--samples", type=int, default=16, help="stage 1: responses per prompt")
     p.add_argument("--parallel", type=int, default=1, help="RL units at a time")
     p.add_argument("--seeds", type=int, default=len(FINAL_SEEDS), help="final seeds (stages 2-3)")
     p.add_argument("--steps", type=int, default=STEPS, help="RL steps (stages 2-3)")
     p.add_argument("--gain_steps", type=int, default=GAIN_STEPS, help="RL steps of the gain run")
+    p.add_argument("--sft_steps", type=int, default=SFT_STEPS, help="SFT steps of the warm start")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if args.stage == "0":
-        print(prepare_init(args.root))
+        print(prepare_init(args.root, sft_steps=args.sft_steps))
         return 0
     if args.stage == "1":
-        data = stage1(args.root, args.out, args.levels.split(","), args.prompts, args.samples)
+        data = stage1(
+            args.root, args.out, args.levels.split(","), args.prompts, args.samples, args.sft_steps
+        )
         measure_lib.plot_levels(data["levels"], os.path.join(args.out, "stage1_levels.png"))
+    elif args.stage == "m4scan":
+        strengths = [float(x) for x in args.m4_noise.split(",")]
+        scan_m4(args.root, args.out, strengths, args.prompts, args.samples, args.sft_steps)
+        return 0
     elif args.stage != "verdict":
         v = write_verdict(args.out)
         blocked = {"2": ("power",), "3": ("power", "premise")}.get(args.stage, ())
@@ -319,7 +362,7 @@ def main(argv=None) -> int:
         stage = {"gain": "gain", "2": "premise", "3": "methods"}[args.stage]
         sweep = {
             "stage": stage,
-            "init_hf": prepare_init(args.root),
+            "init_hf": prepare_init(args.root, sft_steps=args.sft_steps),
             "steps": args.steps,
             "gain_steps": args.gain_steps,
             "seeds": args.seeds,

@@ -55,7 +55,8 @@ C1_TOLERANCE = 0.03  # DVP / MIS+DVP may end at most this far below M0 RLOO
 C1_MIN_CLEAN_SEEDS = 4  # of 5: seeds without any collapse indicator
 C1_PRUNED_RATIO = 0.5  # pruned |E[L]| <= this x unpruned |E[L]|
 BOOTSTRAP = 10_000
-LEVEL_ORDER = ("M0", "M1", "M2", "M3")  # weakest to strongest
+# Weakest to strongest; M4 is the synthetic tail-noise rung (configs/e004_running_sum.py).
+LEVEL_ORDER = ("M0", "M1", "M2", "M3", "M4")
 # Collapse indicators (issue 14): over the RL steps of one unit, with windows of WINDOW steps.
 WINDOW = 50
 PPL_FACTOR = 2.0  # mean |log PPL diff| of the last window >= 2x the first window's
@@ -111,7 +112,7 @@ def collapse_indicators(
 # Gates: pure functions of numbers.
 # ------------------------------------------------------------------------------------------------
 def strongest_level(levels: Mapping[str, dict]) -> str | None:
-    """The strongest ladder level among `levels` (M3 > M2 > M1 > M0), None if none."""
+    """The strongest level among `levels` (M4 > M3 > M2 > M1 > M0), None if none."""
     present = [lv for lv in LEVEL_ORDER if lv in levels]
     return present[-1] if present else None
 

@@ -2,8 +2,9 @@
 
 The smoke run is real and minimal: one MIS+DVP work unit at M3 through experiments/launch.py
 (random init, 2 RL steps, 2 prompts x 2 responses of <= 17 tokens, tiny model) in a subprocess,
-while this process runs stage 1's measurement (`measure`: engine sampling at M3 with the int4
-weights, the trainer's teacher-forced statistics) on a random tiny model exported here. Then the
+while this process runs stage 1's measurement (`measure`: engine sampling at M4, i.e. M3's int4
+weights plus the synthetic tail-shaped logit noise, and the trainer's teacher-forced statistics)
+on a random tiny model exported here. Then the
 unit's record and the verdict are built from the real outputs. The gates are pure functions,
 each checked passing and failing on synthetic numbers.
 """
@@ -35,7 +36,7 @@ def _smoke_overrides() -> dict:
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    """Starts the smoke unit, measures M3 on a random exported model meanwhile; yields both."""
+    """Starts the smoke unit, measures M4 on a random exported model meanwhile; yields both."""
     root = tmp_path_factory.mktemp("e004")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
     env["JAX_PLATFORMS"] = "cpu"
@@ -53,10 +54,10 @@ def smoke(tmp_path_factory):
     from dvp_jax.model.transformer import Transformer
 
     overrides = _smoke_overrides()
-    cfg = measure_lib.level_config("M3", overrides)
+    cfg = measure_lib.level_config("M4", overrides)
     hf = str(root / "random_hf")
     save_hf(Transformer(cfg.model, TRAIN_POLICY, rngs=nnx.Rngs(0)), hf)
-    measured = measure_lib.measure(hf, "M3", num_prompts=2, samples=3, overrides=overrides)
+    measured = measure_lib.measure(hf, "M4", num_prompts=2, samples=3, overrides=overrides)
     out, _ = proc.communicate(timeout=600)
     return root, proc.returncode, out, measured
 
@@ -78,6 +79,17 @@ def test_stage_sweeps_name_roles_levels_and_seeds():
     assert {dict(u.overrides)["rollout.dtype"] for u in methods} == {"bfloat16_fp8kv"}
     with pytest.raises(ValueError, match="want 'gain', 'premise' or 'methods'"):
         e004.get_sweep(stage="nope")
+    # The synthetic rung: M3's precision plus the tail-shaped noise, and back from a unit.
+    m4 = launch.load_experiment(E004, {"stage": "methods", "level": "M4", "seeds": 1}).units
+    conf = measure_lib.config_module()
+    for u in m4:
+        ov = dict(u.overrides)
+        assert ov["rollout.dtype"] == "bfloat16_fp8kv_int4w"
+        assert ov["rollout.noise_tail_gap"] == 13.0 and ov["rollout.noise_std"] > 0
+        assert conf.level_of(ov) == "M4" and u.name.endswith("_M4_s0")
+        measure_lib.level_config("M0", ov)
+    assert [conf.level_of(conf.level_overrides(lv)) for lv in v.LEVEL_ORDER] == list(v.LEVEL_ORDER)
+    assert v.strongest_level({"M3": {}, "M4": {}}) == "M4"
 
 
 def test_config_meets_the_task_budget():
@@ -90,6 +102,9 @@ def test_config_meets_the_task_budget():
     assert cfg.rollout.dtype == "bfloat16_fp8kv_fp8w" and cfg.data.min_response_len >= 150
     with pytest.raises(ValueError, match="level 'M9'"):
         measure_lib.config_module().get_config("rloo:M9")
+    m4 = measure_lib.level_config("M4")
+    assert (m4.rollout.dtype, m4.rollout.noise_tail_gap) == ("bfloat16_fp8kv_int4w", 13.0)
+    assert cfg.rollout.noise_std == 0.0 and cfg.rollout.noise_tail_gap == 0.0  # M0-M3: none
 
 
 def test_smoke_unit_and_stage1_measurement(smoke, tmp_path):
@@ -103,18 +118,19 @@ def test_smoke_unit_and_stage1_measurement(smoke, tmp_path):
     assert all(math.isfinite(x) for k in ("log_ppl_diff", "grad_norm") for x in rec["curves"][k])
     assert set(rec["indicators"]) >= {"ppl", "grad", "entropy", "any"}
     # Stage 1 on a random model: 6 responses, statistics of the trainer's functions.
-    assert m["responses"] == 6 and m["level"] == "M3" and m["rollout_dtype"].endswith("int4w")
+    assert m["responses"] == 6 and m["level"] == "M4" and m["rollout_dtype"].endswith("int4w")
+    assert m["noise_tail_gap"] == 13.0 and m["noise_std"] > 0
     assert 0 < m["response_length"] <= 17 and 0 <= m["truncation_rate"] <= 1
     # A random model over ~7,000 ids is near uniform: entropy close to log V (within 1 nat).
     assert abs(m["entropy"] - math.log(7008)) < 1.0
     assert 0.0 <= m["seq_log_ratio_outside_share"] <= 1.0
-    assert m["seq_log_ratio"] != 0.0  # int4 weights + bf16 + fp8 KV: a nonzero mismatch
+    assert m["seq_log_ratio"] != 0.0  # int4 weights, bf16, fp8 KV, tail noise: a mismatch
     assert abs(m["seq_log_ratio"]) <= m["seq_log_ratio_abs_mean"] + 1e-6
     # The verdict on a results folder with only these: incomplete at stage 1 (no gain run).
-    (tmp_path / "stage1_levels.json").write_text(json.dumps({"levels": {"M3": m}}))
+    (tmp_path / "stage1_levels.json").write_text(json.dumps({"levels": {"M4": m}}))
     assert v.main(["--out", str(tmp_path)]) == 0
     verdict = json.loads((tmp_path / "verdict.json").read_text())
-    assert verdict["level"] == "M3" and verdict["power"]["checks"]
+    assert verdict["level"] == "M4" and verdict["power"]["checks"]
 
 
 # ------------------------------------------------------------------------------------------------

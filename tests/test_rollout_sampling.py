@@ -191,7 +191,131 @@ def test_sampler_calls_the_pruning_core(monkeypatch):
     np.testing.assert_allclose(changed.pruned_mass, 2 * mass / (1 + mass), rtol=1e-6)
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=0.0), dict(log_rho=0.5), dict(noise_std=-1.0)])
+def _tail_case(n_rows=512, tail_gap=13.0, noise_std=3.0, temperature=1.3, log_rho=-13.0):
+    """Rows of one logit vector spanning 0 .. -26 over 48 tokens (tempered gaps 0 .. 20), one
+    shared context, and the tail-shaped noise's parameters."""
+    logits = jnp.tile(jnp.asarray(np.linspace(0.0, -26.0, 48), jnp.float32), (n_rows, 1))
+    params = sampling.SamplingParams.create(
+        temperature=temperature, log_rho=log_rho, noise_std=noise_std, noise_tail_gap=tail_gap
+    )
+    context = jnp.full((n_rows,), 4242, jnp.uint32)
+    return logits, params, context
+
+
+def test_tail_noise_off_by_default_is_bit_identical():
+    """noise_tail_gap = 0 (the default) is today's uniform noise, bit for bit: the same tokens
+    and records as a `SamplingParams` without the field (the code path before it existed),
+    which are `pruning.pruned_token_logprobs` of logits + sigma n (to float32 rounding: XLA may
+    fuse the add differently in another program; |z| <= ~20 where ulp(16) = 1.9e-6, observed
+    1.2e-6, so 5e-6). With the noise off
+    too (every default) the records are those of the clean logits, exactly."""
+    logits = jnp.asarray(3.0 * np.random.default_rng(8).standard_normal((64, 40)), jnp.float32)
+    keys, context = _keys(8, 64), jnp.arange(64, dtype=jnp.uint32)
+    default = sampling.SamplingParams.create(temperature=0.8, log_rho=-4.0, noise_std=1.5)
+    assert float(default.noise_tail_gap) == 0.0
+    legacy = sampling.SamplingParams(
+        default.temperature, default.log_rho, default.noise_std, default.greedy
+    )
+    tokens, st = _sample(keys, logits, default, context)
+    old_tokens, old = jax.jit(sampling.sample)(keys, logits, legacy, context)
+    np.testing.assert_array_equal(tokens, old_tokens)
+    noise = jax.vmap(
+        lambda c: jax.random.normal(
+            jax.random.fold_in(jax.random.key(sampling.NOISE_SEED), c), (40,), jnp.float32
+        )
+    )(context)
+    prune = jax.jit(pruning.pruned_token_logprobs, static_argnums=(2, 3))
+    expect = prune(logits + 1.5 * noise, tokens, -4.0, 0.8)
+    for field in pruning.TokenLogprobs._fields:
+        np.testing.assert_array_equal(getattr(st, field), getattr(old, field), err_msg=field)
+        np.testing.assert_allclose(
+            getattr(st, field), getattr(expect, field), rtol=0, atol=5e-6, err_msg=field
+        )
+    quiet = sampling.SamplingParams.create(temperature=0.8, log_rho=-4.0)
+    q_tokens, q = _sample(keys, logits, quiet, context)
+    q_expect = prune(logits, q_tokens, -4.0, 0.8)
+    for field in pruning.TokenLogprobs._fields:
+        np.testing.assert_array_equal(getattr(q, field), getattr(q_expect, field), err_msg=field)
+
+
+def test_tail_noise_leaves_the_head_and_perturbs_the_tail():
+    """Tokens within G/2 of the top keep their logits bit for bit; from gap G on each gets the
+    full sigma n(c); between, a linear ramp. The argmax token's log mu then moves only through
+    the renormalisation over the perturbed tail."""
+    base = jax.random.key(sampling.NOISE_SEED)
+    scaled = jax.jit(sampling.scaled_logits)
+    # tau = 1: the head's z is its logit bit for bit (the added term is exactly 0).
+    logits, params, context = _tail_case(n_rows=2, temperature=1.0)
+    keys = jax.vmap(lambda c: jax.random.fold_in(base, c))(context)
+    z = np.asarray(scaled(logits, params, keys))
+    x = np.asarray(logits)
+    head = x.max(-1, keepdims=True) - x < 6.5
+    assert head[0].sum() >= 10 and not head.all()
+    np.testing.assert_array_equal(z[head], x[head])
+    assert (z[~head] != x[~head]).all()
+    # tau = 1.3: the gap is read on the tempered logits.
+    logits, params, context = _tail_case(n_rows=2)
+    z = np.asarray(scaled(logits, params, keys))
+    clean = np.asarray(logits, np.float64) / 1.3
+    n = np.asarray(jax.vmap(lambda k: jax.random.normal(k, (48,), jnp.float32))(keys))
+    gap = clean.max(-1, keepdims=True) - clean
+    head, tail = gap < 6.5, gap >= 13.0
+    assert head[0].sum() >= 10 and tail[0].sum() >= 10
+    # The head's z is logits / tau up to the rounding of that division (1e-6 at |z| <= 5).
+    np.testing.assert_allclose(z[head], clean[head], rtol=0, atol=1e-6)
+    # Full strength beyond G: z = (logits + sigma n) / tau; float32 rounding of that expression
+    # (|z| <= ~30, ulp 1.9e-6), so 1e-5.
+    full = (np.asarray(logits, np.float64) + 3.0 * n) / 1.3
+    np.testing.assert_allclose(z[tail], full[tail], rtol=0, atol=1e-5)
+    ramp = np.clip((gap - 6.5) / 6.5, 0, 1)
+    mid = ~head & ~tail
+    np.testing.assert_allclose(
+        z[mid], ((np.asarray(logits, np.float64) + 3.0 * ramp * n) / 1.3)[mid], atol=1e-5
+    )
+    # The argmax token's log mu moves only by the renormalisation over the perturbed tail.
+    _, st = _sample(_keys(9, 2), logits, params.replace(greedy=jnp.asarray(True)), context)
+    _, st_clean = _sample(
+        _keys(9, 2), logits, params.replace(greedy=jnp.asarray(True), noise_std=jnp.asarray(0.0))
+    )
+    assert abs(float(st.logp_full[0] - st_clean.logp_full[0])) < 0.05
+
+
+def test_tail_noise_is_fixed_per_context_and_recorded_exactly():
+    """Every sample of one context draws from one distribution (its tokens' log mu agree for
+    every key), and the recorded log mu_S / log mu are those of the perturbed, tempered,
+    pruned logits (float64 reference of z = (logits + sigma s n) / tau; tolerance as in the
+    reference test above, 1e-5 for |z| <= ~30)."""
+    logits, params, context = _tail_case()
+    tokens, st = _sample(_keys(10, 512), logits, params, context)
+    tokens = np.asarray(tokens)
+    for y in np.unique(tokens):
+        assert np.ptp(np.asarray(st.logp_full)[tokens == y]) == 0.0
+    base = jax.random.key(sampling.NOISE_SEED)
+    n = np.asarray(jax.random.normal(jax.random.fold_in(base, 4242), (48,), jnp.float32), float)
+    x = np.asarray(logits[0], np.float64)
+    ramp = np.clip(((x.max() - x) / 1.3 - 6.5) / 6.5, 0, 1)
+    z = np.tile(x + 3.0 * ramp * n, (512, 1))
+    logp, logp_full, mass, size, _ = _np_reference(z, tokens, 1.3, -13.0)
+    np.testing.assert_allclose(st.logp, logp, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(st.logp_full, logp_full, rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(st.safe_size, size)
+    # Another context is another fixed perturbation of the tail.
+    _, other = _sample(_keys(10, 512), logits, params, context + 1)
+    assert not np.array_equal(np.asarray(other.safe_size), np.asarray(st.safe_size)) or (
+        np.asarray(other.pruned_mass)[0] != np.asarray(st.pruned_mass)[0]
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(temperature=0.0),
+        dict(log_rho=0.5),
+        dict(noise_std=-1.0),
+        dict(noise_tail_gap=-1.0),
+        dict(noise_tail_gap=math.inf),
+    ],
+)
 def test_sampling_params_reject_bad_values(kwargs):
     with pytest.raises(ValueError, match="SamplingParams"):
         sampling.SamplingParams.create(**kwargs)

@@ -2,7 +2,8 @@
 
 One step for a batch of rows, a pure function of arrays (the engine's jitted `generate` calls it):
 
-  z  = (logits + sigma * n(c)) / tau       sigma = `noise_std` (default 0), c = the context
+  z  = (logits + sigma * s * n(c)) / tau   sigma = `noise_std` (default 0), c = the context,
+                                           s = 1, or the tail ramp below (`noise_tail_gap`)
   V_S = { a : z_a >= max_b z_b + log_rho }  (E1; log_rho = -inf keeps the whole vocabulary)
   y  ~ mu_S = softmax(z restricted to V_S)  (E4, exponential race), or argmax z when greedy
 
@@ -21,6 +22,19 @@ of a group at their shared prompt, on every step, whatever the weights. Its key 
 slot. Like bf16 or quantization error it is deterministic given the context, so mu is a fixed
 distribution and the recorded log mu_S are exactly the behaviour probabilities the engine samples
 from (not conditional on a random draw).
+The tail-shaped noise (`noise_tail_gap` = G > 0; default 0, uniform noise as above) is a
+SYNTHETIC mismatch, not a model of any engine's arithmetic: it scales each token's noise by
+how far that token lies below the row's top on the unperturbed tempered logits,
+gap_a = (max_b logits_b - logits_a) / tau, through the ramp s_a = clip((gap_a - G/2) / (G/2), 0,
+1): exactly 0 (the token's logit is untouched, bit for bit) within G/2 of the top, rising
+linearly to full strength sigma at gap G (with G = 13, the edge of the trainer's e^-13 safe set,
+docs/design.md E1) and full beyond it. It models the premise of *Taming the Tail* (docs/design.md
+section 1) that engine error concentrates on low-probability tokens and that the rollout
+over-rates the tail tokens it samples (experiments/README.md, e001: sampled tail tokens have l =
+log pi - log mu < 0 under bf16), at a strength the small models here do not reach with real
+quantization (e004). Like the uniform noise it is a fixed function of the context (the same n(c),
+and s depends only on the logits of that context), so mu is a fixed distribution and what is
+recorded is exactly what is sampled from.
 With `greedy` the token is the argmax of z (always in V_S) and the recorded log-probs are still
 those of mu_S (the model's pruned distribution, not the degenerate greedy policy).
 
@@ -70,12 +84,17 @@ class SamplingParams:
       log_rho: log of the min-p threshold rho (<= 0); -inf means no pruning.
       noise_std: sigma >= 0 of the additive Gaussian noise on the raw logits (0: off).
       greedy: take argmax z instead of sampling.
+      noise_tail_gap: G >= 0; > 0 shapes the noise to the tail (synthetic, module docstring):
+        token a's noise is scaled by clip((gap_a - G/2) / (G/2), 0, 1), gap_a its distance
+        below the row max on the unperturbed tempered logits. 0 (the default): uniform noise.
+        None only in pytrees of shardings (`RolloutEngine` builds one with four fields).
     """
 
     temperature: jax.Array
     log_rho: jax.Array
     noise_std: jax.Array
     greedy: jax.Array
+    noise_tail_gap: jax.Array | None = None
 
     @classmethod
     def create(
@@ -84,18 +103,22 @@ class SamplingParams:
         log_rho: float = -13.0,
         noise_std: float = 0.0,
         greedy: bool = False,
+        noise_tail_gap: float = 0.0,
     ) -> SamplingParams:
         """Validated constructor from Python values (see `check_sampling_values`)."""
-        check_sampling_values(temperature, log_rho, noise_std)
+        check_sampling_values(temperature, log_rho, noise_std, noise_tail_gap)
         return cls(
             temperature=jnp.asarray(temperature, jnp.float32),
             log_rho=jnp.asarray(log_rho, jnp.float32),
             noise_std=jnp.asarray(noise_std, jnp.float32),
             greedy=jnp.asarray(bool(greedy)),
+            noise_tail_gap=jnp.asarray(noise_tail_gap, jnp.float32),
         )
 
 
-def check_sampling_values(temperature: float, log_rho: float, noise_std: float) -> None:
+def check_sampling_values(
+    temperature: float, log_rho: float, noise_std: float, noise_tail_gap: float = 0.0
+) -> None:
     """Raises ValueError naming the field and its allowed range."""
     if not (temperature > 0 and math.isfinite(temperature)):
         raise ValueError(f"SamplingParams.temperature must be finite and > 0, got {temperature}")
@@ -103,12 +126,34 @@ def check_sampling_values(temperature: float, log_rho: float, noise_std: float) 
         raise ValueError(f"SamplingParams.log_rho must be <= 0 or -inf, got {log_rho}")
     if not (noise_std >= 0 and math.isfinite(noise_std)):
         raise ValueError(f"SamplingParams.noise_std must be finite and >= 0, got {noise_std}")
+    if not (noise_tail_gap >= 0 and math.isfinite(noise_tail_gap)):
+        raise ValueError(
+            f"SamplingParams.noise_tail_gap must be finite and >= 0 (0: uniform noise), got "
+            f"{noise_tail_gap}"
+        )
+
+
+def tail_ramp(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """s_a = clip((gap_a - G/2) / (G/2), 0, 1) with gap_a = (max_b logits_b - logits_a) / tau.
+
+    Args:
+      logits: [b, v] float32 raw logits (before noise).
+      params: sampling parameters; G = `noise_tail_gap` > 0, tau as in `scaled_logits`.
+    Returns:
+      [b, v] float32 in [0, 1]: exactly 0 within G/2 of the row max, 1 from G on.
+    """
+    tau = jnp.where(params.greedy, 1.0, params.temperature)
+    gap = (jnp.max(logits, axis=-1, keepdims=True) - logits) / tau
+    half = params.noise_tail_gap / 2
+    return jnp.clip((gap - half) / half, 0.0, 1.0)
 
 
 def scaled_logits(
     logits: jax.Array, params: SamplingParams, noise_key: jax.Array | None = None
 ) -> jax.Array:
-    """z = (logits + sigma n) / tau in float32; tau is taken as 1 when greedy.
+    """z = (logits + sigma s n) / tau in float32; tau is taken as 1 when greedy.
+
+    s = 1 (uniform noise) unless `noise_tail_gap` > 0, then s = `tail_ramp(logits, params)`.
 
     Args:
       logits: [b, v] raw logits (any float dtype; upcast to float32 here).
@@ -119,13 +164,25 @@ def scaled_logits(
     """
     z = logits.astype(jnp.float32)  # upcast before any softmax statistic
     if noise_key is not None:
+        draw = lambda: jax.vmap(lambda k: jax.random.normal(k, z.shape[-1:], jnp.float32))(
+            noise_key
+        )
 
         def add_noise(z):
-            noise = jax.vmap(lambda k: jax.random.normal(k, z.shape[-1:], jnp.float32))(noise_key)
-            return z + params.noise_std * noise
+            return z + params.noise_std * draw()
 
-        # A runtime branch: with noise off (the default) no [b, v] normals are drawn at all.
-        z = jax.lax.cond(params.noise_std > 0, add_noise, lambda z: z, z)
+        def add_tail_noise(z):
+            return z + params.noise_std * (draw() * tail_ramp(z, params))
+
+        # Runtime branches: with noise off (the default) no [b, v] normals are drawn at all, and
+        # uniform noise runs the same branch whether or not the params carry a tail gap (so
+        # noise_tail_gap = 0 is bit-identical to params without the field).
+        branch = (params.noise_std > 0).astype(jnp.int32)
+        branches = (lambda z: z, add_noise)
+        if params.noise_tail_gap is not None:
+            branch = branch * (1 + (params.noise_tail_gap > 0).astype(jnp.int32))
+            branches += (add_tail_noise,)
+        z = jax.lax.switch(branch, branches, z)
     tau = jnp.where(params.greedy, 1.0, params.temperature)
     return z / tau
 

@@ -27,6 +27,8 @@ class EngineConfig:
       noise_std: sigma of additive Gaussian noise on the rollout logits before pruning
         (0 = off), a fixed function of the context (`sampling.py`): a controlled, stronger
         systematic mismatch.
+      noise_tail_gap: G >= 0; > 0 shapes that noise to the tail (a synthetic mismatch,
+        `sampling.py`): 0 within G/2 of the row max, full strength from gap G on. 0: uniform.
       max_concurrent_decodes: decode slots (the decode batch).
       max_prefill_length: longest prompt in tokens (BOS included).
       prefill_buckets: prompt lengths prefill is compiled for; values above
@@ -49,6 +51,7 @@ class EngineConfig:
     log_rho: float = -13.0
     greedy: bool = False
     seed: int = 0
+    noise_tail_gap: float = 0.0
     stop_tokens: tuple[int, ...] | None = None
 
     def __post_init__(self):
@@ -62,7 +65,9 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.prefill_buckets must be positive ints, got {self.prefill_buckets}"
             )
-        sampling.check_sampling_values(self.temperature, self.log_rho, self.noise_std)
+        sampling.check_sampling_values(
+            self.temperature, self.log_rho, self.noise_std, self.noise_tail_gap
+        )
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -99,6 +104,7 @@ class EngineConfig:
             log_rho=self.log_rho,
             noise_std=self.noise_std,
             greedy=self.greedy,
+            noise_tail_gap=self.noise_tail_gap,
         )
         kwargs.update(overrides)
         return sampling.SamplingParams.create(**kwargs)

@@ -131,6 +131,7 @@ def build_engine(cfg: ExperimentConfig, tokenizer, model, dtype: str = "") -> Ro
         EngineConfig(
             dtype=dtype,
             noise_std=r.noise_std,
+            noise_tail_gap=r.noise_tail_gap,
             max_concurrent_decodes=r.max_concurrent_decodes,
             max_prefill_length=cfg.data.max_prompt_len,
             prefill_buckets=(cfg.data.max_prompt_len,),

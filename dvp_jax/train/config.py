@@ -69,6 +69,9 @@ class RolloutConfig:
 
     dtype: str = "bfloat16"  # one of PRECISIONS; float32 turns the precision mismatch off
     noise_std: float = 0.0  # std of additive Gaussian logit noise before pruning (experiments)
+    # > 0: a synthetic tail-shaped noise (rollout/sampling.py): noise_std scaled per token by
+    # clip((gap - G/2) / (G/2), 0, 1), gap = its distance below the row max (tempered logits).
+    noise_tail_gap: float = 0.0
     temperature: float = 1.0
     max_decode_length: int = 8  # most tokens generated per response
     max_concurrent_decodes: int = 64  # decode slots of the engine
@@ -77,6 +80,7 @@ class RolloutConfig:
     def __post_init__(self):
         _check(self.dtype in PRECISIONS, "rollout.dtype", f"one of {PRECISIONS}", self.dtype)
         _pos_float("rollout.noise_std", self.noise_std, allow_zero=True)
+        _pos_float("rollout.noise_tail_gap", self.noise_tail_gap, allow_zero=True)
         _pos_float("rollout.temperature", self.temperature)
         _int("rollout.max_decode_length", self.max_decode_length, 1)
         _int("rollout.max_concurrent_decodes", self.max_concurrent_decodes, 1)
