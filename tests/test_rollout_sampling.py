@@ -74,6 +74,19 @@ def test_temperature_is_applied_before_pruning():
         assert int(st.safe_size[0]) == expected
 
 
+def test_first_argmax_is_the_first_index_of_the_row_max():
+    """`first_argmax` (max, then the smallest index attaining it) equals NumPy's argmax, ties
+    included: rows of small integers have many tied maxima, and the first one wins."""
+    rng = np.random.default_rng(11)
+    x = rng.integers(0, 4, size=(64, 37)).astype(np.float32)
+    x[5] = 2.0  # a row that is all one tie
+    got = jax.jit(sampling.first_argmax)(jnp.asarray(x))
+    np.testing.assert_array_equal(got, np.argmax(x, -1))
+    assert got.dtype == jnp.int32
+    given_max = sampling.first_argmax(jnp.asarray(x), jnp.asarray(x.max(-1, keepdims=True)))
+    np.testing.assert_array_equal(given_max, np.argmax(x, -1))
+
+
 def test_greedy_takes_argmax_for_every_key():
     logits = jnp.asarray(np.random.default_rng(3).standard_normal((16, 24)), jnp.float32)
     params = sampling.SamplingParams.create(greedy=True, temperature=0.3, log_rho=-1.0)

@@ -228,7 +228,7 @@ class RolloutEngine(engine_api.Engine):
         return DecodeState(
             cache=KVCache(cache, cache),
             **{f: rep for f in ("logits", "pos", "step", "done", "key", "context") + RECORD_FIELDS},
-            sampling=sampling.SamplingParams(rep, rep, rep, rep),
+            sampling=sampling.SamplingParams(rep, rep, rep, rep, rep),
         )
 
     def _make_prefix_shardings(self) -> Prefix:
