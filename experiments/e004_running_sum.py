@@ -61,7 +61,7 @@ PILOT_SEEDS = (100,)  # separate from the final seeds
 LEVEL = "M3"  # the strongest level: the one stages 2-3 use
 GAIN_STEPS = 40
 STEPS = 100
-# RL unit sizes on top of the config (whose RL batch is 8 prompts x 8 responses): fp32 held-out
+# RL unit sizes on top of the config (whose RL batch is 8 prompts x 16 responses): fp32 held-out
 # avg@16 on 32 prompts at the start and the end.
 SIZES = {"train.learning_rate": 2e-4, "eval.every": 0, "checkpoint.every": 10, "plots": False}
 SMOKE = {  # CI sizes: random init, 2 RL steps, 2 prompts x 2 responses of <= 17 tokens
