@@ -287,23 +287,20 @@ def test_tail_share_is_bounded_and_zero_without_mismatch():
     safe = jnp.array([[True, True, False]])
     lp = jnp.array([[-1.0, -1.0, -3.0]])
     lm = jnp.array([[-2.0, -2.0, -2.0]])
-    got = diagnostics.tail_metrics(
-        logp=lp,
-        behaviour_logp=lm,
-        logp_full=lp,
-        behaviour_logp_full=lm,
-        response_mask=mask,
-        safe=safe,
-    )
+
+    def tail(behaviour):  # pruned and unpruned log-probs alike on both sides
+        return diagnostics.tail_metrics(
+            logp=lp,
+            behaviour_logp=behaviour,
+            logp_full=lp,
+            behaviour_logp_full=behaviour,
+            response_mask=mask,
+            safe=safe,
+        )
+
+    got = tail(lm)
     assert got["seq_log_ratio"] == pytest.approx(1.0)
     assert got["seq_log_ratio_outside"] == pytest.approx(-1.0)
     assert got["seq_log_ratio_outside_share"] == pytest.approx(1 / 3)
-    same = diagnostics.tail_metrics(
-        logp=lp,
-        behaviour_logp=lp,
-        logp_full=lp,
-        behaviour_logp_full=lp,
-        response_mask=mask,
-        safe=safe,
-    )
+    same = tail(lp)
     assert same["seq_log_ratio_outside_share"] == 0.0 and same["seq_log_ratio"] == 0.0

@@ -1,6 +1,7 @@
 """Model invariances: cached == uncached, padding-invariance, bf16 vs fp32 mismatch; the
 stacked layer layout under `nnx.scan` (one compiled block body) and its remat policies."""
 
+import math
 import re
 
 import jax
@@ -171,20 +172,26 @@ def test_layers_are_stacked_and_the_block_body_is_compiled_once():
 _IN_PLACE_OPS = ("parameter", "get-tuple-element", "bitcast", "scatter", "tuple")
 
 
+def _instructions(hlo: str):
+    """(name, shape, opcode, line) of each instruction of a compiled HLO text."""
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = [a-z0-9]+\[([0-9,]*)\]\S* ([a-z-]+)\(", line)
+        if m:
+            shape = tuple(int(d) for d in m.group(2).split(",") if d)
+            yield m.group(1), shape, m.group(3), line.strip()[:160]
+
+
 def _cache_passes(hlo: str, shape: tuple) -> list[str]:
     """Instructions of a compiled program that produce a `shape` array by a full pass over it
     (copy, convert, elementwise fusion...): everything but the in-place ops and scatter
     fusions."""
-    dims = "[" + ",".join(map(str, shape)) + "]"
-    found = []
-    for line in hlo.splitlines():
-        m = re.match(r"\s*(?:ROOT )?%(\S+) = [a-z0-9]+(\[[0-9,]*\])\S* ([a-z-]+)\(", line)
-        if not m or m.group(2) != dims or m.group(3) in _IN_PLACE_OPS:
-            continue
-        if m.group(3) == "fusion" and "scatter" in m.group(1):
-            continue
-        found.append(line.strip()[:160])
-    return found
+    return [
+        line
+        for name, dims, op, line in _instructions(hlo)
+        if dims == tuple(shape)
+        and op not in _IN_PLACE_OPS
+        and not (op == "fusion" and "scatter" in name)
+    ]
 
 
 @pytest.mark.parametrize("name", ["float32", "bfloat16"])
@@ -213,12 +220,11 @@ def test_decode_updates_the_cache_in_place(name):
 def _relayouts(hlo: str, elements: int) -> list[str]:
     """Transposes and copies of a compiled program that produce an array of `elements` values
     (a pass that rewrites that many cache entries in another layout)."""
-    found = []
-    for line in hlo.splitlines():
-        m = re.match(r"\s*(?:ROOT )?%\S+ = [a-z0-9]+\[([0-9,]*)\]\S* (transpose|copy)\(", line)
-        if m and m.group(1) and np.prod([int(d) for d in m.group(1).split(",")]) == elements:
-            found.append(line.strip()[:160])
-    return found
+    return [
+        line
+        for _, dims, op, line in _instructions(hlo)
+        if op in ("transpose", "copy") and dims and math.prod(dims) == elements
+    ]
 
 
 @pytest.mark.parametrize("name", ["float32", "bfloat16"])

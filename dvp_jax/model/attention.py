@@ -81,6 +81,16 @@ class KVCache(NamedTuple):
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
+def _masked_softmax(scores, visible, head_dim: int, policy: DTypePolicy):
+    """softmax(scores / sqrt(head_dim), masked to `visible`) over the last (key) axis, in the
+    compute dtype; `scores` are the float32 q.k products, `visible` broadcasts against them."""
+    scores = scores * (head_dim**-0.5)
+    # A large finite negative (not -inf): a query with no visible key (a padding row) gets a
+    # uniform, finite softmax instead of NaN.
+    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
+    return jax.nn.softmax(scores, axis=-1).astype(policy.compute_dtype)
+
+
 def _masked_softmax_attention(q, k, v, mask, policy: DTypePolicy):
     """softmax(q k^T / sqrt(h) + mask) v with GQA, both matmuls at `policy.precision`.
 
@@ -97,12 +107,7 @@ def _masked_softmax_attention(q, k, v, mask, policy: DTypePolicy):
     scores = jnp.einsum(
         "btkgh,bskh->bkgts", q, k, precision=policy.precision, preferred_element_type=jnp.float32
     )
-    scores = scores * (h**-0.5)
-    visible = mask[:, None, None, :, :]
-    # A large finite negative (not -inf): a query with no visible key (a padding row) gets a
-    # uniform, finite softmax instead of NaN.
-    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(policy.compute_dtype)
+    probs = _masked_softmax(scores, mask[:, None, None, :, :], h, policy)
     # [b, k, g, t, s] x [b, s, k, h] -> [b, t, k, g, h]
     return matmul("bkgts,bskh->btkgh", probs, v, policy)
 
@@ -409,11 +414,8 @@ class Attention(nnx.Module):
         scores = jnp.einsum(
             "bkgh,bksh->bkgs", q, keys, precision=p, preferred_element_type=jnp.float32
         )
-        scores = scores * (q.shape[-1] ** -0.5)
         visible = jnp.arange(kv_len)[None, :] <= positions[:, None]  # [b, s]
-        # A large finite negative, as in `_masked_softmax_attention`.
-        scores = jnp.where(visible[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(cd)
+        probs = _masked_softmax(scores, visible[:, None, None, :], q.shape[-1], self.policy)
         # [b, k, g, s] x [b, k, s, h] -> [b, k, g, h] -> [b, 1, k, g, h]
         attn = matmul("bkgs,bksh->bkgh", probs, values, self.policy)[:, None]
         return self._out(attn), k_all, v_all
