@@ -9,8 +9,9 @@ e^-13 safe-set threshold at its last rank (ln(p_min / p_max) = -13.05), so an ex
 e^-13 safe set). A fixed operand count: with 1-3 operands in 1..9 (the first version) the 2-layer
 warm start could not tell when to stop (most failures ended after too few steps), train problems
 were a third copies while the held-out set was two thirds 3-operand sums, and M0 RLOO did not learn
-(experiments/README.md, e004); 2 operands in 1..19 keep 39 distinct held-out problems (32
-evaluated). Reward: the integer after the last `<ans>` equals the total; a truncated response
+(experiments/README.md, e004); 2 operands in 1..19 keep 39 distinct held-out problems
+(`HELDOUT_PROBLEMS`; a single run of this config evaluates 32 x 16, the e004 stages all 39 x 64).
+Reward: the integer after the last `<ans>` equals the total; a truncated response
 scores 0.
 
 The mismatch is the rollout precision, a sweep argument (`get_config("dvp:M1")`, or
@@ -58,6 +59,7 @@ THOUGHT_WORDS = 6_000
 MAX_RESPONSE_LEN = 190
 MAX_OPERANDS = 2
 MAX_OPERAND = 19
+HELDOUT_PROBLEMS = 39  # every held-out problem of this task (2 operands in 1..19, fraction 0.1)
 SFT_STEPS = 1000
 
 

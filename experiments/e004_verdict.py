@@ -15,8 +15,9 @@ checks each passing and failing on synthetic inputs):
 * Power (`power_gate`): from the warm start, mean response length >= 150 tokens; policy entropy
   >= 1 nat; |E[L]| >= 2 nats and the share of E[L] from tokens outside the trainer's e^-13 safe
   set >= 0.25, both under the strongest level measured (the level every later stage uses); and a
-  short M0 RLOO run (pilot seeds) gains >= 0.05 avg@16 over the warm start. Any failure: verdict
-  "no power".
+  short M0 RLOO run (pilot seeds) gains >= 0.05 avg@16 over the warm start, each accuracy scored
+  on >= `MIN_GAIN_EVAL_RESPONSES` held-out responses (pilot units scored on fewer are listed in
+  `gain_units_excluded` and not counted). Any failure: verdict "no power".
 * Premise (`premise_gate`): at that level, RLOO's final avg@16 is >= 0.05 below M0 RLOO's (mean
   over the final seeds) with a one-sided Welch t-test p < 0.05, and a collapse indicator fires in
   a majority of the RLOO seeds (`collapse_indicators`). Failure: "premise does not reproduce".
@@ -49,6 +50,10 @@ MIN_ENTROPY = 1.0  # nats per response token
 MIN_ABS_SEQ_LOG_RATIO = 2.0  # |E[L]|, nats, under the strongest level
 MIN_OUTSIDE_SHARE = 0.25  # share of E[L] from tokens outside the trainer's safe set
 MIN_GAIN = 0.05  # M0 RLOO avg@16 gain over the warm start
+# The gain is read only from pilot units whose every accuracy figure rests on at least this many
+# held-out responses (the pre-registered protocol: all 39 problems x 64 samples = 2,496). The v3
+# design pilot's 32 x 16 = 512 put a binomial SE of ~0.02 on the gain, 40% of the threshold.
+MIN_GAIN_EVAL_RESPONSES = 2000
 PREMISE_DROP = 0.05  # RLOO at the level vs M0 RLOO, final avg@16
 PREMISE_P = 0.05  # one-sided p of that drop
 C1_TOLERANCE = 0.03  # DVP / MIS+DVP may end at most this far below M0 RLOO
@@ -323,8 +328,17 @@ def load_units(out: str) -> list[dict]:
 def gates_from_results(levels: Mapping[str, dict], units: Sequence[dict]) -> dict:
     """All four gates and the verdict from stage1_levels.json's levels and the unit records."""
     level = strongest_level({k: v for k, v in levels.items() if k != "M0"}) or "M1"
-    gain = [(u["start_acc"], u["final_acc"]) for u in units if u["role"] == "gain"]
+    pilots = [u for u in units if u["role"] == "gain"]
+    precise = [u for u in pilots if u.get("eval_responses", 0) >= MIN_GAIN_EVAL_RESPONSES]
+    gain = [(u["start_acc"], u["final_acc"]) for u in precise]
     power = power_gate(levels, level, gain or None)
+    if len(precise) < len(pilots):
+        power["gain_units_excluded"] = sorted(
+            f"{u.get('unit', u['seed'])}: {u.get('eval_responses', 'unknown')} eval responses "
+            f"(< {MIN_GAIN_EVAL_RESPONSES})"
+            for u in pilots
+            if u not in precise
+        )
     final = [u for u in units if u["role"] == "final"]
     pick = lambda m, lv: [u for u in final if u["method"] == m and u["level"] == lv]
     m0 = [u["final_acc"] for u in pick("rloo", "M0")]

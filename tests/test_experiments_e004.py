@@ -79,6 +79,14 @@ def test_stage_sweeps_name_roles_levels_and_seeds():
     assert {dict(u.overrides)["rollout.dtype"] for u in methods} == {"bfloat16_fp8kv"}
     with pytest.raises(ValueError, match="want 'gain', 'premise' or 'methods'"):
         e004.get_sweep(stage="nope")
+    assert e004.segment_ends(300, 100) == [100, 200, 300]
+    assert e004.segment_ends(250, 100) == [100, 200, 250] and e004.segment_ends(40, 100) == [40]
+    # Every unit is scored on all held-out problems (no more exist: a 40th is refused).
+    ov = dict(gain[0].overrides)
+    task = measure_lib.level_config("M0", ov).data.make_task()
+    assert len(task.heldout_examples(ov["eval.num_prompts"])) == ov["eval.num_prompts"] == 39
+    with pytest.raises(ValueError, match="found only 39 distinct held-out problems"):
+        task.heldout_examples(40)
     # The synthetic rung: M3's precision plus the tail-shaped noise, and back from a unit.
     m4 = launch.load_experiment(E004, {"stage": "methods", "level": "M4", "seeds": 1}).units
     conf = measure_lib.config_module()
@@ -114,6 +122,12 @@ def test_smoke_unit_and_stage1_measurement(smoke, tmp_path):
     workdir = root / "e004_running_sum" / "00_smoke_mis_dvp_M3"
     rec = e004.unit_record(str(workdir), _smoke_overrides())
     assert rec["role"] == "smoke" and rec["level"] == "M3" and rec["steps"] == 2
+    assert rec["eval_responses"] == 2 * 2  # eval.num_prompts x eval.k of the smoke sizes
+    assert rec["evals"] == [[0, rec["start_acc"]], [2, rec["final_acc"]]]
+    # A later segment keeps the accuracy an earlier one recorded, inside the run's steps only.
+    earlier = {"evals": [[0, 0.5], [1, 0.25], [7, 0.75]]}
+    again = e004.unit_record(str(workdir), _smoke_overrides(), earlier)
+    assert again["evals"] == [[0, rec["start_acc"]], [1, 0.25], [2, rec["final_acc"]]]
     assert len(rec["curves"]["entropy"]) == 2 and all(e > 0 for e in rec["curves"]["entropy"])
     assert all(math.isfinite(x) for k in ("log_ppl_diff", "grad_norm") for x in rec["curves"][k])
     assert set(rec["indicators"]) >= {"ppl", "grad", "entropy", "any"}
@@ -255,6 +269,7 @@ def test_gates_from_unit_records():
             "seed": seed,
             "start_acc": 0.2,
             "final_acc": final,
+            "eval_responses": 39 * 64,
             "indicators": {"any": fired},
             "abs_seq_log_ratio": 3.0,
             "abs_seq_log_ratio_pruned": 1.0,
@@ -273,3 +288,10 @@ def test_gates_from_unit_records():
     assert out["c1"]["pass"] and out["c2"]["pass"] and out["verdict"] == "claim reproduces"
     no_gain = [rec("rloo", "M0", 100, 0.21, role="gain")] + units[1:]
     assert v.gates_from_results(levels, no_gain)["verdict"] == "no power"
+    # A pilot scored on too few held-out responses does not count, for or against the gate.
+    coarse = rec("rloo", "M0", 100, 0.21, role="gain") | {"unit": "00_gain", "eval_responses": 512}
+    power = v.gates_from_results(levels, [coarse] + units[1:])["power"]
+    assert power["pass"] is None and power["missing"] == ["M0 RLOO gain run"]
+    assert power["gain_units_excluded"] == ["00_gain: 512 eval responses (< 2000)"]
+    power = v.gates_from_results(levels, [coarse] + units)["power"]  # the precise pilot decides
+    assert power["pass"] is True and power["checks"][-1]["value"] == pytest.approx(0.1)
