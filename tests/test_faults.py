@@ -75,7 +75,10 @@ def test_rerunning_a_finished_run_or_one_with_a_torn_log_keeps_one_row_per_step(
 
 def test_a_workdir_with_another_config_is_refused_before_anything_is_written(tmp_path):
     _run(tmp_path, **{"train.steps": 2})
-    before = {p: os.stat(os.path.join(tmp_path, p)).st_mtime_ns for p in os.listdir(tmp_path)}
+    mtimes = lambda: {
+        p: os.stat(os.path.join(tmp_path, p)).st_mtime_ns for p in os.listdir(tmp_path)
+    }
+    before = mtimes()
     model_config = (tmp_path / "model_config.json").read_bytes()
     cfg = ExperimentConfig.from_config_dict(
         tiny_config_dict(**{"train.steps": 2, "model.d_ff": 128, "train.learning_rate": 1e-3}),
@@ -85,22 +88,18 @@ def test_a_workdir_with_another_config_is_refused_before_anything_is_written(tmp
         Trainer(cfg, str(tmp_path))
     assert "model.d_ff: workdir 64, now 128" in str(e.value)
     assert "train.learning_rate" in str(e.value)
-    after = {p: os.stat(os.path.join(tmp_path, p)).st_mtime_ns for p in os.listdir(tmp_path)}
-    assert after == before
-    assert (tmp_path / "model_config.json").read_bytes() == model_config
-    # Fields a resume may change (here: more steps) are accepted.
-    _run(tmp_path, **{"train.steps": 3})
-    _assert_one_row_per_step(tmp_path)
-
-
-def test_cli_workdir_mismatch_is_one_clear_line(tmp_path):
-    _run(tmp_path, **{"train.steps": 1})
-    cmd, env = main_command(tmp_path, **{"train.steps": 1, "model.d_ff": 128})
+    # From the command line: one clear line, no traceback.
+    cmd, env = main_command(tmp_path, **{"train.steps": 2, "model.d_ff": 128})
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     text = out.stdout + out.stderr
     assert out.returncode not in (0, 75)
     assert "model.d_ff: workdir 64, now 128" in text
     assert "Traceback" not in text and "Event loop is closed" not in text
+    assert mtimes() == before
+    assert (tmp_path / "model_config.json").read_bytes() == model_config
+    # Fields a resume may change (here: more steps) are accepted.
+    _run(tmp_path, **{"train.steps": 3})
+    _assert_one_row_per_step(tmp_path)
 
 
 def _wait_for(path, needle, proc, timeout=300):
@@ -138,11 +137,21 @@ def test_kill_9_at_random_moments_then_resume_equals_one_uninterrupted_run(tmp_p
         cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     cmd, env = main_command(run_dir, "--export_hf", **overrides)
+    start = lambda: subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    # First a kill right after a checkpoint has landed, then at random moments.
+    proc, ckpt = start(), run_dir / "checkpoints" / "2"
+    deadline = time.time() + 600
+    while not ckpt.is_dir() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    assert ckpt.is_dir(), "no checkpoint at step 2 before the run ended"
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    assert not (run_dir / "summary.json").exists()
     rng = random.Random(13)
-    for attempt in range(3):
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+    for attempt in range(2):
+        proc = start()
         # Anywhere from start-up to the last steps (a run takes ~15-30 s here).
         try:
             proc.wait(timeout=rng.uniform(4.0, 20.0))
@@ -161,5 +170,12 @@ def test_kill_9_at_random_moments_then_resume_equals_one_uninterrupted_run(tmp_p
     assert ref.keys() == got.keys()
     for key in ref:
         np.testing.assert_array_equal(ref[key], got[key], err_msg=key)
+    # One row per step: every attempt resumed from its last checkpoint and redid only the rest.
     strip = lambda rs: [{k: v for k, v in r.items() if k not in TIMING} for r in rs]
     assert strip(read_metrics(str(run_dir))) == strip(read_metrics(str(ref_dir)))
+    assert [r["step"] for r in read_metrics(str(run_dir)) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    # The export carries the tokenizer too: transformers loads it with our ids.
+    from transformers import AutoTokenizer
+
+    hf_tok = AutoTokenizer.from_pretrained(str(run_dir / "hf_export"))
+    assert hf_tok.encode("12+7=", add_special_tokens=False) == CharTokenizer().encode_ids("12+7=")
