@@ -19,8 +19,11 @@ Stages (each resumable: finished pieces are found and skipped; results written a
     `get_sweep(stage="gain")`).
   2 premise: RLOO at the level and M0 RLOO, final seeds 0..4 (`get_sweep(stage="premise")`).
   3 methods: TIS, MIS, DVP, MIS+DVP at the level, final seeds (`get_sweep(stage="methods")`).
-  After every stage the unit records go to results/e004/units/<unit>.json and the gates to
-  results/e004/verdict.json (experiments/e004_verdict.py); a failed gate stops the later stages.
+  Every run is launched in `UNIT_STEPS`-step segments that resume it (<= 15-minute units), whole
+  runs one after another in seed-major order; after every segment the unit records go to
+  results/e004/units/<unit>.json, and after every stage the gates to results/e004/verdict.json
+  (experiments/e004_verdict.py: a unit counts once it has run its pre-registered length, an
+  arm once all its final seeds have); a failed gate stops the later stages.
 
 Commands (from the repository root):
   python -m experiments.e004_running_sum --stage 0 --root /tmp/e004/root
@@ -56,14 +59,15 @@ EXPERIMENT = "e004_running_sum"
 OUT = "experiments/results/e004"
 SFT_STEPS = measure_lib.config_module().SFT_STEPS  # the config's warm start (v1: 400)
 METHODS = ("rloo", "tis", "mis", "dvp", "mis_dvp")
-FINAL_SEEDS = (0, 1, 2, 3, 4)
+FINAL_SEEDS = tuple(range(gates.N_FINAL_SEEDS))
 # Separate from the final seeds. Seed 100 was the design pilot of v3 (its record, scored on 32
 # prompts x 16, is kept in results/e004/v3_design_pilot_s100/); the gate reads seed 101, run under
 # the evaluation protocol below, which was fixed and committed before that run started.
 PILOT_SEEDS = (101,)
 LEVEL = "M3"  # the strongest level: the one stages 2-3 use
-GAIN_STEPS = 300
-STEPS = 300  # stages 2-3 run as long as the gain run that shows M0 RLOO learns at all
+# The pre-registered lengths: stages 2-3 run as long as the gain run that shows M0 RLOO learns.
+GAIN_STEPS = gates.GAIN_STEPS
+STEPS = gates.FINAL_STEPS
 # Each RL run is launched in segments of UNIT_STEPS steps (issue 14's <= 15-minute units on 2 CPU
 # cores, at ~7 s per step): a segment resumes the run from its last checkpoint, and its end
 # evaluates held-out accuracy, so a run's record also holds its accuracy after every segment.
@@ -140,13 +144,14 @@ def get_sweep(
     final = FINAL_SEEDS[:seeds]
     if stage == "gain":
         return [unit("rloo", "M0", s, "gain", init_hf, gain_steps) for s in PILOT_SEEDS]
+    # Seed-major, so that a stage cut short has whole seeds of every arm.
     if stage == "premise":
-        return [unit("rloo", lv, s, "final", init_hf, steps) for lv in (level, "M0") for s in final]
+        return [unit("rloo", lv, s, "final", init_hf, steps) for s in final for lv in (level, "M0")]
     if stage == "methods":
         return [
             unit(m, level, s, "final", init_hf, steps)
-            for m in ("tis", "mis", "dvp", "mis_dvp")
             for s in final
+            for m in ("tis", "mis", "dvp", "mis_dvp")
         ]
     raise ValueError(f"get_sweep(stage={stage!r}): want 'gain', 'premise' or 'methods'")
 
@@ -299,19 +304,28 @@ def segment_ends(steps: int, unit_steps: int) -> list[int]:
 def run_stage(
     root: str, out: str, stage: str, parallel: int, sweep: dict, unit_steps: int = UNIT_STEPS
 ) -> list[dict]:
-    """Runs a stage's runs segment by segment (each segment a launch unit that resumes its run
-    from the last checkpoint; a finished segment resumes and stops at once), writing every run's
-    record after each segment."""
+    """Runs a stage's runs `parallel` at a time in sweep order, each segment by segment (every
+    segment a launch unit that resumes its run from the last checkpoint; a finished segment
+    resumes and stops at once), writing the records after each segment. Stops at a failed one."""
+    path = os.path.join(launch.REPO, "experiments", f"{EXPERIMENT}.py")
     length = "gain_steps" if stage == "gain" else "steps"
+    count = len(launch.load_experiment(path, sweep).units)
     records = []
-    for end in segment_ends(sweep[length], unit_steps):
-        exp = launch.load_experiment(
-            os.path.join(launch.REPO, "experiments", f"{EXPERIMENT}.py"), {**sweep, length: end}
-        )
-        print(f"[e004 {stage}] segment to step {end}: {exp.sweep_call}", flush=True)
-        results = launch.run_local(exp, root, parallel, dry_run=False, timeout=None)
-        print(launch.summary_table(results, exp.summary_keys), flush=True)
-        records = write_records(root, out)
+    for first in range(0, count, parallel):
+        group = list(range(first, min(first + parallel, count)))
+        for end in segment_ends(sweep[length], unit_steps):
+            exp = launch.select(launch.load_experiment(path, {**sweep, length: end}), group)
+            names = ", ".join(u.name for u in exp.units)
+            print(f"[e004 {stage}] {names}: segment to step {end}", flush=True)
+            results = launch.run_local(exp, root, parallel, dry_run=False, timeout=None)
+            print(launch.summary_table(results, exp.summary_keys), flush=True)
+            records = write_records(root, out)
+            failed = [r for r in results if not r.ok]
+            if failed:
+                raise RuntimeError(
+                    f"e004 {stage}: {failed[0].unit.name} failed at the segment to step {end} "
+                    f"(exit {failed[0].returncode}); see {failed[0].workdir}/launch.log"
+                )
     return records
 
 

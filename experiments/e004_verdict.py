@@ -60,6 +60,11 @@ C1_TOLERANCE = 0.03  # DVP / MIS+DVP may end at most this far below M0 RLOO
 C1_MIN_CLEAN_SEEDS = 4  # of 5: seeds without any collapse indicator
 C1_PRUNED_RATIO = 0.5  # pruned |E[L]| <= this x unpruned |E[L]|
 BOOTSTRAP = 10_000
+# The pre-registered run lengths and seed count (experiments/e004_running_sum.py runs them): a
+# unit counts once it has run its full length, and a stage-2/3 arm once all its final seeds have.
+GAIN_STEPS = 300
+FINAL_STEPS = 300
+N_FINAL_SEEDS = 5
 # Weakest to strongest; M4 is the synthetic tail-noise rung (configs/e004_running_sum.py).
 LEVEL_ORDER = ("M0", "M1", "M2", "M3", "M4")
 # Collapse indicators (issue 14): over the RL steps of one unit, with windows of WINDOW steps.
@@ -328,6 +333,13 @@ def load_units(out: str) -> list[dict]:
 def gates_from_results(levels: Mapping[str, dict], units: Sequence[dict]) -> dict:
     """All four gates and the verdict from stage1_levels.json's levels and the unit records."""
     level = strongest_level({k: v for k, v in levels.items() if k != "M0"}) or "M1"
+    length = {"gain": GAIN_STEPS, "final": FINAL_STEPS}
+    in_progress = sorted(
+        f"{u.get('unit', u['seed'])}: step {u['steps']} of {length[u['role']]}"
+        for u in units
+        if u["role"] in length and u["steps"] < length[u["role"]]
+    )
+    units = [u for u in units if u["role"] in length and u["steps"] >= length[u["role"]]]
     pilots = [u for u in units if u["role"] == "gain"]
     precise = [u for u in pilots if u.get("eval_responses", 0) >= MIN_GAIN_EVAL_RESPONSES]
     gain = [(u["start_acc"], u["final_acc"]) for u in precise]
@@ -340,7 +352,12 @@ def gates_from_results(levels: Mapping[str, dict], units: Sequence[dict]) -> dic
             if u not in precise
         )
     final = [u for u in units if u["role"] == "final"]
-    pick = lambda m, lv: [u for u in final if u["method"] == m and u["level"] == lv]
+
+    def pick(method: str, lv: str) -> list[dict]:
+        """An arm's finished units, once all N_FINAL_SEEDS of them have finished."""
+        arm = [u for u in final if u["method"] == method and u["level"] == lv]
+        return arm if len(arm) >= N_FINAL_SEEDS else []
+
     m0 = [u["final_acc"] for u in pick("rloo", "M0")]
     rl = pick("rloo", level)
     premise = premise_gate([u["final_acc"] for u in rl], m0, [u["indicators"]["any"] for u in rl])
@@ -363,6 +380,7 @@ def gates_from_results(levels: Mapping[str, dict], units: Sequence[dict]) -> dic
         "premise": premise,
         "c1": c1,
         "c2": c2,
+        "in_progress": in_progress,
         "verdict": verdict(power, premise, c1, c2),
     }
 

@@ -100,6 +100,28 @@ def test_stage_sweeps_name_roles_levels_and_seeds():
     assert v.strongest_level({"M3": {}, "M4": {}}) == "M4"
 
 
+def test_a_stage_runs_whole_runs_in_segments_and_stops_at_a_failure(monkeypatch, tmp_path):
+    calls = []
+
+    def run_local(exp, root, parallel, dry_run, timeout):
+        steps = {dict(u.overrides)["train.steps"] for u in exp.units}
+        calls.append(([u.name for u in exp.units], *steps))
+        failed = "M0_s0" in exp.units[0].name and 200 in steps
+        return [launch.UnitResult(u, str(tmp_path), 1 if failed else 0, 0.0, {}) for u in exp.units]
+
+    monkeypatch.setattr(launch, "run_local", run_local)
+    monkeypatch.setattr(e004, "write_records", lambda root, out: [])
+    sweep = {"stage": "premise", "level": "M4", "seeds": 1, "steps": 250}
+    with pytest.raises(RuntimeError, match="01_final_rloo_M0_s0 failed at the segment to step 200"):
+        e004.run_stage(str(tmp_path), str(tmp_path), "premise", 1, sweep, unit_steps=100)
+    # One run at a time, its segments in order, then the next run of the same seed.
+    first = "00_final_rloo_M4_s0"
+    assert calls == [([first], 100), ([first], 200), ([first], 250)] + [
+        (["01_final_rloo_M0_s0"], 100),
+        (["01_final_rloo_M0_s0"], 200),
+    ]
+
+
 def test_config_meets_the_task_budget():
     cfg = measure_lib.level_config("M2")
     assert cfg.rollout.max_decode_length >= cfg.data.max_response_len + 1
@@ -270,6 +292,7 @@ def test_gates_from_unit_records():
             "start_acc": 0.2,
             "final_acc": final,
             "eval_responses": 39 * 64,
+            "steps": 300,
             "indicators": {"any": fired},
             "abs_seq_log_ratio": 3.0,
             "abs_seq_log_ratio_pruned": 1.0,
@@ -280,7 +303,13 @@ def test_gates_from_unit_records():
     assert out["level"] == "M3" and out["power"]["pass"] is True
     assert out["verdict"] == "incomplete: stage 2 (premise)"
     units += [rec("rloo", "M0", s, 0.40 + 0.01 * s) for s in range(5)]
-    units += [rec("rloo", "M3", s, 0.30 + 0.01 * s, fired=True) for s in range(5)]
+    units += [rec("rloo", "M3", s, 0.30 + 0.01 * s, fired=True) for s in range(4)]
+    # A run still going, or an arm short of its 5 seeds, is not read as final.
+    going = rec("rloo", "M3", 4, 0.9) | {"unit": "09_final_rloo_M3_s4", "steps": 100}
+    out = v.gates_from_results(levels, units + [going])
+    assert out["verdict"] == "incomplete: stage 2 (premise)"
+    assert out["in_progress"] == ["09_final_rloo_M3_s4: step 100 of 300"]
+    units += [rec("rloo", "M3", 4, 0.34, fired=True)]
     assert v.gates_from_results(levels, units)["verdict"] == "incomplete: stage 3 (C1, C2)"
     for m, acc in (("tis", 0.31), ("mis", 0.29), ("dvp", 0.42), ("mis_dvp", 0.43)):
         units += [rec(m, "M3", s, acc + 0.005 * s) for s in range(5)]
