@@ -251,7 +251,8 @@ def unit_record(workdir: str, overrides: dict, previous: dict | None = None) -> 
     with open(os.path.join(workdir, "config.json")) as fh:
         config = json.load(fh)
     evals = [[0, summary["start_eval_accuracy"]]]
-    evals += [e for e in (previous or {}).get("evals", []) if 0 < e[0] < summary["steps"]]
+    if previous and previous.get("start_acc") == summary["start_eval_accuracy"]:  # same run
+        evals += [e for e in previous.get("evals", []) if 0 < e[0] < summary["steps"]]
     evals.append([summary["steps"], summary["eval_accuracy"]])
     rows = [r for r in metrics.read_metrics(workdir) if r["step"] > 0 and "loss" in r]
     series = lambda k: [float(r[k]) for r in rows if k in r]

@@ -147,9 +147,11 @@ def test_smoke_unit_and_stage1_measurement(smoke, tmp_path):
     assert rec["eval_responses"] == 2 * 2  # eval.num_prompts x eval.k of the smoke sizes
     assert rec["evals"] == [[0, rec["start_acc"]], [2, rec["final_acc"]]]
     # A later segment keeps the accuracy an earlier one recorded, inside the run's steps only.
-    earlier = {"evals": [[0, 0.5], [1, 0.25], [7, 0.75]]}
+    earlier = {"start_acc": rec["start_acc"], "evals": [[0, 0.5], [1, 0.25], [7, 0.75]]}
     again = e004.unit_record(str(workdir), _smoke_overrides(), earlier)
     assert again["evals"] == [[0, rec["start_acc"]], [1, 0.25], [2, rec["final_acc"]]]
+    other_run = earlier | {"start_acc": rec["start_acc"] + 1.0}  # a record of another start
+    assert e004.unit_record(str(workdir), _smoke_overrides(), other_run)["evals"] == rec["evals"]
     assert len(rec["curves"]["entropy"]) == 2 and all(e > 0 for e in rec["curves"]["entropy"])
     assert all(math.isfinite(x) for k in ("log_ppl_diff", "grad_norm") for x in rec["curves"][k])
     assert set(rec["indicators"]) >= {"ppl", "grad", "entropy", "any"}
