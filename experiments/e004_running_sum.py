@@ -64,7 +64,7 @@ FINAL_SEEDS = tuple(range(gates.N_FINAL_SEEDS))
 # prompts x 16, is kept in results/e004/v3_design_pilot_s100/); the gate reads seed 101, run under
 # the evaluation protocol below, which was fixed and committed before that run started.
 PILOT_SEEDS = (101,)
-LEVEL = "M3"  # the strongest level: the one stages 2-3 use
+LEVEL = "M4"  # the default level of a stage sweep (the stages pass the verdict's strongest level)
 # The pre-registered lengths: stages 2-3 run as long as the gain run that shows M0 RLOO learns.
 GAIN_STEPS = gates.GAIN_STEPS
 STEPS = gates.FINAL_STEPS

@@ -65,7 +65,8 @@ def smoke(tmp_path_factory):
 def test_stage_sweeps_name_roles_levels_and_seeds():
     premise = launch.load_experiment(E004, {"stage": "premise", "init_hf": "/x/hf_export"})
     names = [u.name for u in premise.units]
-    assert names[0] == "00_final_rloo_M3_s0" and names[-1] == "09_final_rloo_M0_s4"
+    assert names[0] == "00_final_rloo_M4_s0" and names[-1] == "09_final_rloo_M0_s4"
+    assert names[1] == "01_final_rloo_M0_s0"  # seed-major: both arms of a seed, then the next
     for u in premise.units:
         ov = dict(u.overrides)
         assert ov["model.hf_path"] == "/x/hf_export" and ov["sft.steps"] == 0
