@@ -67,12 +67,6 @@ def _run_main(workdir, *extra, wait=True):
     return proc
 
 
-def _exported(workdir):
-    from safetensors.numpy import load_file
-
-    return load_file(os.path.join(workdir, "hf_export", "model.safetensors"))
-
-
 def test_malformed_data_rows_are_counted_and_skipped(tmp_path):
     rows = []
     good = [
