@@ -134,7 +134,10 @@ def main(argv):
     except (WorkdirMismatchError, OSError) as e:  # a workdir that does not fit or cannot be written
         raise app.UsageError(str(e)) from None
     try:
-        summary = trainer.run()
+        try:
+            summary = trainer.run()
+        except WorkdirMismatchError as e:  # a checkpoint past train.steps: found on restore
+            raise app.UsageError(str(e)) from None
         if "preempted_at" in summary:
             preempted = True
         else:

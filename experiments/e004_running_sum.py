@@ -302,6 +302,12 @@ def segment_ends(steps: int, unit_steps: int) -> list[int]:
     return [*range(unit_steps, steps, unit_steps), steps]
 
 
+def reached(root: str, name: str) -> int:
+    """The steps of the last finished segment of run `name` under `root` (0 if none)."""
+    summary = launch.read_summary(os.path.join(os.path.abspath(root), EXPERIMENT, name))
+    return int(summary["steps"]) if summary else 0
+
+
 def run_stage(
     root: str, out: str, stage: str, parallel: int, sweep: dict, unit_steps: int = UNIT_STEPS
 ) -> list[dict]:
@@ -310,12 +316,17 @@ def run_stage(
     resumes and stops at once), writing the records after each segment. Stops at a failed one."""
     path = os.path.join(launch.REPO, "experiments", f"{EXPERIMENT}.py")
     length = "gain_steps" if stage == "gain" else "steps"
-    count = len(launch.load_experiment(path, sweep).units)
+    units = launch.load_experiment(path, sweep).units
     records = []
-    for first in range(0, count, parallel):
-        group = list(range(first, min(first + parallel, count)))
+    for first in range(0, len(units), parallel):
+        group = units[first : first + parallel]
         for end in segment_ends(sweep[length], unit_steps):
-            exp = launch.select(launch.load_experiment(path, {**sweep, length: end}), group)
+            # A run whose summary already reached `end` (this segment was done before) is not
+            # relaunched: its checkpoint may be past `end`, which the trainer refuses.
+            todo = [u.index for u in group if reached(root, u.name) < end]
+            if not todo:
+                continue
+            exp = launch.select(launch.load_experiment(path, {**sweep, length: end}), todo)
             names = ", ".join(u.name for u in exp.units)
             print(f"[e004 {stage}] {names}: segment to step {end}", flush=True)
             results = launch.run_local(exp, root, parallel, dry_run=False, timeout=None)
@@ -438,7 +449,11 @@ def main(argv=None) -> int:
             "seeds": args.seeds,
             "level": v["level"],
         }
-        records = run_stage(args.root, args.out, stage, args.parallel, sweep, args.unit_steps)
+        try:
+            records = run_stage(args.root, args.out, stage, args.parallel, sweep, args.unit_steps)
+        except RuntimeError as e:  # a failed segment: its log says why; rerun to resume
+            print(f"[e004] {e}", flush=True)
+            return 1
         plot_units(records, os.path.join(args.out, "units.png"))
     v = write_verdict(args.out)
     print(json.dumps({"verdict": v["verdict"], "level": v["level"]}))

@@ -116,11 +116,20 @@ def test_a_stage_runs_whole_runs_in_segments_and_stops_at_a_failure(monkeypatch,
     with pytest.raises(RuntimeError, match="01_final_rloo_M0_s0 failed at the segment to step 200"):
         e004.run_stage(str(tmp_path), str(tmp_path), "premise", 1, sweep, unit_steps=100)
     # One run at a time, its segments in order, then the next run of the same seed.
-    first = "00_final_rloo_M4_s0"
+    first, second = "00_final_rloo_M4_s0", "01_final_rloo_M0_s0"
     assert calls == [([first], 100), ([first], 200), ([first], 250)] + [
-        (["01_final_rloo_M0_s0"], 100),
-        (["01_final_rloo_M0_s0"], 200),
+        ([second], 100),
+        ([second], 200),
     ]
+    # Rerun, two at a time, with the first run finished and the second through step 100: only
+    # the segments not yet done are launched (a checkpoint past a segment's end is refused).
+    for name, steps in ((first, 250), (second, 100)):
+        os.makedirs(tmp_path / "e004_running_sum" / name)
+        (tmp_path / "e004_running_sum" / name / "summary.json").write_text(f'{{"steps": {steps}}}')
+    calls.clear()
+    with pytest.raises(RuntimeError, match=f"{second} failed at the segment to step 200"):
+        e004.run_stage(str(tmp_path), str(tmp_path), "premise", 2, sweep, unit_steps=100)
+    assert calls == [([second], 200)]
 
 
 def test_config_meets_the_task_budget():

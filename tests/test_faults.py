@@ -95,6 +95,22 @@ def test_a_workdir_with_another_config_is_refused_before_anything_is_written(tmp
     assert out.returncode not in (0, 75)
     assert "model.d_ff: workdir 64, now 128" in text
     assert "Traceback" not in text and "Event loop is closed" not in text
+    # Fewer steps than the checkpoint holds: refused too (it used to evaluate the step-2 policy
+    # and write it down as the step-1 result), from Python and from the command line.
+    short = ExperimentConfig.from_config_dict(tiny_config_dict(**{"train.steps": 1}), VOCAB)
+    trainer = Trainer(short, str(tmp_path))
+    try:
+        with pytest.raises(
+            WorkdirMismatchError, match="checkpoint at step 2, past train.steps = 1"
+        ):
+            trainer.run()
+    finally:
+        trainer.close()
+    cmd, env = main_command(tmp_path, **{"train.steps": 1})
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode not in (0, 75)
+    assert "past train.steps = 1" in out.stdout + out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
     assert mtimes() == before
     assert (tmp_path / "model_config.json").read_bytes() == model_config
     # Fields a resume may change (here: more steps) are accepted.

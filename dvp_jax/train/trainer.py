@@ -36,6 +36,7 @@ from dvp_jax.train import evaluation, sft
 from dvp_jax.train import step as step_lib
 from dvp_jax.train.builders import (
     Preemption,
+    WorkdirMismatchError,
     build_engine,
     build_model,
     check_workdir,
@@ -368,6 +369,11 @@ class Trainer:
             self._save(0, extra, force=True)
         else:  # the data iterator is set in place (Grain's handler)
             latest, self.state, _, extra = restored
+            if latest > cfg.train.steps:  # before anything is written
+                raise WorkdirMismatchError(
+                    f"{self.workdir} holds a checkpoint at step {latest}, past train.steps = "
+                    f"{cfg.train.steps}: raise train.steps to go on, or use a fresh workdir"
+                )
             self._open_outputs(latest)
             self._earlier_wall_time = float(extra.get("wall_time_s", 0.0))
             self._sync_weights()
