@@ -41,10 +41,12 @@ Hardware: 2 CPU cores shared with other jobs (load 2-9). Times: see experiments/
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import shlex
 import sys
+import threading
 
 import numpy as np
 
@@ -311,34 +313,48 @@ def reached(root: str, name: str) -> int:
 def run_stage(
     root: str, out: str, stage: str, parallel: int, sweep: dict, unit_steps: int = UNIT_STEPS
 ) -> list[dict]:
-    """Runs a stage's runs `parallel` at a time in sweep order, each segment by segment (every
-    segment a launch unit that resumes its run from the last checkpoint; a finished segment
-    resumes and stops at once), writing the records after each segment. Stops at a failed one."""
+    """Runs a stage's runs, `parallel` at a time in sweep order, each on its own segment by
+    segment (every segment a launch unit that resumes its run from the last checkpoint), writing
+    the records after every segment. A segment its run's summary already reached is not
+    relaunched (its checkpoint may be past that step, which the trainer refuses). After a failed
+    segment no new segment starts; the stage raises once the running ones end."""
     path = os.path.join(launch.REPO, "experiments", f"{EXPERIMENT}.py")
     length = "gain_steps" if stage == "gain" else "steps"
-    units = launch.load_experiment(path, sweep).units
-    records = []
-    for first in range(0, len(units), parallel):
-        group = units[first : first + parallel]
+    lock = threading.Lock()  # the records and the failure list
+    failures: list[str] = []
+
+    def run(unit) -> None:
+        workdir = os.path.join(os.path.abspath(root), EXPERIMENT, unit.name)
         for end in segment_ends(sweep[length], unit_steps):
-            # A run whose summary already reached `end` (this segment was done before) is not
-            # relaunched: its checkpoint may be past `end`, which the trainer refuses.
-            todo = [u.index for u in group if reached(root, u.name) < end]
-            if not todo:
+            if failures:
+                return
+            if reached(root, unit.name) >= end:
                 continue
-            exp = launch.select(launch.load_experiment(path, {**sweep, length: end}), todo)
-            names = ", ".join(u.name for u in exp.units)
-            print(f"[e004 {stage}] {names}: segment to step {end}", flush=True)
-            results = launch.run_local(exp, root, parallel, dry_run=False, timeout=None)
-            print(launch.summary_table(results, exp.summary_keys), flush=True)
-            records = write_records(root, out)
-            failed = [r for r in results if not r.ok]
-            if failed:
-                raise RuntimeError(
-                    f"e004 {stage}: {failed[0].unit.name} failed at the segment to step {end} "
-                    f"(exit {failed[0].returncode}); see {failed[0].workdir}/launch.log"
-                )
-    return records
+            exp = launch.load_experiment(path, {**sweep, length: end})
+            print(f"[e004 {stage}] {unit.name}: segment to step {end}", flush=True)
+            result = launch.run_unit(exp, exp.units[unit.index], workdir, None)
+            held_out = (result.summary or {}).get("eval_accuracy")
+            print(
+                f"[e004 {stage}] {unit.name}: step {end} "
+                f"{'ok' if result.ok else f'FAILED (exit {result.returncode})'} in "
+                f"{result.wall_s:.0f} s, held-out avg@16 {held_out}",
+                flush=True,
+            )
+            with lock:
+                write_records(root, out)
+                if not result.ok:
+                    failures.append(
+                        f"{unit.name} failed at the segment to step {end} "
+                        f"(exit {result.returncode}); see {workdir}/launch.log"
+                    )
+                    return
+
+    units = launch.load_experiment(path, sweep).units
+    with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
+        list(pool.map(run, units))
+    if failures:
+        raise RuntimeError(f"e004 {stage}: {failures[0]}")
+    return write_records(root, out)
 
 
 def write_records(root: str, out: str) -> list[dict]:

@@ -104,13 +104,14 @@ def test_stage_sweeps_name_roles_levels_and_seeds():
 def test_a_stage_runs_whole_runs_in_segments_and_stops_at_a_failure(monkeypatch, tmp_path):
     calls = []
 
-    def run_local(exp, root, parallel, dry_run, timeout):
-        steps = {dict(u.overrides)["train.steps"] for u in exp.units}
-        calls.append(([u.name for u in exp.units], *steps))
-        failed = "M0_s0" in exp.units[0].name and 200 in steps
-        return [launch.UnitResult(u, str(tmp_path), 1 if failed else 0, 0.0, {}) for u in exp.units]
+    def run_unit(exp, unit, workdir, timeout):
+        steps = dict(unit.overrides)["train.steps"]
+        assert workdir.endswith(os.path.join("e004_running_sum", unit.name))
+        calls.append(([unit.name], steps))
+        failed = "M0_s0" in unit.name and steps == 200
+        return launch.UnitResult(unit, workdir, 1 if failed else 0, 0.0, {})
 
-    monkeypatch.setattr(launch, "run_local", run_local)
+    monkeypatch.setattr(launch, "run_unit", run_unit)
     monkeypatch.setattr(e004, "write_records", lambda root, out: [])
     sweep = {"stage": "premise", "level": "M4", "seeds": 1, "steps": 250}
     with pytest.raises(RuntimeError, match="01_final_rloo_M0_s0 failed at the segment to step 200"):
