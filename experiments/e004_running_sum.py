@@ -59,7 +59,8 @@ CONFIG_ARG = "rloo:M0"
 SUMMARY_KEYS = ("start_eval_accuracy", "eval_accuracy", "final_log_ppl_diff", "wall_time_s")
 EXPERIMENT = "e004_running_sum"
 OUT = "experiments/results/e004"
-SFT_STEPS = measure_lib.config_module().SFT_STEPS  # the config's warm start (v1: 400)
+CFG = measure_lib.config_module()  # configs/e004_running_sum.py, loaded once
+SFT_STEPS = CFG.SFT_STEPS  # the config's warm start (v1: 400)
 METHODS = ("rloo", "tis", "mis", "dvp", "mis_dvp")
 FINAL_SEEDS = tuple(range(gates.N_FINAL_SEEDS))
 # Separate from the final seeds. Seed 100 was the design pilot of v3 (its record, scored on 32
@@ -84,7 +85,7 @@ EVAL_K = 64
 SIZES = {
     "train.learning_rate": 2e-4,
     "eval.every": 0,
-    "eval.num_prompts": measure_lib.config_module().HELDOUT_PROBLEMS,
+    "eval.num_prompts": CFG.HELDOUT_PROBLEMS,
     "eval.k": EVAL_K,
     "checkpoint.every": 10,
     "plots": False,
@@ -109,16 +110,12 @@ SMOKE = {  # CI sizes: random init, 2 RL steps, 2 prompts x 2 responses of <= 17
 }
 
 
-def _config():
-    return measure_lib.config_module()
-
-
 def unit(method: str, level: str, seed: int, role: str, init_hf: str, steps: int) -> dict:
     """One RL unit from the warm start: `method` at ladder `level`, seed `seed`."""
     return {
         "_name": f"{role}_{method}_{level}_s{seed}",
         "method": method,
-        **_config().level_overrides(level),
+        **CFG.level_overrides(level),
         "train.seed": seed,
         "data.seed": seed,
         "train.steps": steps,
@@ -141,7 +138,7 @@ def get_sweep(
     M0 RLOO, final seeds), "methods" (TIS, MIS, DVP, MIS+DVP at `level`, final seeds).
     `smoke`: one MIS+DVP unit at M3 at the CI sizes (`SMOKE`, from a random init)."""
     if smoke:
-        dtype = _config().LEVELS["M3"]
+        dtype = CFG.LEVELS["M3"]
         return [{"_name": "smoke_mis_dvp_M3", "method": "mis_dvp", "rollout.dtype": dtype, **SMOKE}]
     final = FINAL_SEEDS[:seeds]
     if stage == "gain":
@@ -216,8 +213,7 @@ def scan_m4(
     in out/stage1_m4_scan.json; the config's `M4_NOISE_STD` is then chosen from it."""
     hf = prepare_init(root, sft_steps=sft_steps)
     path = os.path.join(out, "stage1_m4_scan.json")
-    cfg = _config()
-    data = {"init_hf": hf, "tail_noise_gap": cfg.TAIL_NOISE_GAP, "strengths": {}}
+    data = {"init_hf": hf, "tail_noise_gap": CFG.TAIL_NOISE_GAP, "strengths": {}}
     if os.path.exists(path):
         with open(path) as fh:
             data = json.load(fh)
@@ -263,7 +259,7 @@ def unit_record(workdir: str, overrides: dict, previous: dict | None = None) -> 
         "unit": name,
         "role": name.split("_")[1],  # "NN_role_method_level_sSEED"
         "method": overrides["method"],
-        "level": _config().level_of(overrides),
+        "level": CFG.level_of(overrides),
         "seed": overrides.get("train.seed", 0),
         "steps": summary["steps"],
         "start_acc": summary["start_eval_accuracy"],

@@ -330,12 +330,17 @@ def load_units(out: str) -> list[dict]:
     return units
 
 
+def _name(unit: dict) -> str:
+    """A unit record's name (its seed when the record has none)."""
+    return str(unit.get("unit", unit["seed"]))
+
+
 def gates_from_results(levels: Mapping[str, dict], units: Sequence[dict]) -> dict:
     """All four gates and the verdict from stage1_levels.json's levels and the unit records."""
     level = strongest_level({k: v for k, v in levels.items() if k != "M0"}) or "M1"
     length = {"gain": GAIN_STEPS, "final": FINAL_STEPS}
     in_progress = sorted(
-        f"{u.get('unit', u['seed'])}: step {u['steps']} of {length[u['role']]}"
+        f"{_name(u)}: step {u['steps']} of {length[u['role']]}"
         for u in units
         if u["role"] in length and u["steps"] < length[u["role"]]
     )
@@ -346,7 +351,7 @@ def gates_from_results(levels: Mapping[str, dict], units: Sequence[dict]) -> dic
     power = power_gate(levels, level, gain or None)
     if len(precise) < len(pilots):
         power["gain_units_excluded"] = sorted(
-            f"{u.get('unit', u['seed'])}: {u.get('eval_responses', 'unknown')} eval responses "
+            f"{_name(u)}: {u.get('eval_responses', 'unknown')} eval responses "
             f"(< {MIN_GAIN_EVAL_RESPONSES})"
             for u in pilots
             if u not in precise
