@@ -20,7 +20,8 @@ checks each passing and failing on synthetic inputs):
   `gain_units_excluded` and not counted). Any failure: verdict "no power".
 * Premise (`premise_gate`): at that level, RLOO's final avg@16 is >= 0.05 below M0 RLOO's (mean
   over the final seeds) with a one-sided Welch t-test p < 0.05, and a collapse indicator fires in
-  a majority of the RLOO seeds (`collapse_indicators`). Failure: "premise does not reproduce".
+  a majority of the RLOO seeds (`collapse_indicators`). Failure: "premise does not reproduce";
+  it is decided before all seeds finish once a majority with an indicator is out of reach.
 * C1 stability (`c1_gate`): DVP and MIS+DVP each end with a mean final avg@16 no more than 0.03
   below M0 RLOO, with no indicator firing in >= 4 of 5 seeds; and their pruned |E[L]| is <= 0.5x
   the unpruned |E[L]| of the same batches.
@@ -196,30 +197,58 @@ def welch_one_sided_p(a: Sequence[float], b: Sequence[float]) -> float:
 
 
 def premise_gate(
-    rloo_level: Sequence[float], rloo_m0: Sequence[float], fired: Sequence[bool]
+    rloo_level: Sequence[float],
+    rloo_m0: Sequence[float],
+    fired: Sequence[bool],
+    n_seeds: int = N_FINAL_SEEDS,
 ) -> dict:
     """RLOO at the level ends >= PREMISE_DROP below M0 RLOO (p < PREMISE_P) and collapses.
 
+    The gate reads each arm once all `n_seeds` seeds have finished, with one exception: the
+    collapse criterion is a count, so once so many RLOO-at-level seeds have finished without an
+    indicator that a majority of `n_seeds` is out of reach even if every remaining seed fired,
+    the premise fails whatever those seeds do (`decided_early`; the drop and p over the seeds
+    finished so far are reported alongside as `interim`, not as checks).
+
     Args:
-      rloo_level: final avg@16 of RLOO at the level, one per seed.
-      rloo_m0: final avg@16 of M0 RLOO, one per seed.
-      fired: per RLOO-at-level seed, whether any collapse indicator fired.
+      rloo_level: final avg@16 of RLOO at the level, one per finished seed.
+      rloo_m0: final avg@16 of M0 RLOO, one per finished seed.
+      fired: per finished RLOO-at-level seed, whether any collapse indicator fired.
+      n_seeds: the pre-registered number of seeds per arm.
     """
-    if len(rloo_level) < 2 or len(rloo_m0) < 2:
-        return {"checks": [], "pass": None, "missing": ["stage 2 units (>= 2 seeds each)"]}
+    if len(fired) != len(rloo_level):
+        raise ValueError(f"{len(fired)} indicator flags for {len(rloo_level)} RLOO seeds")
+    n_fired = int(sum(bool(f) for f in fired))
+    majority = n_seeds // 2 + 1
+    collapse = _check(
+        "seeds_with_collapse_indicator",
+        n_fired,
+        f">= {majority} of {n_seeds}",
+        n_fired >= majority,
+        "majority",
+    )
+    quiet = len(fired) - n_fired
+    if len(rloo_level) < n_seeds and n_seeds - quiet < majority:
+        out = {"checks": [collapse], "pass": False, "missing": []}
+        out["decided_early"] = (
+            f"{quiet} of {len(fired)} finished seeds without a collapse indicator: "
+            f"a majority of {n_seeds} is out of reach"
+        )
+        if len(rloo_level) >= 2 and len(rloo_m0) >= 2:
+            out["interim"] = {
+                "seeds": [len(rloo_level), len(rloo_m0)],
+                "drop_vs_m0_rloo": float(np.mean(rloo_m0) - np.mean(rloo_level)),
+                "one_sided_p": welch_one_sided_p(rloo_level, rloo_m0),
+            }
+        return out
+    if len(rloo_level) < n_seeds or len(rloo_m0) < n_seeds:
+        return {"checks": [], "pass": None, "missing": [f"stage 2 units ({n_seeds} seeds each)"]}
     drop = float(np.mean(rloo_m0) - np.mean(rloo_level))
     p = welch_one_sided_p(rloo_level, rloo_m0)
-    n_fired = int(sum(bool(f) for f in fired))
     checks = [
         _check("drop_vs_m0_rloo", drop, PREMISE_DROP, drop >= PREMISE_DROP, ">="),
         _check("one_sided_p", p, PREMISE_P, p < PREMISE_P, "<"),
-        _check(
-            "seeds_with_collapse_indicator",
-            n_fired,
-            f"> {len(fired) / 2:g} of {len(fired)}",
-            n_fired > len(fired) / 2,
-            "majority",
-        ),
+        collapse,
     ]
     return {"checks": checks, "pass": all(c["pass"] for c in checks), "missing": []}
 
@@ -364,8 +393,12 @@ def gates_from_results(levels: Mapping[str, dict], units: Sequence[dict]) -> dic
         return arm if len(arm) >= N_FINAL_SEEDS else []
 
     m0 = [u["final_acc"] for u in pick("rloo", "M0")]
-    rl = pick("rloo", level)
-    premise = premise_gate([u["final_acc"] for u in rl], m0, [u["indicators"]["any"] for u in rl])
+    # The premise reads partial arms too: its collapse count can be decided before all seeds end.
+    rl = [u for u in final if u["method"] == "rloo" and u["level"] == level]
+    rl_m0 = [u["final_acc"] for u in final if u["method"] == "rloo" and u["level"] == "M0"]
+    premise = premise_gate(
+        [u["final_acc"] for u in rl], rl_m0, [u["indicators"]["any"] for u in rl]
+    )
     methods = {
         m: {
             "final": [u["final_acc"] for u in pick(m, level)],

@@ -224,6 +224,16 @@ def test_premise_gate():
     g = v.premise_gate(noisy, m0, [True] * 5)
     assert g["checks"][0]["pass"] and not g["checks"][1]["pass"] and g["pass"] is False
     assert v.premise_gate([0.3], m0, [True])["pass"] is None
+    # The collapse count decides early: 3 of 5 quiet seeds leave a majority out of reach ...
+    g = v.premise_gate(low[:3], m0[:2], [False] * 3)
+    assert g["pass"] is False and "out of reach" in g["decided_early"]
+    assert g["interim"]["seeds"] == [3, 2] and g["interim"]["drop_vs_m0_rloo"] > 0.05
+    # ... 2 quiet of 3 (or of 4) do not: the remaining seeds could still make 3 of 5.
+    assert v.premise_gate(low[:3], m0[:3], [False, False, True])["pass"] is None
+    assert v.premise_gate(low[:4], m0, [False, False, True, True])["pass"] is None
+    assert v.premise_gate(low[:3], m0, [False] * 3, n_seeds=7)["pass"] is None  # 4 of 7 left
+    with pytest.raises(ValueError, match="2 indicator flags for 3 RLOO seeds"):
+        v.premise_gate(low[:3], m0, [True, True])
 
 
 def test_collapse_indicators():
@@ -322,6 +332,10 @@ def test_gates_from_unit_records():
     out = v.gates_from_results(levels, units + [going])
     assert out["verdict"] == "incomplete: stage 2 (premise)"
     assert out["in_progress"] == ["09_final_rloo_M3_s4: step 100 of 300"]
+    # Three quiet RLOO seeds at the level decide the premise before the other two finish.
+    quiet = [rec("rloo", "M3", s, 0.30) for s in range(3)]
+    out = v.gates_from_results(levels, units[:6] + quiet)
+    assert out["verdict"] == "premise does not reproduce" and out["premise"]["decided_early"]
     units += [rec("rloo", "M3", 4, 0.34, fired=True)]
     assert v.gates_from_results(levels, units)["verdict"] == "incomplete: stage 3 (C1, C2)"
     for m, acc in (("tis", 0.31), ("mis", 0.29), ("dvp", 0.42), ("mis_dvp", 0.43)):
