@@ -313,16 +313,19 @@ def run_stage(
     segment (every segment a launch unit that resumes its run from the last checkpoint), writing
     the records after every segment. A segment its run's summary already reached is not
     relaunched (its checkpoint may be past that step, which the trainer refuses). After a failed
-    segment no new segment starts; the stage raises once the running ones end."""
+    segment no new segment starts; the stage raises once the running ones end. The premise stage
+    also starts no new segment once its gate is decided before all seeds have run
+    (`e004_verdict.premise_gate`: a collapse majority out of reach); the segments in flight end."""
     path = os.path.join(launch.REPO, "experiments", f"{EXPERIMENT}.py")
     length = "gain_steps" if stage == "gain" else "steps"
-    lock = threading.Lock()  # the records and the failure list
+    lock = threading.Lock()  # the records and the failure and decided lists
     failures: list[str] = []
+    decided: list[str] = []
 
     def run(unit) -> None:
         workdir = os.path.join(os.path.abspath(root), EXPERIMENT, unit.name)
         for end in segment_ends(sweep[length], unit_steps):
-            if failures:
+            if failures or decided:
                 return
             if reached(root, unit.name) >= end:
                 continue
@@ -337,7 +340,16 @@ def run_stage(
                 flush=True,
             )
             with lock:
-                write_records(root, out)
+                records = write_records(root, out)
+                if stage == "premise" and not decided:
+                    premise = gates.gates_from_results(gates.read_levels(out), records)["premise"]
+                    if premise.get("decided_early"):
+                        decided.append(premise["decided_early"])
+                        print(
+                            f"[e004 {stage}] premise decided: {decided[0]}; "
+                            "no further segments start",
+                            flush=True,
+                        )
                 if not result.ok:
                     failures.append(
                         f"{unit.name} failed at the segment to step {end} "

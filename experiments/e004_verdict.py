@@ -191,7 +191,7 @@ def welch_one_sided_p(a: Sequence[float], b: Sequence[float]) -> float:
     from scipy import stats
 
     a, b = np.asarray(a, float), np.asarray(b, float)
-    if a.std() == 0 and b.std() == 0:
+    if np.ptp(a) == 0 and np.ptp(b) == 0:  # exact: std() of equal floats may not be 0
         return 0.0 if a.mean() < b.mean() else 1.0
     return float(stats.ttest_ind(a, b, equal_var=False, alternative="less").pvalue)
 
@@ -423,16 +423,20 @@ def gates_from_results(levels: Mapping[str, dict], units: Sequence[dict]) -> dic
     }
 
 
+def read_levels(out: str) -> dict:
+    """The levels of stage1_levels.json under `out` ({} before stage 1 has run)."""
+    path = os.path.join(out, "stage1_levels.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as fh:
+        return json.load(fh)["levels"]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="experiments/results/e004", help="the e004 results folder")
     args = p.parse_args(argv)
-    path = os.path.join(args.out, "stage1_levels.json")
-    levels = {}
-    if os.path.exists(path):
-        with open(path) as fh:
-            levels = json.load(fh)["levels"]
-    result = gates_from_results(levels, load_units(args.out))
+    result = gates_from_results(read_levels(args.out), load_units(args.out))
     with open(os.path.join(args.out, "verdict.json"), "w") as fh:
         json.dump(result, fh, indent=1)
     print(json.dumps({"level": result["level"], "verdict": result["verdict"]}))

@@ -133,6 +133,48 @@ def test_a_stage_runs_whole_runs_in_segments_and_stops_at_a_failure(monkeypatch,
     assert calls == [([second], 200)]
 
 
+def test_the_premise_stage_stops_once_its_gate_is_decided(monkeypatch, tmp_path):
+    """Three quiet RLOO-at-M4 seeds decide the premise: no later run of the sweep starts."""
+    done = []
+
+    def run_unit(exp, unit, workdir, timeout):
+        done.append(unit.name)
+        return launch.UnitResult(unit, workdir, 0, 0.0, {})
+
+    def write_records(root, out):
+        recs = []
+        for name in done:
+            method, level, seed = name.split("_")[2:]
+            recs.append(
+                {
+                    "unit": name,
+                    "role": "final",
+                    "method": method,
+                    "level": level,
+                    "seed": int(seed[1:]),
+                    "steps": v.FINAL_STEPS,
+                    "final_acc": 0.1 if level == "M4" else 0.2,
+                    "indicators": {"any": False},
+                }
+            )
+        return recs
+
+    monkeypatch.setattr(launch, "run_unit", run_unit)
+    monkeypatch.setattr(e004, "write_records", write_records)
+    levels = {"M0": _level(seq_log_ratio=0.0), "M4": _level()}
+    (tmp_path / "stage1_levels.json").write_text(json.dumps({"levels": levels}))
+    sweep = {"stage": "premise", "level": "M4", "seeds": 5, "steps": v.FINAL_STEPS}
+    e004.run_stage(str(tmp_path), str(tmp_path), "premise", 1, sweep, unit_steps=v.FINAL_STEPS)
+    # Seed-major: M4 s0, M0 s0, M4 s1, M0 s1, M4 s2 -- the third quiet M4 seed decides it.
+    assert done == [
+        "00_final_rloo_M4_s0",
+        "01_final_rloo_M0_s0",
+        "02_final_rloo_M4_s1",
+        "03_final_rloo_M0_s1",
+        "04_final_rloo_M4_s2",
+    ]
+
+
 def test_config_meets_the_task_budget():
     cfg = measure_lib.level_config("M2")
     assert cfg.rollout.max_decode_length >= cfg.data.max_response_len + 1
@@ -333,7 +375,7 @@ def test_gates_from_unit_records():
     assert out["verdict"] == "incomplete: stage 2 (premise)"
     assert out["in_progress"] == ["09_final_rloo_M3_s4: step 100 of 300"]
     # Three quiet RLOO seeds at the level decide the premise before the other two finish.
-    quiet = [rec("rloo", "M3", s, 0.30) for s in range(3)]
+    quiet = [rec("rloo", "M3", s, 0.30 + 0.01 * s) for s in range(3)]
     out = v.gates_from_results(levels, units[:6] + quiet)
     assert out["verdict"] == "premise does not reproduce" and out["premise"]["decided_early"]
     units += [rec("rloo", "M3", 4, 0.34, fired=True)]
