@@ -456,6 +456,11 @@ def main(argv=None) -> int:
         return 0
     elif args.stage != "verdict":
         v = write_verdict(args.out)
+        if args.stage == "2" and v["premise"].get("decided_early"):
+            print(
+                f"[e004] stage 2 not run: the premise is decided ({v['premise']['decided_early']})"
+            )
+            return 0
         blocked = {"2": ("power",), "3": ("power", "premise")}.get(args.stage, ())
         for gate in blocked:
             if v[gate]["pass"] is not True:

@@ -218,6 +218,7 @@ def premise_gate(
     """
     if len(fired) != len(rloo_level):
         raise ValueError(f"{len(fired)} indicator flags for {len(rloo_level)} RLOO seeds")
+    n_seeds = max(n_seeds, len(rloo_level))  # a sweep run with more seeds than registered
     n_fired = int(sum(bool(f) for f in fired))
     majority = n_seeds // 2 + 1
     collapse = _check(

@@ -173,6 +173,13 @@ def test_the_premise_stage_stops_once_its_gate_is_decided(monkeypatch, tmp_path)
         "03_final_rloo_M0_s1",
         "04_final_rloo_M4_s2",
     ]
+    # Relaunching the stage on those records starts nothing.
+    (tmp_path / "units").mkdir(exist_ok=True)
+    for rec in write_records(None, None):
+        (tmp_path / "units" / f"{rec['unit']}.json").write_text(json.dumps(rec))
+    done.clear()
+    assert e004.main(["--stage", "2", "--root", str(tmp_path), "--out", str(tmp_path)]) == 0
+    assert done == []
 
 
 def test_config_meets_the_task_budget():
@@ -274,6 +281,9 @@ def test_premise_gate():
     assert v.premise_gate(low[:3], m0[:3], [False, False, True])["pass"] is None
     assert v.premise_gate(low[:4], m0, [False, False, True, True])["pass"] is None
     assert v.premise_gate(low[:3], m0, [False] * 3, n_seeds=7)["pass"] is None  # 4 of 7 left
+    # More seeds than registered: the majority is of all of them (3 of 7 is not one).
+    g = v.premise_gate(low + low[:2], m0 + m0[:2], [True] * 3 + [False] * 4)
+    assert g["pass"] is False and g["checks"][2]["threshold"] == ">= 4 of 7"
     with pytest.raises(ValueError, match="2 indicator flags for 3 RLOO seeds"):
         v.premise_gate(low[:3], m0, [True, True])
 
