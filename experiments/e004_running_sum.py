@@ -342,7 +342,7 @@ def run_stage(
             with lock:
                 records = write_records(root, out)
                 if stage == "premise" and not decided:
-                    premise = gates.gates_from_results(gates.read_levels(out), records)["premise"]
+                    premise = gates.gates_from_results(levels, records)["premise"]
                     if premise.get("decided_early"):
                         decided.append(premise["decided_early"])
                         print(
@@ -357,6 +357,7 @@ def run_stage(
                     )
                     return
 
+    levels = gates.read_levels(out)  # stage 1's figures: fixed while a stage runs
     units = launch.load_experiment(path, sweep).units
     with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
         list(pool.map(run, units))

@@ -388,17 +388,22 @@ def gates_from_results(levels: Mapping[str, dict], units: Sequence[dict]) -> dic
         )
     final = [u for u in units if u["role"] == "final"]
 
+    def arm(method: str, lv: str) -> list[dict]:
+        """An arm's finished units."""
+        return [u for u in final if u["method"] == method and u["level"] == lv]
+
     def pick(method: str, lv: str) -> list[dict]:
         """An arm's finished units, once all N_FINAL_SEEDS of them have finished."""
-        arm = [u for u in final if u["method"] == method and u["level"] == lv]
-        return arm if len(arm) >= N_FINAL_SEEDS else []
+        done = arm(method, lv)
+        return done if len(done) >= N_FINAL_SEEDS else []
 
     m0 = [u["final_acc"] for u in pick("rloo", "M0")]
     # The premise reads partial arms too: its collapse count can be decided before all seeds end.
-    rl = [u for u in final if u["method"] == "rloo" and u["level"] == level]
-    rl_m0 = [u["final_acc"] for u in final if u["method"] == "rloo" and u["level"] == "M0"]
+    rl = arm("rloo", level)
     premise = premise_gate(
-        [u["final_acc"] for u in rl], rl_m0, [u["indicators"]["any"] for u in rl]
+        [u["final_acc"] for u in rl],
+        [u["final_acc"] for u in arm("rloo", "M0")],
+        [u["indicators"]["any"] for u in rl],
     )
     methods = {
         m: {
