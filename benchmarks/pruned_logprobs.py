@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dvp_jax.cli import BACKENDS, require_backend
 from dvp_jax.dvp import pruning
 from dvp_jax.dvp.chunked import DEFAULT_CHUNK_SIZE, chunked_pruned_logprobs
 
@@ -88,7 +89,11 @@ def main():
         help="matmul precision of both versions (default: the backend's)",
     )
     parser.add_argument("--quick", action="store_true", help="N=256, d=128, V=32000, 3 runs")
+    parser.add_argument(
+        "--backend", choices=BACKENDS, default=None, help="refuse to run on another backend"
+    )
     args = parser.parse_args()
+    require_backend(args.backend)
     if args.quick:
         args.n, args.d, args.v, args.runs = 256, 128, 32000, 3
 

@@ -45,7 +45,8 @@ from absl import app, flags
 # keeps the baseline stable; set before torch is imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from dvp_jax.model.config import PRECISIONS, PRESETS  # noqa: E402 (after the OpenMP setting)
+from dvp_jax.cli import BACKENDS, require_backend  # noqa: E402 (after the OpenMP setting)
+from dvp_jax.model.config import PRECISIONS, PRESETS  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum(
@@ -62,6 +63,7 @@ flags.DEFINE_integer(
     "At most this many engine decode steps per dispatch / host check (the RL loop's default).",
 )
 flags.DEFINE_integer("repeats", 3, "Timed runs per side (interleaved; best counts).")
+flags.DEFINE_enum("backend", None, list(BACKENDS), "Refuse to run on another jax backend.")
 
 LOG_RHO = -13.0
 
@@ -159,6 +161,7 @@ def roofline(engine, batch: int, context: float) -> float:
 
 def main(argv):
     del argv
+    require_backend(FLAGS.backend)
     import jax
     import numpy as np
     import torch

@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dvp_jax.cli import BACKENDS, require_backend
 from dvp_jax.dvp.losses import LossConfig
 from dvp_jax.model import ModelConfig, Transformer
 from dvp_jax.model.config import PRESETS, REMAT_POLICIES, TRAIN_PRECISIONS, DTypePolicy
@@ -329,7 +330,11 @@ def main(argv=None):
         help="only compile the step (abstract shapes) at these depths, in interleaved rounds "
         "(2 with --quick, else 3), and report each depth's fastest",
     )
+    parser.add_argument(
+        "--backend", choices=BACKENDS, default=None, help="refuse to run on another backend"
+    )
     args = parser.parse_args(argv)
+    require_backend(args.backend)
     repeats = 3 if args.quick else 5
     backend = jax.default_backend()
     device = jax.devices()[0]

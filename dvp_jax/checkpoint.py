@@ -42,7 +42,7 @@ and the next older step is tried. Once an intact step is restored, every newer d
 directory is moved, not deleted, to `<workdir>/checkpoints/damaged/<step>-<UTC time>`, where
 Orbax no longer lists it, so the next save of that step number writes a fresh checkpoint and
 the next resume does not try it again. When every step is damaged nothing is moved and a
-`RuntimeError` lists the paths.
+`NoRestorableCheckpointError` (a `RuntimeError`) lists the paths.
 """
 
 from __future__ import annotations
@@ -62,10 +62,15 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
+from dvp_jax.errors import RunFailure, UserError, one_line, root_cause
 from dvp_jax.workdir import as_path
 
 ITEMS = ("state", "data", "extra")
 DAMAGED_DIR = "damaged"
+
+
+class NoRestorableCheckpointError(UserError, RuntimeError):
+    """Every step of a checkpoint directory failed to restore."""
 
 
 class Checkpointer:
@@ -85,6 +90,7 @@ class Checkpointer:
         if every < 0:
             raise ValueError(f"checkpoint.every must be >= 0 (0: only forced saves), got {every}")
         self.directory = as_path(workdir) / "checkpoints"  # an epath: local, gs://, ...
+        self._writing: int | None = None  # the step of the last save started
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -131,21 +137,46 @@ class Checkpointer:
             )
         if not (force or self.manager.should_save(step)):
             return False
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                data=grain_checkpoint.CheckpointSave(item=_IteratorItem(data)),
-                extra=ocp.args.JsonSave(extra),
-            ),
-            force=True,
-        )
+        self.check()  # the previous save's background write
+        self._writing = step
+        try:
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    data=grain_checkpoint.CheckpointSave(item=_IteratorItem(data)),
+                    extra=ocp.args.JsonSave(extra),
+                ),
+                force=True,
+            )
+        except Exception as e:
+            raise self._write_failed(e) from e
         logging.info("saving checkpoint %d to %s", step, self.directory)
         return True
 
+    def check(self) -> None:
+        """Raises `RunFailure` if the last save's background write has failed (disk full, lost
+        permissions): one line naming the step, the directory and the cause."""
+        try:
+            self.manager.check_for_errors()
+        except Exception as e:
+            raise self._write_failed(e) from e
+
     def wait(self) -> None:
-        """Blocks until the last save is on disk; re-raises an error of its background write."""
-        self.manager.wait_until_finished()
+        """Blocks until the last save is on disk; raises `RunFailure` if its write failed."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            raise self._write_failed(e) from e
+
+    def _write_failed(self, error: BaseException) -> RunFailure:
+        complete = [s for s in self.manager.all_steps() if s != self._writing]
+        previous = f"step {max(complete)}" if complete else "none yet"
+        return RunFailure(
+            f"checkpoint {self._writing} could not be written to {self.directory} "
+            f"({one_line(root_cause(error))}); the newest complete checkpoint ({previous}) is "
+            "the one a rerun resumes from"
+        )
 
     def restore(self, abstract_state: Any, data: Any, step: int | None = None):
         """Restores (state, data, extra) at `step` (default: latest) into the given layout.
@@ -182,9 +213,10 @@ class Checkpointer:
           no checkpoint (`data` untouched).
 
         Raises:
-          RuntimeError: every step failed to restore; the message lists each step directory
-            with its error. Nothing is moved, so the run can be inspected or repaired (a
-            layout that no longer matches `abstract_state` fails every step this way too).
+          NoRestorableCheckpointError: every step failed to restore; the message lists each
+            step directory with its error. Nothing is moved, so the run can be inspected or
+            repaired (a layout that no longer matches `abstract_state` fails every step this
+            way too).
         """
         steps = sorted(self.manager.all_steps(), reverse=True)
         if not steps:
@@ -215,7 +247,7 @@ class Checkpointer:
             damaged.append((path, error))
         else:
             listing = "; ".join(f"{path}: {error}" for path, error in damaged)
-            raise RuntimeError(
+            raise NoRestorableCheckpointError(
                 f"no checkpoint under {self.directory} can be restored: {listing}. Nothing was "
                 "moved. If every step fails the same way, the checkpoints may be intact but no "
                 "longer match this run's state (a changed model or optimizer config); otherwise "

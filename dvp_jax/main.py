@@ -3,7 +3,11 @@
 Overrides: `--config.train.steps=10`, `--config.method=mis_dvp`, or a config argument
 `--config configs/tiny_cpu.py:rloo`. Rerunning with the same `--workdir` resumes from its newest
 intact checkpoint (a workdir started with a different config is refused, naming the fields).
-Exit status: 0 done, 75 preempted by SIGTERM (checkpoint saved: rerun to resume), 1 error.
+Exit status: 0 done; 75 stopped by SIGTERM, 130 by SIGINT (checkpoint saved: rerun to resume);
+2 a mistake in the input (config, flag, path, data, checkpoint, a workdir in use), printed as
+one line naming what was wrong and what is allowed; 1 any other failure (a checkpoint write
+that failed: one line with the path and the cause; a bug: its traceback). `--verbose` shows
+tracebacks for every error and the libraries' INFO logs.
 Multi-process: on Cloud TPU VMs `jax.distributed.initialize()` auto-detects the slice
 (`--distributed`); elsewhere pass `--coordinator_address`, `--num_processes` and `--process_id`.
 
@@ -18,6 +22,15 @@ import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+from dvp_jax.cli import (
+    BACKENDS,
+    USAGE_EXIT_CODE,
+    fail,
+    flag_error,
+    parse_flags,
+    require_backend,
+)
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file (every field: dvp_jax.train.config.default_config)."
@@ -38,9 +51,19 @@ _EXPORT_HF = flags.DEFINE_bool(
     "export_hf", True, "Export the final policy as Hugging Face safetensors."
 )
 flags.mark_flags_as_required(["config", "workdir"])
+_VERBOSE = flags.DEFINE_bool(
+    "verbose", False, "Tracebacks for every error, and the libraries' INFO logs."
+)
+_BACKEND = flags.DEFINE_enum(
+    "backend",
+    None,
+    list(BACKENDS),
+    "Refuse to run unless jax's default backend is this one (a missing accelerator jax would "
+    "otherwise run on the CPU).",
+)
 
 # Exit status of a run stopped by SIGTERM after checkpointing (EX_TEMPFAIL: "try again"); a
-# rerun of the same command resumes it.
+# rerun of the same command resumes it. SIGINT exits 130 (Preemption.EXIT_CODES).
 PREEMPTED_EXIT_CODE = 75
 
 
@@ -76,14 +99,6 @@ def _init_jax():
         )
     elif _DISTRIBUTED.value:
         jax.distributed.initialize()
-    logging.info(
-        "JAX: process %d of %d, %d local / %d global devices (%s)",
-        jax.process_index(),
-        jax.process_count(),
-        jax.local_device_count(),
-        jax.device_count(),
-        jax.devices()[0].platform,
-    )
 
 
 def _export_hf(trainer) -> None:
@@ -114,48 +129,78 @@ def _export_hf(trainer) -> None:
 
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    logging.get_absl_handler().addFilter(_QuietLibraries())
+        fail(f"unexpected arguments {argv[1:]}: every option is a --flag", USAGE_EXIT_CODE)
+    if not _VERBOSE.value:
+        logging.get_absl_handler().addFilter(_QuietLibraries())
     _init_jax()
+    require_backend(_BACKEND.value)
     import jax
 
-    from dvp_jax.rollout.tokenizers import load_tokenizer
-    from dvp_jax.train.builders import WorkdirMismatchError
+    from dvp_jax.errors import RunFailure, UserError, one_line
     from dvp_jax.train.config import ExperimentConfig
+    from dvp_jax.train.report import summary_line
     from dvp_jax.train.trainer import Trainer
 
-    tokenizer = load_tokenizer(_CONFIG.value.data.tokenizer)
     try:
-        cfg = ExperimentConfig.from_config_dict(_CONFIG.value, tokenizer.vocab_size)
-    except ValueError as e:
-        raise app.UsageError(str(e)) from None
+        config = _CONFIG.value
+        config.data  # noqa: B018  (a config file that failed to load raises on first use)
+    except Exception as e:
+        fail(flag_error(e, sys.argv), USAGE_EXIT_CODE, e)
     try:
+        cfg = ExperimentConfig.from_config_dict(config, _vocab_size(config))
         trainer = Trainer(cfg, _WORKDIR.value)
-    except (WorkdirMismatchError, OSError) as e:  # a workdir that does not fit or cannot be written
-        raise app.UsageError(str(e)) from None
+    except (UserError, ValueError) as e:  # the config, its files, the workdir
+        fail(str(e), USAGE_EXIT_CODE, e)
+    except OSError as e:  # an unreachable or read-only workdir
+        fail(one_line(e), USAGE_EXIT_CODE, e)
+    status = 0
     try:
-        try:
-            summary = trainer.run()
-        except WorkdirMismatchError as e:  # a checkpoint past train.steps: found on restore
-            raise app.UsageError(str(e)) from None
+        summary = trainer.run()
         if "preempted_at" in summary:
-            preempted = True
+            status = trainer.preemption.exit_code
         else:
-            preempted = False
             if _EXPORT_HF.value:
                 _export_hf(trainer)
             if cfg.plots and jax.process_index() == 0:
                 from dvp_jax import plots
 
-                for path in plots.plot_run(trainer.workdir):
-                    logging.info("wrote %s", path)
-            logging.info("summary: %s", summary)
-    finally:
+                written = plots.plot_run(trainer.workdir)
+                logging.info("plots: %s", ", ".join(os.path.basename(p) for p in written))
+            logging.info("%s", summary_line(summary))
+            logging.info("results in %s (summary.json, metrics.jsonl, hf_export/)", trainer.workdir)
+    except UserError as e:  # a checkpoint that does not fit the config or cannot be restored
+        _close_quietly(trainer)
+        fail(str(e), USAGE_EXIT_CODE, e)
+    except (RunFailure, OSError) as e:  # a write that failed: disk full, lost permissions
+        _close_quietly(trainer)
+        fail(str(e) if isinstance(e, RunFailure) else one_line(e), 1, e)
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now, without a checkpoint
+        _close_quietly(trainer)
+        fail("interrupted (a second Ctrl-C): stopped without saving this step", 130)
+    trainer.close()
+    if status:
+        # Distinct from success (0) and failure (1): "stopped, checkpoint saved, rerun".
+        sys.exit(status)
+
+
+def _vocab_size(config) -> int:
+    from dvp_jax.errors import UserError
+    from dvp_jax.rollout.tokenizers import load_tokenizer
+
+    try:
+        return load_tokenizer(config.data.tokenizer).vocab_size
+    except (OSError, ValueError) as e:
+        raise UserError(f"config.data.tokenizer={config.data.tokenizer!r}: {e}") from e
+
+
+def _close_quietly(trainer) -> None:
+    """Closes after a failure; a second error from the same cause (the checkpointer's wait
+    re-raising a failed write) is not reported twice."""
+    try:
         trainer.close()
-    if preempted:
-        # Distinct from success (0) and failure (1): "preempted, checkpoint saved, rerun".
-        sys.exit(PREEMPTED_EXIT_CODE)
+    except Exception:  # noqa: BLE001
+        pass
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -6,6 +6,7 @@ run summary, plots, experiment analysis), so a misspelt key fails loudly instead
 The loss and diagnostics functions in `dvp_jax.dvp` produce most of these keys; their meanings
 are in docs/design.md section 2.
 
+`EventFiles` writes the same numbers as TensorBoard event files.
 `MetricsLog` writes one JSON row per step (`{"step": s, name: value, ...}`); `read_metrics` is
 the one reader (trainer summary, `plots.py`, `experiments/`). Paths go through `etils.epath`
 (`dvp_jax/workdir.py`), so the log may live in a `gs://` workdir.
@@ -16,12 +17,16 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import socket
+import tempfile
+import time
 from collections.abc import Iterable, Mapping
 
 from absl import logging
 from etils import epath
 
-from dvp_jax.workdir import append_line, as_path, write_atomic
+from dvp_jax.workdir import append_line, as_path, is_remote, write_atomic
 
 # The E6 mismatch metrics (verl's definitions, `diagnostics.mismatch_metrics`). Each is logged
 # on the pruned log-probs and, prefixed `full_`, on the unpruned ones.
@@ -208,3 +213,65 @@ class MetricsLog:
 
     def read(self) -> list[dict]:
         return read_metrics(self.path)
+
+
+class EventFiles:
+    """The run's numbers as TensorBoard event files in the workdir, without TensorFlow:
+    tensorboardX's event protos and record framing, written synchronously (a failed write
+    raises here, in the trainer's thread), flushed every `FLUSH_S` seconds and on `close`.
+
+    A remote workdir (`gs://...`) gets the file from a local staging directory, copied over on
+    `flush` and `close`; only process 0 writes (the others pass `write=False`).
+    """
+
+    FLUSH_S = 30.0
+
+    def __init__(self, workdir: str | os.PathLike, write: bool = True):
+        self._records = None
+        if not write:
+            return
+        from tensorboardX.proto import event_pb2, summary_pb2
+        from tensorboardX.record_writer import RecordWriter
+
+        self._event, self._summary = event_pb2.Event, summary_pb2.Summary
+        self._target = as_path(workdir)
+        self._stage = tempfile.mkdtemp(prefix="dvp_jax_events.") if is_remote(workdir) else None
+        self._name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
+        self._records = RecordWriter(
+            os.path.join(self._stage or os.fspath(self._target), self._name)
+        )
+        self._write(self._event(wall_time=time.time(), file_version="brain.Event:2"))
+        self._flushed = time.time()
+
+    def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+        if self._records is None:
+            return
+        values = [self._summary.Value(tag=k, simple_value=float(v)) for k, v in scalars.items()]
+        self._write(
+            self._event(wall_time=time.time(), step=step, summary=self._summary(value=values))
+        )
+        if time.time() - self._flushed > self.FLUSH_S:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._records is None:
+            return
+        self._records.flush()
+        self._flushed = time.time()
+        if self._stage is not None:
+            local = epath.Path(self._stage, self._name)
+            (self._target / self._name).write_bytes(local.read_bytes())
+
+    def close(self) -> None:
+        if self._records is None:
+            return
+        try:
+            self.flush()
+        finally:
+            self._records.close()
+            self._records = None
+            if self._stage is not None:
+                shutil.rmtree(self._stage, ignore_errors=True)
+
+    def _write(self, event) -> None:
+        self._records.write(event.SerializeToString())

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -84,6 +84,10 @@ class RolloutBatch:
         return self.tokens[i, start : start + self.response_lengths[i]]
 
 
+class RolloutInterrupted(Exception):
+    """`generate_rollouts` was asked to stop (`should_stop`) before the batch was complete."""
+
+
 def _as_token_lists(engine: RolloutEngine, prompts: Sequence, prompt_len: int) -> list[np.ndarray]:
     tok = engine.tokenizer
     out = []
@@ -120,6 +124,7 @@ def generate_rollouts(
     prompt_len: int | None = None,
     steps_per_sync: int = 8,
     first_prompt_index: int = 0,
+    should_stop: Callable[[], bool] | None = None,
 ) -> RolloutBatch:
     """Samples `num_samples` responses for each prompt (E4) with continuous batching.
 
@@ -139,6 +144,8 @@ def generate_rollouts(
         saves the per-step dispatch and sync latency, at the cost of attending over a length
         bucket that covers k more positions. Tokens are the same for every value (log-probs to
         float rounding).
+      should_stop: asked between dispatches; True abandons the batch (`RolloutInterrupted`),
+        so a preemption is honoured within one dispatch.
       first_prompt_index: the global index of `prompts[0]`: prompt p's key is
         `fold_in(rng, first_prompt_index + p)`, so a batch split over hosts (each passing the
         offset of its share) samples exactly what one host sampling the whole batch would.
@@ -231,6 +238,8 @@ def generate_rollouts(
         return state
 
     while pending or any(o is not None for o in owner):
+        if should_stop is not None and should_stop():
+            raise RolloutInterrupted("rollouts abandoned: a stop was requested")
         if pending and None in owner:
             state = refill(state)
         occupied = np.array([o is not None for o in owner])

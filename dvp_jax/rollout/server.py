@@ -46,7 +46,6 @@ import errno
 import logging
 import signal
 import socket
-import sys
 
 import grpc
 import jax
@@ -55,6 +54,8 @@ from flax import nnx
 from google.protobuf.message import DecodeError
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
 
+from dvp_jax.cli import USAGE_EXIT_CODE, fail, parse_flags
+from dvp_jax.errors import UserError, one_line
 from dvp_jax.model.config import PRECISIONS, DTypePolicy, ModelConfig
 from dvp_jax.model.transformer import Transformer
 from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
@@ -72,16 +73,20 @@ _log = logging.getLogger(__name__)
 
 
 def _orchestrator():
-    """JetStream's orchestrator module, imported on first use with our shim applied first.
+    """JetStream's orchestrator module, imported on first use.
 
-    Imported lazily because importing it reconfigures the root logger (DEBUG, to stdout), which
-    a process that only loads checkpoints through this module (tests) should not inherit.
+    Importing it adds a DEBUG handler on stdout to the root logger (besides absl's, which
+    already prints every record): that handler is removed again, so each line is printed once,
+    and the root level is left to `main`.
     """
-    # isort: off
-    import dvp_jax.rollout.jetstream_compat  # noqa: F401  (the jax.tree_map shim, first)
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
     from jetstream.core import orchestrator
-    # isort: on
 
+    for handler in root.handlers[:]:
+        if handler not in handlers:
+            root.removeHandler(handler)
+    root.setLevel(level)
     return orchestrator
 
 
@@ -236,23 +241,42 @@ def load_trainer_params(path: str, cfg: ModelConfig, policy: DTypePolicy, sharde
 
 
 def _trainer_model_config(path: str) -> ModelConfig:
+    root = as_path(path)
+    if not root.exists():
+        raise UserError(f"--trainer_checkpoint {path!r}: no such directory")
     if FLAGS.model_preset or FLAGS.model_config:
         return _model_config_from_flags()
-    root = as_path(path)
     for candidate in (root / "model_config.json", root.parent / "model_config.json"):
         if candidate.exists():
             import json
 
             return ModelConfig.from_hf(json.loads(candidate.read_text()))
-    raise app.UsageError(
+    raise UserError(
         f"--trainer_checkpoint {path!r}: no model_config.json found there; pass --model_preset "
         "or --model_config"
     )
 
 
+def _hf_model_config(path: str) -> ModelConfig:
+    from dvp_jax.model import hf_import
+
+    root = as_path(path)
+    if not (root / "config.json").exists():
+        raise UserError(
+            f"--hf_checkpoint {path!r}: no config.json there (a Hugging Face model "
+            "directory has config.json and *.safetensors)"
+        )
+    if (root / "model_config.json").exists() and (root / "checkpoints").exists():
+        raise UserError(
+            f"--hf_checkpoint {path!r} is a dvp_jax.main workdir (its config.json is "
+            "the experiment config): pass it as --trainer_checkpoint"
+        )
+    return hf_import.load_hf_config(path)
+
+
 def _model_config_from_flags() -> ModelConfig:
     if FLAGS.model_preset and FLAGS.model_config:
-        raise app.UsageError("give one of --model_preset and --model_config")
+        raise UserError("give one of --model_preset and --model_config")
     if FLAGS.model_preset:
         return ModelConfig.preset(FLAGS.model_preset)
     if FLAGS.model_config:
@@ -260,7 +284,7 @@ def _model_config_from_flags() -> ModelConfig:
 
         with open(FLAGS.model_config) as f:
             return ModelConfig.from_hf(json.load(f))
-    raise app.UsageError("--orbax_checkpoint needs --model_preset or --model_config")
+    raise UserError("--orbax_checkpoint needs --model_preset or --model_config")
 
 
 def build_engine() -> RolloutEngine:
@@ -272,13 +296,13 @@ def build_engine() -> RolloutEngine:
         FLAGS.random_init_preset,
     ]
     if sum(s is not None for s in sources) != 1:
-        raise app.UsageError(
+        raise UserError(
             "give exactly one of --hf_checkpoint, --orbax_checkpoint, --trainer_checkpoint, "
             "--random_init_preset"
         )
     if FLAGS.max_prefill_length not in DEFAULT_PREFILL_LENGTHS:
         # JetStream's token-id padding (token_utils.pad_tokens) only accepts its own buckets.
-        raise app.UsageError(
+        raise UserError(
             f"--max_prefill_length must be one of {DEFAULT_PREFILL_LENGTHS}, got "
             f"{FLAGS.max_prefill_length}"
         )
@@ -303,7 +327,7 @@ def build_engine() -> RolloutEngine:
     elif FLAGS.hf_checkpoint:
         from dvp_jax.model import hf_import
 
-        cfg = hf_import.load_hf_config(FLAGS.hf_checkpoint)
+        cfg = _hf_model_config(FLAGS.hf_checkpoint)
         params = nnx.state(hf_import.load_hf(FLAGS.hf_checkpoint, policy, sharder, cfg))
     elif FLAGS.trainer_checkpoint:
         cfg = _trainer_model_config(FLAGS.trainer_checkpoint)
@@ -423,23 +447,29 @@ async def serve(engine: RolloutEngine, host: str, port: int) -> None:
 
 
 def main(argv):
-    del argv
+    if len(argv) > 1:
+        fail(f"unexpected arguments {argv[1:]}: every option is a --flag", USAGE_EXIT_CODE)
     # Before the model is loaded (minutes for a real checkpoint): a busy port fails at once.
     problem = bind_problem(FLAGS.host, FLAGS.port)
     if problem is not None:
-        sys.exit(problem)
+        fail(problem, 1)
     _orchestrator()
     if not FLAGS.verbose:
-        # JetStream's orchestrator sets the root logger to DEBUG and logs every generate step.
+        # JetStream's orchestrator logs every generate step at DEBUG.
         logging.getLogger().setLevel(logging.WARNING)
     _log.setLevel(logging.INFO)
-    engine = build_engine()
+    try:
+        engine = build_engine()
+    except (UserError, ValueError) as e:  # flags that do not fit, a checkpoint that does not
+        fail(str(e), USAGE_EXIT_CODE, e)
+    except OSError as e:  # a checkpoint or tokenizer path that cannot be read
+        fail(one_line(e), USAGE_EXIT_CODE, e)
     warm_up(engine)
     try:
         asyncio.run(serve(engine, FLAGS.host, FLAGS.port))
     except PortUnavailableError as e:  # Taken since the check above.
-        sys.exit(str(e))
+        fail(str(e), 1)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

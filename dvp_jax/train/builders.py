@@ -1,5 +1,5 @@
 """What a run is built from: the trainer model, the rollout engine, the workdir check and the
-preemption signal. `Trainer` (train/trainer.py) wires them into the loop."""
+preemption signals. `Trainer` (train/trainer.py) wires them into the loop."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from absl import logging
 from flax import nnx
 
 from dvp_jax.checkpoint import Checkpointer
+from dvp_jax.errors import ConfigError, UserError
 from dvp_jax.model import DTypePolicy, ModelConfig, Transformer
 from dvp_jax.model.hf_import import load_hf, load_hf_config
 from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
@@ -29,28 +30,47 @@ _ARCHITECTURE_FIELDS = tuple(
 
 
 class Preemption:
-    """Whether the run should checkpoint and stop: SIGTERM, agreed on by every host.
+    """Whether the run should checkpoint and stop: SIGTERM or SIGINT, agreed on by every host.
 
-    One process: a SIGTERM handler sets a flag. Several processes: JAX's distributed runtime
-    catches SIGTERM (its preemption notifier) and Orbax's `reached_preemption(step)` answers
-    True on every host at the same step, so all hosts enter the collective save together; no
-    Python handler is installed there (it would replace JAX's).
+    One process: handlers set a flag that `requested()` reads at any moment, so the trainer
+    stops between evaluation and rollout dispatches as well as after a step. The first SIGINT
+    (Ctrl-C) is handled like SIGTERM; a second one interrupts at once (KeyboardInterrupt).
+    Several processes: JAX's distributed runtime catches SIGTERM (its preemption notifier) and
+    Orbax's `reached_preemption(step)` answers True on every host at the same step, so all
+    hosts enter the collective save together; no Python handler is installed there (it would
+    replace JAX's), and `requested()` is always False (hosts stop at step boundaries only: a
+    host leaving a rollout alone would leave the others waiting in the next collective).
     """
+
+    EXIT_CODES = {"SIGTERM": 75, "SIGINT": 130}  # EX_TEMPFAIL "try again"; 128 + SIGINT
 
     def __init__(self, checkpointer: Checkpointer):
         self._checkpointer = checkpointer
-        self._requested = False
+        self.signal_name: str | None = None
         self._polls = -1
         if jax.process_count() == 1:
             try:
-                signal.signal(signal.SIGTERM, self._handle)
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    signal.signal(sig, self._handle)
             except ValueError:  # not the main thread (e.g. inside a test runner thread)
                 pass
 
+    @property
+    def exit_code(self) -> int:
+        return self.EXIT_CODES.get(self.signal_name or "SIGTERM", 75)
+
     def _handle(self, signum, frame):
-        del signum, frame
-        logging.warning("SIGTERM received: checkpointing after the current step")
-        self._requested = True
+        del frame
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT:  # a second Ctrl-C stops at once
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        if self.signal_name is None:
+            logging.warning("%s received: saving a checkpoint and stopping", name)
+            self.signal_name = name
+
+    def requested(self) -> bool:
+        """Whether this process was asked to stop (one process only; see the class doc)."""
+        return self.signal_name is not None
 
     def reached(self, step: int) -> bool:
         """Call after step `step` on every host (the same steps on all of them).
@@ -61,7 +81,7 @@ class Preemption:
         """
         del step
         if jax.process_count() == 1:
-            return self._requested
+            return self.requested()
         self._polls += 1
         return self._checkpointer.manager.reached_preemption(self._polls)
 
@@ -76,7 +96,7 @@ def _check_same_architecture(ours, theirs, path: str) -> None:
         if getattr(ours, f) != getattr(theirs, f)
     ]
     if diff:
-        raise ValueError(
+        raise ConfigError(
             f"config.model does not match the checkpoint {path!r}: "
             + "; ".join(diff)
             + " (set config.model.preset / fields to match)"
@@ -148,7 +168,7 @@ def build_engine(cfg: ExperimentConfig, tokenizer, model, dtype: str = "") -> Ro
     )
 
 
-class WorkdirMismatchError(ValueError):
+class WorkdirMismatchError(ValueError, UserError):
     """The workdir holds a run started with a different config."""
 
 

@@ -84,6 +84,7 @@ def evaluate(
     prompt_len: int,
     kind: str,
     sampling: SamplingParams | None = None,
+    should_stop=None,
 ) -> dict[str, float]:
     """Held-out accuracy avg@k (mean reward of k samples per prompt) and pass@k.
 
@@ -91,7 +92,8 @@ def evaluate(
     engine (its precision and min-p rule) and `sampling` (default the engine's); example i is
     sampled with `fold_in(key, i)` whichever host runs it, and the sums are added over
     processes, so every host returns the figures one process would. Returns {} when there are
-    no held-out prompts.
+    no held-out prompts. `should_stop` is asked between rollout dispatches
+    (`generate_rollouts`, which raises `RolloutInterrupted`).
     """
     if not examples:
         return {}
@@ -107,6 +109,7 @@ def evaluate(
             prompt_len=prompt_len,
             sampling=sampling,
             first_prompt_index=start,
+            should_stop=should_stop,
         )
         answers = [ex.answer for ex in mine for _ in range(k)]
         r = rollout_rewards(engine.tokenizer, batch, answers, kind)

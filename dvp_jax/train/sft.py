@@ -9,17 +9,18 @@ them back; the RL optimizer starts fresh afterwards. Its rows in metrics.jsonl h
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from absl import logging
-from clu import periodic_actions
 
 from dvp_jax.data import pipeline
 from dvp_jax.sharding import Sharder
 from dvp_jax.train import batch as batch_lib
 from dvp_jax.train.config import SFTConfig
+from dvp_jax.train.report import duration
 from dvp_jax.train.state import TrainState, init_train_state, make_optimizer
 from dvp_jax.train.step import apply_gradients, token_logprobs
 
@@ -94,9 +95,8 @@ def warm_up(
         lambda s, b: sft_step(s, b, graphdef=graphdef, optimizer=optimizer, chunk_size=chunk_size),
         donate_argnums=0,
     )
-    progress = periodic_actions.ReportProgress(
-        num_train_steps=cfg.steps, every_steps=max(1, cfg.steps // 10)
-    )
+    every = max(1, cfg.steps // 10)
+    window_start, window_time = 0, time.time()
     # Each host builds its rows of the global batch; together they form one global array.
     host_rows = cfg.batch_size // jax.process_count()
     shardings = None
@@ -108,10 +108,19 @@ def warm_up(
         if shardings is None:
             shardings = batch_lib.global_shardings(host_batch, sharder)
         state, metrics = step_fn(state, batch_lib.to_global(host_batch, shardings))
-        progress(i + 1)
-        if (i + 1) % max(1, cfg.steps // 10) == 0 or i + 1 == cfg.steps:
+        if (i + 1) % every == 0 or i + 1 == cfg.steps:
             loss = float(metrics["sft_loss"])
-            logging.info("sft %d/%d | loss %.4f", i + 1, cfg.steps, loss)
+            now = time.time()
+            rate = (i + 1 - window_start) / max(now - window_time, 1e-9)
+            window_start, window_time = i + 1, now
+            logging.info(
+                "warm-up %d/%d | loss %.4f | %.1f steps/s | ETA %s",
+                i + 1,
+                cfg.steps,
+                loss,
+                rate,
+                duration((cfg.steps - i - 1) / rate),
+            )
             log(i - cfg.steps, {"sft_loss": loss, "phase_sft": 1.0})
         if stop(i - cfg.steps):
             logging.warning("supervised warm-up stopped at step %d/%d", i + 1, cfg.steps)

@@ -12,7 +12,6 @@ first does the supervised warm-up of `train/sft.py` when the config asks for one
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Any
 
@@ -20,19 +19,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
-from clu import metric_writers, periodic_actions
 from flax import nnx
 
 from dvp_jax import metrics as metrics_lib
 from dvp_jax.checkpoint import Checkpointer, abstract_like
 from dvp_jax.data import pipeline
 from dvp_jax.dvp import advantages as adv
-from dvp_jax.rollout.offline import generate_rollouts
+from dvp_jax.errors import DataError, UserError
+from dvp_jax.rollout.offline import RolloutInterrupted, generate_rollouts
 from dvp_jax.rollout.tokenizers import load_tokenizer
 from dvp_jax.sharding import TRAIN_RULES, Sharder, make_mesh
 from dvp_jax.train import batch as batch_lib
 from dvp_jax.train import config as config_lib
-from dvp_jax.train import evaluation, sft
+from dvp_jax.train import evaluation, report, sft
 from dvp_jax.train import step as step_lib
 from dvp_jax.train.builders import (
     Preemption,
@@ -44,7 +43,7 @@ from dvp_jax.train.builders import (
 )
 from dvp_jax.train.config import ExperimentConfig
 from dvp_jax.train.state import TrainState, init_train_state, make_optimizer
-from dvp_jax.workdir import as_path, check_writable, write_atomic
+from dvp_jax.workdir import WorkdirLock, as_path, check_writable, write_atomic
 
 # Key streams folded into the run's key: rollouts, evaluation.
 _ROLLOUT_STREAM, _EVAL_STREAM = 0, 1
@@ -71,8 +70,21 @@ class Trainer:
         self.cfg = cfg
         self.workdir = as_path(workdir)  # an epath: local, gs://, ...
         check_workdir(cfg, self.workdir)
+        created = not self.workdir.exists()
         check_writable(self.workdir)  # an unreachable or read-only workdir fails here, by name
         self.is_lead = jax.process_index() == 0
+        self.lock = WorkdirLock(self.workdir)
+        if self.is_lead:
+            self.lock.acquire()  # a second trainer on this workdir stops here, by name
+        try:
+            self._build(cfg)
+        except BaseException:
+            self.lock.release()
+            if created and self.is_lead:  # a run that failed before any work leaves nothing
+                _remove_empty(self.workdir)
+            raise
+
+    def _build(self, cfg: ExperimentConfig) -> None:
         for name, value in [
             ("train.prompts_per_step", cfg.train.prompts_per_step),
             ("sft.batch_size", cfg.sft.batch_size if cfg.sft.steps else 0),
@@ -83,7 +95,10 @@ class Trainer:
                     f"({jax.process_count()}): each host takes an equal share of the batch"
                 )
 
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        try:
+            self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        except (OSError, ValueError) as e:
+            raise UserError(f"config.data.tokenizer={cfg.data.tokenizer!r}: {e}") from e
         self.mesh = make_mesh(cfg.mesh)
         self.sharder = Sharder(self.mesh, TRAIN_RULES)
         model = build_model(cfg, self.sharder)
@@ -105,19 +120,25 @@ class Trainer:
 
         # Data: the generated task (or a math file), this host's share of each prompt batch.
         self.task = cfg.data.make_task()  # a generated task, or None for a math file
-        self.data = pipeline.make_prompt_iterator(
-            self.task if self.task is not None else cfg.data.path,
-            self.tokenizer,
-            batch_size=t.prompts_per_step // jax.process_count(),
-            max_prompt_len=cfg.data.max_prompt_len,
-            seed=cfg.data.seed,
-            chat_format=cfg.data.chat_format,
-        )
+        try:
+            self.data = pipeline.make_prompt_iterator(
+                self.task if self.task is not None else cfg.data.path,
+                self.tokenizer,
+                batch_size=t.prompts_per_step // jax.process_count(),
+                max_prompt_len=cfg.data.max_prompt_len,
+                seed=cfg.data.seed,
+                chat_format=cfg.data.chat_format,
+            )
+        except (OSError, ValueError) as e:  # pyarrow's errors are ValueErrors too
+            raise DataError(f"config.data.path={cfg.data.path!r}: {e}") from e
         if self.data.report is not None:
             logging.info("data: %s", self.data.report.summary())
-        self.heldout = evaluation.heldout_examples(
-            cfg.data, self.task, self.tokenizer, cfg.eval.num_prompts
-        )
+        try:
+            self.heldout = evaluation.heldout_examples(
+                cfg.data, self.task, self.tokenizer, cfg.eval.num_prompts
+            )
+        except (OSError, ValueError) as e:
+            raise DataError(f"config.data.eval_path={cfg.data.eval_path!r}: {e}") from e
         self.reward_kind = evaluation.reward_kind(cfg.data)
 
         # The update is jitted on the first batch (its shapes fix the shardings).
@@ -166,9 +187,7 @@ class Trainer:
                 self.workdir / "model_config.json",
                 json.dumps(self.cfg.model.to_hf(), indent=2),
             )
-        self.writer = metric_writers.create_default_writer(
-            os.fspath(self.workdir), just_logging=not self.is_lead, asynchronous=False
-        )
+        self.writer = metrics_lib.EventFiles(self.workdir, write=self.is_lead)
 
     def _wall_time(self) -> float:
         return self._earlier_wall_time + time.time() - self._attempt_start
@@ -208,6 +227,7 @@ class Trainer:
             prompt_len=self.cfg.data.max_prompt_len,
             kind=self.reward_kind,
             sampling=sampling,
+            should_stop=self.preemption.requested,
         )
 
     def warm_up(self) -> bool:
@@ -260,6 +280,7 @@ class Trainer:
             self._key(step, _ROLLOUT_STREAM),
             prompt_len=cfg.data.max_prompt_len,
             first_prompt_index=jax.process_index() * n_prompts,
+            should_stop=self.preemption.requested,
         )
         t_rollout = time.time() - t0
 
@@ -349,24 +370,24 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         """Trains to `train.steps`, resuming from the newest intact checkpoint of the workdir.
 
-        Returns the summary, or `{"preempted_at": step}` after SIGTERM (the running step was
-        finished and checkpointed; `"warm-up"` when SIGTERM came during the supervised warm-up,
-        which has no checkpoint and is redone on resume).
+        Returns the summary, or `{"preempted_at": step}` after SIGTERM / SIGINT (`"warm-up"`
+        when it came during the supervised warm-up, which has no checkpoint and is redone on
+        resume). A stop is honoured within one rollout dispatch: a step whose rollouts were
+        cut short is dropped (the checkpoint is the step before it, the data position rewound
+        to it); an evaluation cut short is redone on resume, from the checkpoint of its step.
         """
         cfg = self.cfg
         restored = self.checkpointer.restore_latest(
             abstract_like(self.state, self.state_sh), self.data
         )
         if restored is None:
+            report.banner(cfg, self.mesh, self.workdir, None)
             self._open_outputs(None)
             if not self.warm_up():
                 logging.warning("preempted during the supervised warm-up: rerun to start again")
                 return {"preempted_at": "warm-up"}
             self._sync_weights()
-            start_eval = self.evaluate(0)
-            self._log(0, {**start_eval, "phase": 0.0})
-            extra = {"start_eval": start_eval}
-            self._save(0, extra, force=True)
+            extra = {}
         else:  # the data iterator is set in place (Grain's handler)
             latest, self.state, _, extra = restored
             if latest > cfg.train.steps:  # before anything is written
@@ -374,52 +395,85 @@ class Trainer:
                     f"{self.workdir} holds a checkpoint at step {latest}, past train.steps = "
                     f"{cfg.train.steps}: raise train.steps to go on, or use a fresh workdir"
                 )
+            report.banner(cfg, self.mesh, self.workdir, latest)
             self._open_outputs(latest)
             self._earlier_wall_time = float(extra.get("wall_time_s", 0.0))
             self._sync_weights()
-            logging.info("resumed from step %d in %s", latest, self.workdir)
-        start_eval = extra.get("start_eval", {})
-
         first = int(jax.device_get(self.state.step))
-        progress = periodic_actions.ReportProgress(
-            num_train_steps=cfg.train.steps,
-            writer=self.writer,
-            every_steps=max(1, cfg.train.steps // 20),
+        try:
+            extra = self._finish_interrupted(first, extra)
+        except RolloutInterrupted:
+            return self._stop(first, extra)
+
+        progress = report.Progress(
+            cfg.train.steps,
+            first,
+            max(1, cfg.train.steps // 20),
+            extra["start_eval"].get("eval_accuracy"),
         )
         for step in range(first + 1, cfg.train.steps + 1):
-            metrics = self.rl_iteration(step)
+            self.checkpointer.check()  # a failed background write stops the run here
+            data_position = self.data.get_state()
+            try:
+                metrics = self.rl_iteration(step)
+            except RolloutInterrupted:  # this step never happened: rewind its prompts
+                self.data.set_state(data_position)
+                return self._stop(step - 1, extra)
             if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
-                metrics.update(self.evaluate(step))
-            if step % cfg.log_every == 0 or step == cfg.train.steps:
-                self._log(step, metrics)
-                logging.info(
-                    "step %d/%d | reward %.3f | loss %.4f | ppl_gap %.4f | excluded %.3f",
-                    step,
-                    cfg.train.steps,
-                    metrics["reward_mean"],
-                    metrics["loss"],
-                    metrics["ppl_gap"],
-                    metrics["frac_responses_excluded"],
-                )
-            progress(step)
+                try:
+                    metrics.update(self.evaluate(step))
+                except RolloutInterrupted:  # the step is done; its row waits for the eval
+                    return self._stop(step, {**extra, "unlogged": {"step": step, **metrics}})
+            self._log_step(step, metrics)
+            progress(step, metrics)
             preempted = self.preemption.reached(step)  # every host asks at every step
             # Every host offers every step; the manager saves multiples of checkpoint.every.
             self._save(step, extra, force=preempted or step == cfg.train.steps)
             if preempted:
-                self.checkpointer.wait()  # on disk before the process exits
-                logging.warning(
-                    "preempted: checkpoint saved at step %d; rerun the same command to resume", step
-                )
-                return {"preempted_at": step}
+                return self._stop(step, extra)
 
-        final_eval = self.evaluate(cfg.train.steps)  # overlaps the final step's write
+        try:
+            final_eval = self.evaluate(cfg.train.steps)  # overlaps the final step's write
+        except RolloutInterrupted:  # the final checkpoint is taken; the eval is redone
+            return self._stop(cfg.train.steps, extra)
         self.checkpointer.wait()  # the final step is on disk before the summary says done
         self._log(cfg.train.steps, {**final_eval, "phase": 1.0})
-        summary = self._summary(start_eval, final_eval, self._wall_time())
+        summary = self._summary(extra.get("start_eval", {}), final_eval, self._wall_time())
         if self.is_lead:
             write_atomic(self.workdir / "summary.json", json.dumps(summary, indent=2))
         self.writer.flush()
         return summary
+
+    def _finish_interrupted(self, step: int, extra: dict) -> dict:
+        """What a stop left undone at checkpoint `step`: the evaluation before RL (a fresh run,
+        or one stopped during it) or a periodic one (the step's row waits in `unlogged`).
+        Both are pure functions of the checkpointed params and key, so redoing them is exact.
+        """
+        if "start_eval" not in extra:
+            start_eval = self.evaluate(0)
+            self._log(0, {**start_eval, "phase": 0.0})
+            extra = {**extra, "start_eval": start_eval}
+            self._save(0, extra, force=True)  # kept if step 0 is there already
+        unlogged = extra.get("unlogged")
+        if unlogged is not None and unlogged["step"] == step:
+            metrics = {k: v for k, v in unlogged.items() if k != "step"}
+            metrics.update(self.evaluate(step))
+            self._log_step(step, metrics)
+        return {k: v for k, v in extra.items() if k != "unlogged"}
+
+    def _log_step(self, step: int, metrics: dict[str, Any]) -> None:
+        if step % self.cfg.log_every == 0 or step == self.cfg.train.steps:
+            self._log(step, metrics)
+
+    def _stop(self, step: int, extra: dict) -> dict[str, Any]:
+        """Checkpoints step `step` (unless it is on disk already), waits for it, and reports
+        the preemption."""
+        self._save(step, extra, force=True)
+        self.checkpointer.wait()  # on disk before the process exits
+        logging.warning(
+            "preempted: checkpoint saved at step %d; rerun the same command to resume", step
+        )
+        return {"preempted_at": step}
 
     def _summary(self, start_eval: dict, final_eval: dict, wall_time_s: float) -> dict[str, Any]:
         summary = {
@@ -444,9 +498,25 @@ class Trainer:
         return summary
 
     def close(self):
-        self.checkpointer.close()
-        if self.writer is not None:
-            self.writer.close()
+        try:
+            self.checkpointer.close()
+        finally:
+            if self.writer is not None:
+                self.writer.close()
+            self.lock.release()
+
+
+def _remove_empty(workdir) -> None:
+    """Removes `workdir` if it holds nothing but an empty `checkpoints/` (what a run that
+    failed while being built leaves); anything else is kept."""
+    try:
+        entries = list(workdir.iterdir())
+        if all(p.name == "checkpoints" and not list(p.iterdir()) for p in entries):
+            for p in entries:
+                p.rmdir()
+            workdir.rmdir()
+    except OSError:
+        pass
 
 
 def train(cfg: ExperimentConfig, workdir: str) -> dict[str, Any]:
