@@ -50,8 +50,10 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import grain.checkpoint as grain_checkpoint
@@ -63,7 +65,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from dvp_jax.errors import RunFailure, UserError, one_line, root_cause
-from dvp_jax.workdir import as_path
+from dvp_jax.workdir import as_path, is_remote
 
 ITEMS = ("state", "data", "extra")
 DAMAGED_DIR = "damaged"
@@ -139,6 +141,7 @@ class Checkpointer:
             return False
         self.check()  # the previous save's background write
         self._writing = step
+        self._check_free_space()
         try:
             self.manager.save(
                 step,
@@ -153,6 +156,24 @@ class Checkpointer:
             raise self._write_failed(e) from e
         logging.info("saving checkpoint %d to %s", step, self.directory)
         return True
+
+    def _check_free_space(self) -> None:
+        """On a local disk, refuses to start a save that cannot fit: less free space than the
+        newest complete step took. A write that fails half-way makes Orbax's and TensorStore's
+        background threads print dozens of tracebacks; this catches the usual case (a disk
+        filling up between saves) before the write. Object stores are not checked."""
+        if is_remote(self.directory) or not self.manager.all_steps():
+            return
+        newest = self.directory / str(max(self.manager.all_steps()))
+        needed = sum(f.stat().st_size for f in Path(newest).rglob("*") if f.is_file())
+        free = shutil.disk_usage(self.directory).free
+        if free < needed:
+            raise RunFailure(
+                f"checkpoint {self._writing} was not written to {self.directory} (No space left "
+                f"on device: {free / 2**20:.1f} MiB free, a checkpoint takes "
+                f"{needed / 2**20:.1f} MiB); the newest complete checkpoint (step "
+                f"{max(self.manager.all_steps())}) is the one a rerun resumes from"
+            )
 
     def check(self) -> None:
         """Raises `RunFailure` if the last save's background write has failed (disk full, lost

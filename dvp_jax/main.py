@@ -69,7 +69,9 @@ PREEMPTED_EXIT_CODE = 75
 
 class _QuietLibraries:
     """Drops INFO records logged from the files of chatty libraries (Orbax logs each save step
-    by step), keeping their warnings and everything of ours.
+    by step) and keeps their warnings and errors to one line each (Orbax logs a failed
+    background write with two tracebacks; the run reports the cause itself). Records of ours
+    pass unchanged.
 
     absl routes every library's records through one "absl" logger, so a per-logger level (absl's
     `--logger_levels`) cannot tell Orbax from us; the record's source path can. Levels here are
@@ -79,8 +81,28 @@ class _QuietLibraries:
     PREFIXES = tuple(os.sep + name + os.sep for name in ("orbax", "etils", "grain", "jetstream"))
 
     def filter(self, record) -> bool:
-        noisy = any(part in record.pathname for part in self.PREFIXES)
-        return record.levelno >= std_logging.WARNING or not noisy
+        if not any(part in record.pathname for part in self.PREFIXES):
+            return True
+        if record.levelno < std_logging.WARNING:
+            return False
+        message = record.getMessage().strip().splitlines()
+        record.msg, record.args = (message[0] if message else ""), None
+        record.exc_info = record.exc_text = record.stack_info = None
+        return True
+
+
+def _quiet_teardown_errors() -> None:
+    """After a failed checkpoint write, TensorStore's threads call back into the asyncio loop
+    Orbax has closed, and each call prints `RuntimeError: Event loop is closed` with its
+    traceback (through `sys.excepthook`, from TensorStore's callbacks). Those say nothing
+    the run's one error line does not; every other exception keeps its traceback."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
+            previous(kind, value, tb)
+
+    sys.excepthook = hook
 
 
 def _init_jax():
@@ -132,6 +154,7 @@ def main(argv):
         fail(f"unexpected arguments {argv[1:]}: every option is a --flag", USAGE_EXIT_CODE)
     if not _VERBOSE.value:
         logging.get_absl_handler().addFilter(_QuietLibraries())
+        _quiet_teardown_errors()
     _init_jax()
     require_backend(_BACKEND.value)
     import jax
@@ -172,8 +195,13 @@ def main(argv):
         _close_quietly(trainer)
         fail(str(e), USAGE_EXIT_CODE, e)
     except (RunFailure, OSError) as e:  # a write that failed: disk full, lost permissions
+        error = e
+        try:  # a log write that failed beside a checkpoint write: the checkpoint says more
+            trainer.checkpointer.check()
+        except RunFailure as checkpoint_error:
+            error = checkpoint_error
         _close_quietly(trainer)
-        fail(str(e) if isinstance(e, RunFailure) else one_line(e), 1, e)
+        fail(str(error) if isinstance(error, RunFailure) else one_line(error), 1, error)
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, without a checkpoint
         _close_quietly(trainer)
         fail("interrupted (a second Ctrl-C): stopped without saving this step", 130)

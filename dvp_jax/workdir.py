@@ -62,9 +62,12 @@ def write_atomic(path: epath.Path, text: str) -> None:
     try:
         tmp.write_text(text)
         tmp.replace(path)
-    except BaseException:
-        if tmp.exists():
-            tmp.unlink()
+    except BaseException as e:
+        with contextlib.suppress(Exception):
+            if tmp.exists():
+                tmp.unlink()
+        if isinstance(e, OSError) and not is_remote(path):
+            raise OSError(e.errno, f"cannot write {path}: {e.strerror or e}") from e
         raise
 
 
@@ -74,9 +77,12 @@ def append_line(path: epath.Path, line: str, rewrite: str) -> None:
     path = as_path(path)
     if is_remote(path):
         write_atomic(path, rewrite)
-    else:
+        return
+    try:
         with open(path, "a") as fh:
             fh.write(line)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot append to {path}: {e.strerror or e}") from e
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from dvp_jax.rollout.tokenizers import CharTokenizer
 from dvp_jax.train.builders import WorkdirMismatchError
 from dvp_jax.train.config import ExperimentConfig
 from dvp_jax.train.trainer import Trainer
+from dvp_jax.workdir import WorkdirInUseError, WorkdirLock
 from tests.train_utils import REPO, main_command, tiny_config_dict
 
 VOCAB = CharTokenizer().vocab_size
@@ -195,3 +196,170 @@ def test_kill_9_at_random_moments_then_resume_equals_one_uninterrupted_run(tmp_p
 
     hf_tok = AutoTokenizer.from_pretrained(str(run_dir / "hf_export"))
     assert hf_tok.encode("12+7=", add_special_tokens=False) == CharTokenizer().encode_ids("12+7=")
+
+
+def test_a_second_trainer_on_a_workdir_in_use_is_refused_and_a_stale_lock_is_not(tmp_path):
+    workdir, log = tmp_path / "run", tmp_path / "log.txt"
+    cmd, env = main_command(workdir, **{"sft.steps": 100_000})
+    with open(log, "w") as fh:
+        holder = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT)
+        try:
+            assert _wait_for(log, "supervised warm-up:", holder), open(log).read()[-3000:]
+            second = subprocess.run(
+                cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+            )
+            last = second.stderr.strip().splitlines()[-1]
+            assert second.returncode == 2, second.stderr[-2000:]
+            assert "is in use by another trainer" in last and f"pid {holder.pid}" in last
+            assert "Traceback" not in second.stderr
+            # The Python API refuses too, before building anything.
+            with pytest.raises(WorkdirInUseError, match=f"pid {holder.pid}"):
+                WorkdirLock(workdir).acquire()
+        finally:
+            holder.send_signal(signal.SIGKILL)
+            holder.wait()
+    # kill -9 leaves the lock file behind, naming a dead process: it does not block a rerun.
+    assert f'"pid": {holder.pid}' in (workdir / ".lock").read_text()
+    with WorkdirLock(workdir) as lock:
+        assert f'"pid": {os.getpid()}' in lock.path.read_text()
+    assert not (workdir / ".lock").exists()  # released: removed
+
+
+def test_sigterm_and_sigint_during_the_first_evaluation_stop_within_one_dispatch(tmp_path):
+    # An evaluation of 8 prompts x 100,000 samples would take hours: the exit proves the stop
+    # was honoured inside it. The warm-up is kept (checkpoint 0), the evaluation is not.
+    runs = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        workdir = tmp_path / sig.name
+        cmd, env = main_command(workdir, **{"eval.k": 100_000})
+        log = open(tmp_path / f"{sig.name}.txt", "w")
+        runs[sig] = (workdir, log, subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=log))
+    try:
+        for sig, (workdir, log, proc) in runs.items():
+            # Checkpoint 0 is written after the evaluation, so its absence means "evaluating".
+            assert _wait_for(log.name, "warm-up 2/2", proc), open(log.name).read()[-3000:]
+            time.sleep(3.0)
+            assert not (workdir / "checkpoints" / "0").exists()
+            proc.send_signal(sig)
+        for sig, (workdir, log, proc) in runs.items():
+            proc.wait(timeout=120)
+            out = open(log.name).read()
+            assert proc.returncode == {signal.SIGTERM: 75, signal.SIGINT: 130}[sig], out[-3000:]
+            assert f"{sig.name} received" in out and "checkpoint saved at step 0" in out
+            assert "Traceback" not in out
+            assert (workdir / "checkpoints" / "0").is_dir()
+            assert [r["step"] for r in read_metrics(str(workdir))] == [-2, -1]  # no eval row
+    finally:
+        for _, log, proc in runs.values():
+            proc.kill()
+            log.close()
+
+
+class _StopAfter:
+    """Answers the trainer's "should I stop?" with True from the `n`-th question on, as a
+    signal arriving at that moment would."""
+
+    def __init__(self, n):
+        self.n, self.asked = n, 0
+
+    def __call__(self):
+        self.asked += 1
+        return self.asked >= self.n
+
+
+# Where the stop comes: (method, its step, the question it comes at, the checkpoint it leaves).
+_STOPS = {
+    "first evaluation": ("evaluate", 0, 2, 0),  # after its first dispatch
+    "rollouts of step 2": ("rl_iteration", 2, 1, 1),  # before any dispatch: step 2 is dropped
+    "evaluation at step 2": ("evaluate", 2, 2, 2),  # step 2 is done; its row waits
+}
+
+
+_STOP_RUN = {"eval.every": 2, "train.steps": 3}
+
+
+@pytest.fixture(scope="module")
+def stop_reference(tmp_path_factory):
+    """One uninterrupted run, the reference of every stopped one."""
+    workdir = tmp_path_factory.mktemp("stop_reference")
+    return workdir, _run(workdir, **_STOP_RUN)
+
+
+@pytest.mark.parametrize("where", list(_STOPS))
+def test_a_stop_inside_a_phase_resumes_exactly(tmp_path, where, stop_reference):
+    """A stop between dispatches: the interrupted phase is redone on resume from the checkpoint
+    it left, and the run ends exactly as one that was never stopped."""
+    method, at_step, nth_question, checkpoint = _STOPS[where]
+    reference_dir, reference = stop_reference
+    cfg = ExperimentConfig.from_config_dict(tiny_config_dict(**_STOP_RUN), VOCAB)
+    trainer = Trainer(cfg, str(tmp_path / "run"))
+    original = getattr(trainer, method)
+
+    def stop_inside(step, *args, **kwargs):
+        if step == at_step:
+            trainer.preemption.requested = _StopAfter(nth_question)
+        return original(step, *args, **kwargs)
+
+    setattr(trainer, method, stop_inside)
+    try:
+        assert trainer.run() == {"preempted_at": checkpoint}
+    finally:
+        trainer.close()
+    assert (tmp_path / "run" / "checkpoints" / str(checkpoint)).is_dir()
+    resumed = _run(tmp_path / "run", **_STOP_RUN)
+    strip = lambda rs: [{k: v for k, v in r.items() if k not in TIMING} for r in rs]
+    assert strip(read_metrics(str(tmp_path / "run"))) == strip(read_metrics(str(reference_dir)))
+    timeless = lambda summary: {k: v for k, v in summary.items() if k != "wall_time_s"}
+    assert timeless(resumed) == timeless(reference)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs, so a disk can really fill (needs root, as CI and the dev machines run)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_full_disk_stops_the_run_at_the_failing_write_and_the_rerun_resumes(small_disk):
+    workdir, filler = small_disk / "run", small_disk / "filler"
+    # Saves every 10 steps: the disk is full well before the next one starts.
+    cmd, env = main_command(workdir, **{"train.steps": 40, "checkpoint.every": 10})
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.time() + 300
+        while not (workdir / "checkpoints" / "10").is_dir() and time.time() < deadline:
+            time.sleep(0.05)
+        with open(filler, "wb", buffering=0) as fh:  # fill the disk
+            try:
+                while fh.write(b"\0" * 65536):
+                    pass
+            except OSError:
+                pass
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    last = out.strip().splitlines()[-1]
+    assert proc.returncode == 1, out[-3000:]
+    assert last.startswith("error: ") and "No space left on device" in last, out[-3000:]
+    assert str(workdir) in last
+    assert "Traceback" not in out
+    steps = [r["step"] for r in read_metrics(str(workdir)) if "loss" in r]
+    assert max(steps) < 40  # it stopped, and did not train on to the next save
+    saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    assert max(steps) <= max(saved) + 10  # not past the save that failed
+    os.remove(filler)
+    rerun = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"resuming from step {max(saved)}" in rerun.stderr
+    assert [r["step"] for r in read_metrics(str(workdir)) if "loss" in r] == list(range(1, 41))

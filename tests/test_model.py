@@ -252,7 +252,9 @@ def test_decode_over_a_length_bucket_equals_the_whole_cache():
     """`decode(..., kv_len)` attends over the first kv_len cache positions: with every row's
     position below kv_len it gives the logits of attending over the whole cache (the masked
     tail adds exact zeros; only the softmax's summation order differs: float32 logits within
-    1e-6 of O(1) values), and the caches are identical bit for bit. The last step writes
+    1e-6 of O(1) values), and caches that agree to float rounding (they are two programs: the
+    summation order moves a hidden state in its last bit and the next layer's keys follow,
+    seen up to 4.8e-7 on one machine; 1e-5 bounds that on O(1) values). The last step writes
     position kv_len - 1, the bucket's edge."""
     policy = DTypePolicy.named("float32")
     model = tiny_model(seed=9, policy=policy)
@@ -271,7 +273,7 @@ def test_decode_over_a_length_bucket_equals_the_whole_cache():
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
         pos = pos + 1
     for x, y in zip(full, bucket, strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=1e-5)
 
 
 def test_mixed_policy_keeps_fp32_params_and_is_close_to_fp32():

@@ -237,7 +237,7 @@ def test_server_on_a_busy_port_exits_with_one_line():
             timeout=120,
         )
     output = proc.stdout
-    assert proc.returncode == 1, output[-3000:]
+    assert proc.returncode == 2, output[-3000:]
     line = f"cannot bind 127.0.0.1:{port}: address already in use; pick another --port"
     assert line in output, output[-3000:]
     assert "Traceback" not in output, output[-3000:]

@@ -20,7 +20,7 @@ and the process exits 0.
 A `--host:--port` that cannot be bound (in use, privileged, not an address of this machine)
 stops the process before the model is loaded, with one line on stderr naming the address and
 why (e.g. `cannot bind 127.0.0.1:9000: address already in use; pick another --port or stop the
-process that holds it`) and exit status 1. `serve` binds the gRPC port before it starts
+process that holds it`) and exit status 2. `serve` binds the gRPC port before it starts
 JetStream's driver (whose detokenize thread is not a daemon and would keep the process alive),
 and stops the driver and the gRPC server on every path out, failures included.
 
@@ -110,7 +110,9 @@ flags.DEFINE_float("log_rho", -13.0, "log min-p threshold; -inf: no pruning.")
 flags.DEFINE_bool("greedy", False, "Greedy decoding.")
 flags.DEFINE_integer("seed", 0, "Base seed of the per-request keys.")
 flags.DEFINE_integer("tensor_parallel", 1, "Devices on the mesh's tensor axis.")
-flags.DEFINE_bool("verbose", False, "Keep JetStream's per-step DEBUG logging.")
+flags.DEFINE_bool(
+    "verbose", False, "JetStream's per-step DEBUG logging; tracebacks for every error."
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -452,7 +454,7 @@ def main(argv):
     # Before the model is loaded (minutes for a real checkpoint): a busy port fails at once.
     problem = bind_problem(FLAGS.host, FLAGS.port)
     if problem is not None:
-        fail(problem, 1)
+        fail(problem, USAGE_EXIT_CODE)
     _orchestrator()
     if not FLAGS.verbose:
         # JetStream's orchestrator logs every generate step at DEBUG.
@@ -468,7 +470,7 @@ def main(argv):
     try:
         asyncio.run(serve(engine, FLAGS.host, FLAGS.port))
     except PortUnavailableError as e:  # Taken since the check above.
-        fail(str(e), 1)
+        fail(str(e), USAGE_EXIT_CODE)
 
 
 if __name__ == "__main__":

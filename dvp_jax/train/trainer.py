@@ -130,7 +130,7 @@ class Trainer:
                 chat_format=cfg.data.chat_format,
             )
         except (OSError, ValueError) as e:  # pyarrow's errors are ValueErrors too
-            raise DataError(f"config.data.path={cfg.data.path!r}: {e}") from e
+            raise DataError(f"config.data.path: {e}") from e
         if self.data.report is not None:
             logging.info("data: %s", self.data.report.summary())
         try:
@@ -138,7 +138,7 @@ class Trainer:
                 cfg.data, self.task, self.tokenizer, cfg.eval.num_prompts
             )
         except (OSError, ValueError) as e:
-            raise DataError(f"config.data.eval_path={cfg.data.eval_path!r}: {e}") from e
+            raise DataError(f"config.data.eval_path: {e}") from e
         self.reward_kind = evaluation.reward_kind(cfg.data)
 
         # The update is jitted on the first batch (its shapes fix the shardings).

@@ -1,0 +1,160 @@
+"""The command lines' contract for a user's mistake: the output ends with one line naming what
+was wrong, exit status 2, no traceback, no usage dump, and no workdir left behind; `--verbose`
+adds the traceback. One case per kind of mistake (flag, config field, value, file, data, path,
+checkpoint, backend; the server's flags and port), all started at once."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.train_utils import REPO, TINY_CONFIG, main_command
+
+TIMEOUT = 240
+
+
+def _server(*flags):
+    return [sys.executable, "-m", "dvp_jax.rollout.server", *flags]
+
+
+def _write(path, data: bytes):
+    path.write_bytes(data)
+    return str(path)
+
+
+def _cases(tmp, port):
+    """name -> (argv, the text the last line must hold)."""
+    rng = bytes(range(256)) * 12
+    (tmp / "ro").mkdir()
+    damaged = tmp / "damaged" / "checkpoints" / "0"
+    damaged.mkdir(parents=True)  # a step directory Orbax lists, with nothing inside
+    (damaged / "_CHECKPOINT_METADATA").write_text("{}")
+    runs = iter(range(100))
+    run = lambda: str(tmp / "runs" / str(next(runs)))  # a workdir per case: one trainer each
+    math = lambda path: main_command(
+        run(), "--config.data.task=math", f"--config.data.path={path}"
+    )[0]
+    return {
+        "misspelt field": (
+            main_command(run(), **{"train.stpes": 10})[0],
+            "--config.train.stpes: no config field 'stpes'; did you mean \"steps\"",
+        ),
+        "bad value": (main_command(run(), **{"train.steps": -3})[0], "config.train.steps"),
+        "wrong type": (
+            main_command(run(), **{"train.steps": "abc"})[0],
+            "--config.train.steps=abc: invalid literal for int()",
+        ),
+        "unknown flag": (main_command(run(), "--bogus")[0], "Unknown command line flag 'bogus'"),
+        "missing flag": (
+            [sys.executable, "-m", "dvp_jax.main", f"--config={TINY_CONFIG}"],
+            "--workdir must have a value",
+        ),
+        "missing config file": (
+            [
+                sys.executable,
+                "-m",
+                "dvp_jax.main",
+                "--config=configs/nope.py",
+                f"--workdir={run()}",
+            ],
+            "--config: the config file does not load ([Errno 2] No such file or directory",
+        ),
+        "empty data file": (math(_write(tmp / "empty.jsonl", b"")), "no examples to read"),
+        "every row bad": (
+            math(_write(tmp / "bad.jsonl", b'{"x": 1}\n{"y": 2}\n')),
+            "no examples to read",
+        ),
+        "random bytes": (math(_write(tmp / "rand.jsonl", rng)), "no examples to read"),
+        "fake parquet": (math(_write(tmp / "fake.parquet", rng)), "cannot read as parquet"),
+        "txt extension": (
+            math(_write(tmp / "data.txt", b'{"prompt": "1+1=", "answer": "2"}\n')),
+            "unsupported extension '.txt'",
+        ),
+        "missing data file": (math(str(tmp / "none.jsonl")), "does not exist"),
+        "unwritable workdir": (
+            main_command("/proc/dvp_jax_run")[0],
+            "workdir /proc/dvp_jax_run is not writable",
+        ),
+        "no restorable checkpoint": (
+            main_command(tmp / "damaged")[0],
+            "no checkpoint under",
+        ),
+        "wrong backend": (
+            main_command(run(), "--backend=tpu")[0],
+            "--backend=tpu but jax runs on cpu",
+        ),
+        "server: no such trainer workdir": (
+            _server(f"--trainer_checkpoint={tmp / 'nowhere'}", f"--port={port}"),
+            "no such directory",
+        ),
+        "server: a trainer workdir as --hf_checkpoint": (
+            _server(f"--hf_checkpoint={tmp / 'workdir_like'}", f"--port={port}"),
+            "is a dvp_jax.main workdir",
+        ),
+        "server: unknown flag": (_server("--prot=9000"), "Unknown command line flag 'prot'"),
+        "server: bad flag value": (
+            _server("--random_init_preset=tiny", "--max_prefill_length=100", f"--port={port}"),
+            "--max_prefill_length must be one of",
+        ),
+    }
+
+
+def test_every_user_mistake_ends_with_one_line_and_exit_2(tmp_path):
+    like = tmp_path / "workdir_like"
+    (like / "checkpoints").mkdir(parents=True)
+    (like / "config.json").write_text('{"method": "dvp"}')
+    (like / "model_config.json").write_text("{}")
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()
+    cases = _cases(tmp_path, port)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    procs = {
+        name: subprocess.Popen(
+            argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for name, (argv, _) in cases.items()
+    }
+    failures = []
+    for name, proc in procs.items():
+        out, _ = proc.communicate(timeout=TIMEOUT)
+        lines = out.strip().splitlines()
+        last = lines[-1] if lines else ""
+        expected = cases[name][1]
+        if (
+            proc.returncode != 2
+            or not last.startswith("error: ")
+            or expected not in last
+            or "Traceback" in out
+            or "USAGE" in out
+        ):
+            failures.append(f"{name}: rc {proc.returncode}, last line {last!r}\n{out[-1500:]}")
+    assert not failures, "\n\n".join(failures)
+    # Nothing was left behind by the runs that failed before any work.
+    assert not (tmp_path / "runs").exists() or not os.listdir(tmp_path / "runs")
+    assert not os.path.exists("/proc/dvp_jax_run")
+
+
+def test_verbose_adds_the_traceback(tmp_path):
+    cmd, env = main_command(tmp_path / "run", "--verbose", **{"train.steps": -3})
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert out.returncode == 2
+    assert "Traceback" in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error: config.train.steps")
+
+
+@pytest.mark.parametrize("module", ["dvp_jax.main", "dvp_jax.rollout.server"])
+def test_help_still_lists_the_flags(module):
+    out = subprocess.run(
+        [sys.executable, "-m", module, "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert out.returncode in (0, 1)  # absl's own --help exits 1
+    assert "verbose" in out.stdout and "error:" not in out.stdout + out.stderr

@@ -1,0 +1,69 @@
+"""The light install: no TensorFlow (nor the real seqio) is imported by the trainer, the engine,
+the server or the benchmarks, and the run's TensorBoard event files are read by TensorBoard."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dvp_jax.metrics import EventFiles
+from tests.train_utils import REPO
+
+HEAVY = ("tensorflow", "tensorflow_text", "tensorflow_datasets", "seqio", "clu", "torch")
+
+
+# Modules that define absl flags of the same names go to separate interpreters.
+_IMPORTS = [
+    "dvp_jax.main, dvp_jax.train.trainer, train_step, pruned_logprobs",
+    "dvp_jax.rollout.server, dvp_jax.rollout.engine, jetstream.core.orchestrator",
+    "rollout_throughput",
+]
+
+
+@pytest.mark.parametrize("modules", _IMPORTS)
+def test_no_tensorflow_is_imported_by_the_trainer_engine_server_or_benchmarks(modules):
+    code = f"""
+import json, sys
+sys.path.insert(0, "benchmarks")
+import {modules}
+heavy = sorted({{m.split(".")[0] for m in sys.modules}} & set({HEAVY!r}))
+seqio = sys.modules.get("seqio")
+print(json.dumps({{"heavy": heavy, "seqio": seqio.__doc__ if seqio else None}}))
+"""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    # seqio may be in sys.modules, but only as dvp_jax's stand-in (rollout/jetstream_compat.py).
+    assert set(found["heavy"]) <= {"seqio"} and "torch" not in found["heavy"], found
+    if found["seqio"] is not None:
+        assert "stand-in" in found["seqio"]
+
+
+def test_the_stand_in_refuses_sentencepiece_with_a_reason():
+    from seqio.vocabularies import SentencePieceVocabulary
+
+    with pytest.raises(NotImplementedError, match="not available in dvp_jax"):
+        SentencePieceVocabulary("spm.model")
+
+
+def test_event_files_are_read_by_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    writer = EventFiles(tmp_path)
+    for step in range(3):
+        writer.write_scalars(step, {"loss": 1.0 / (step + 1), "reward_mean": 0.25 * step})
+    writer.close()
+    EventFiles(tmp_path / "other", write=False).write_scalars(0, {"loss": 1.0})  # not lead
+    assert not (tmp_path / "other").exists()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["loss", "reward_mean"]
+    loss = [(e.step, e.value) for e in events.Scalars("loss")]
+    assert loss == [(0, 1.0), (1, 0.5), (2, 1.0 / 3.0)] or all(
+        s == i and abs(v - 1.0 / (i + 1)) < 1e-7 for i, (s, v) in enumerate(loss)
+    )
