@@ -171,10 +171,13 @@ def main(argv):
         fail(flag_error(e, sys.argv), USAGE_EXIT_CODE, e)
     try:
         cfg = ExperimentConfig.from_config_dict(config, _vocab_size(config))
-        trainer = Trainer(cfg, _WORKDIR.value)
-    except (UserError, ValueError) as e:  # the config, its files, the workdir
+    except (UserError, ValueError) as e:  # the config's checks raise ValueErrors
         fail(str(e), USAGE_EXIT_CODE, e)
-    except OSError as e:  # an unreachable or read-only workdir
+    try:
+        trainer = Trainer(cfg, _WORKDIR.value)
+    except UserError as e:  # the workdir, the data, the tokenizer, the mesh, a checkpoint
+        fail(str(e), USAGE_EXIT_CODE, e)
+    except OSError as e:  # an unreachable or read-only workdir, a missing model directory
         fail(one_line(e), USAGE_EXIT_CODE, e)
     status = 0
     try:

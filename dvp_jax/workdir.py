@@ -53,6 +53,19 @@ def check_writable(directory: epath.Path) -> None:
         ) from None
 
 
+def remove_if_empty(directory: epath.Path) -> None:
+    """Removes `directory` if it holds nothing but an empty `checkpoints/` (what a run that
+    failed while being built leaves); anything else is kept."""
+    try:
+        entries = list(directory.iterdir())
+        if all(p.name == "checkpoints" and not list(p.iterdir()) for p in entries):
+            for p in entries:
+                p.rmdir()
+            directory.rmdir()
+    except OSError:
+        pass
+
+
 def write_atomic(path: epath.Path, text: str) -> None:
     """Writes `text` to `path` through a temporary sibling and one rename: a reader (or a kill)
     sees the old file or the new one, never a partial one (on object stores the rename is a

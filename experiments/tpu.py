@@ -15,7 +15,8 @@ remote command runs on all workers (`ssh --worker=all`) and is POSIX sh.
   project's `requires-python`. A pinned uv in ~/.local/bin (no shell profile edits) installs a
   standalone CPython of that version without root or PPAs, identically on every image (apt and
   deadsnakes depend on the Ubuntu release), and a venv ~/dvp_jax_venv (kept if its Python already
-  has that version). (3) `uv pip install -e . "jax[tpu]"` into it (libtpu is on PyPI), then an
+  has that version). (3) `uv pip install -e . "jax[tpu]"` into it (libtpu is on PyPI; the
+  code-less seqio of packaging/seqio_standin first, as `make install` does), then an
   import check. (4) each `--stage SRC=DEST` copies a gs:// object or folder to DEST on the
   worker's disk, through DEST.partial and a rename (DEST is complete whenever it exists); an
   existing DEST is kept (remove it to stage again); a missing top directory such as /data is
@@ -316,7 +317,8 @@ def install_script(layout: Layout) -> str:
     py = layout.interpreter
     pip = f"{UV} pip install --python {py}" if not layout.python else f"{py} -m pip install"
     check = f'{py} -c "import jax, dvp_jax; print(jax.__version__)"'
-    return f'cd {layout.dir} && {pip} -e . "jax[tpu]" && {check}'
+    # The code-less seqio first, so JetStream's requirement does not pull TensorFlow (Makefile).
+    return f'cd {layout.dir} && {pip} ./packaging/seqio_standin && {pip} -e . "jax[tpu]" && {check}'
 
 
 def stage_script(src: str, dest: str) -> str:

@@ -363,3 +363,24 @@ def test_a_full_disk_stops_the_run_at_the_failing_write_and_the_rerun_resumes(sm
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert f"resuming from step {max(saved)}" in rerun.stderr
     assert [r["step"] for r in read_metrics(str(workdir)) if "loss" in r] == list(range(1, 41))
+
+
+def test_a_lease_on_an_object_store_refuses_while_renewed_and_is_taken_over_when_stale(tmp_path):
+    # The lease path (used for gs:// workdirs, which have no flock), on a local directory.
+    first = WorkdirLock(tmp_path)
+    first._acquire_lease()
+    try:
+        with pytest.raises(WorkdirInUseError, match=r"pid \d+, lease renewed 0 s ago"):
+            WorkdirLock(tmp_path)._acquire_lease()
+    finally:
+        first.release()
+    assert not (tmp_path / ".lock").exists()
+    # A lease its holder stopped renewing (a dead process) is taken over.
+    stale = {"host": "gone", "pid": 1, "time": time.time() - 2 * WorkdirLock.STALE_S}
+    (tmp_path / ".lock").write_text(json.dumps(stale))
+    second = WorkdirLock(tmp_path)
+    second._acquire_lease()
+    try:
+        assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+    finally:
+        second.release()

@@ -353,7 +353,8 @@ def test_tpu_setup_installs_python_the_project_and_stages_data_on_every_worker(c
         f'(rm -rf "$HOME"/dvp_jax_venv && {UV} venv --python 3.11 "$HOME"/dvp_jax_venv))'
     )
     assert install == _ssh(
-        f'cd "$HOME"/dvp_jax && {UV} pip install --python {VENV_PY} -e . "jax[tpu]" && '
+        f'cd "$HOME"/dvp_jax && {UV} pip install --python {VENV_PY} ./packaging/seqio_standin && '
+        f'{UV} pip install --python {VENV_PY} -e . "jax[tpu]" && '
         f'{VENV_PY} -c "import jax, dvp_jax; print(jax.__version__)"'
     )
     assert stage_qwen == _ssh(STAGE_QWEN)  # the trailing '/' of the source is dropped

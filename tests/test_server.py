@@ -149,6 +149,9 @@ def test_server_end_to_end(tmp_path):
         output = log.read()
         log.close()
     assert "server stopped" in output, output[-3000:]
+    # Each log record printed once (JetStream's own root handler used to print it again).
+    assert output.count("serving on 127.0.0.1") == 1, output[-3000:]
+    assert output.count("shutting down") == 1, output[-3000:]
 
 
 def test_server_loads_hf_and_orbax_checkpoints(tmp_path):

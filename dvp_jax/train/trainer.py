@@ -25,7 +25,7 @@ from dvp_jax import metrics as metrics_lib
 from dvp_jax.checkpoint import Checkpointer, abstract_like
 from dvp_jax.data import pipeline
 from dvp_jax.dvp import advantages as adv
-from dvp_jax.errors import DataError, UserError
+from dvp_jax.errors import ConfigError, DataError, UserError
 from dvp_jax.rollout.offline import RolloutInterrupted, generate_rollouts
 from dvp_jax.rollout.tokenizers import load_tokenizer
 from dvp_jax.sharding import TRAIN_RULES, Sharder, make_mesh
@@ -43,7 +43,13 @@ from dvp_jax.train.builders import (
 )
 from dvp_jax.train.config import ExperimentConfig
 from dvp_jax.train.state import TrainState, init_train_state, make_optimizer
-from dvp_jax.workdir import WorkdirLock, as_path, check_writable, write_atomic
+from dvp_jax.workdir import (
+    WorkdirLock,
+    as_path,
+    check_writable,
+    remove_if_empty,
+    write_atomic,
+)
 
 # Key streams folded into the run's key: rollouts, evaluation.
 _ROLLOUT_STREAM, _EVAL_STREAM = 0, 1
@@ -81,7 +87,7 @@ class Trainer:
         except BaseException:
             self.lock.release()
             if created and self.is_lead:  # a run that failed before any work leaves nothing
-                _remove_empty(self.workdir)
+                remove_if_empty(self.workdir)
             raise
 
     def _build(self, cfg: ExperimentConfig) -> None:
@@ -90,7 +96,7 @@ class Trainer:
             ("sft.batch_size", cfg.sft.batch_size if cfg.sft.steps else 0),
         ]:
             if value % jax.process_count():
-                raise ValueError(
+                raise ConfigError(
                     f"config.{name}={value} must be divisible by the number of processes "
                     f"({jax.process_count()}): each host takes an equal share of the batch"
                 )
@@ -99,7 +105,10 @@ class Trainer:
             self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         except (OSError, ValueError) as e:
             raise UserError(f"config.data.tokenizer={cfg.data.tokenizer!r}: {e}") from e
-        self.mesh = make_mesh(cfg.mesh)
+        try:
+            self.mesh = make_mesh(cfg.mesh)
+        except ValueError as e:  # a mesh shape the devices do not fill
+            raise ConfigError(f"config.mesh: {e}") from e
         self.sharder = Sharder(self.mesh, TRAIN_RULES)
         model = build_model(cfg, self.sharder)
         t = cfg.train
@@ -409,7 +418,7 @@ class Trainer:
             cfg.train.steps,
             first,
             max(1, cfg.train.steps // 20),
-            extra["start_eval"].get("eval_accuracy"),
+            extra.get("start_eval", {}).get("eval_accuracy"),
         )
         for step in range(first + 1, cfg.train.steps + 1):
             self.checkpointer.check()  # a failed background write stops the run here
@@ -449,7 +458,7 @@ class Trainer:
         or one stopped during it) or a periodic one (the step's row waits in `unlogged`).
         Both are pure functions of the checkpointed params and key, so redoing them is exact.
         """
-        if "start_eval" not in extra:
+        if "start_eval" not in extra and step == 0:
             start_eval = self.evaluate(0)
             self._log(0, {**start_eval, "phase": 0.0})
             extra = {**extra, "start_eval": start_eval}
@@ -504,19 +513,6 @@ class Trainer:
             if self.writer is not None:
                 self.writer.close()
             self.lock.release()
-
-
-def _remove_empty(workdir) -> None:
-    """Removes `workdir` if it holds nothing but an empty `checkpoints/` (what a run that
-    failed while being built leaves); anything else is kept."""
-    try:
-        entries = list(workdir.iterdir())
-        if all(p.name == "checkpoints" and not list(p.iterdir()) for p in entries):
-            for p in entries:
-                p.rmdir()
-            workdir.rmdir()
-    except OSError:
-        pass
 
 
 def train(cfg: ExperimentConfig, workdir: str) -> dict[str, Any]:
