@@ -267,48 +267,37 @@ class _StopAfter:
         return self.asked >= self.n
 
 
-# Where the stop comes: (method, its step, the question it comes at, the checkpoint it leaves).
-_STOPS = {
-    "first evaluation": ("evaluate", 0, 2, 0),  # after its first dispatch
-    "rollouts of step 2": ("rl_iteration", 2, 1, 1),  # before any dispatch: step 2 is dropped
-    "evaluation at step 2": ("evaluate", 2, 2, 2),  # step 2 is done; its row waits
-}
+def test_stops_inside_each_phase_then_resumes_equal_one_uninterrupted_run(tmp_path):
+    """Three stops in one run, each between two dispatches of a phase, each resumed by a new
+    trainer on the workdir: the interrupted phase is redone from the checkpoint it left, and
+    the run ends exactly as one that was never stopped."""
+    run = {"eval.every": 2, "train.steps": 3}
+    reference = _run(tmp_path / "ref", **run)
+    # (method, its step, the question the stop comes at, the checkpoint it leaves)
+    stops = [
+        ("evaluate", 0, 2, 0),  # the first evaluation, after its first dispatch
+        ("rl_iteration", 2, 1, 1),  # step 2's rollouts, before any dispatch: step 2 dropped
+        ("evaluate", 2, 2, 2),  # step 2 is done; its row waits for the evaluation
+    ]
+    cfg = ExperimentConfig.from_config_dict(tiny_config_dict(**run), VOCAB)
+    for method, at_step, nth_question, checkpoint in stops:
+        trainer = Trainer(cfg, str(tmp_path / "run"))
+        original = getattr(trainer, method)
 
+        def stop_inside(step, *args, _at=at_step, _n=nth_question, _f=original, _t=trainer, **kw):
+            if step == _at:
+                _t.preemption.requested = _StopAfter(_n)
+            return _f(step, *args, **kw)
 
-_STOP_RUN = {"eval.every": 2, "train.steps": 3}
-
-
-@pytest.fixture(scope="module")
-def stop_reference(tmp_path_factory):
-    """One uninterrupted run, the reference of every stopped one."""
-    workdir = tmp_path_factory.mktemp("stop_reference")
-    return workdir, _run(workdir, **_STOP_RUN)
-
-
-@pytest.mark.parametrize("where", list(_STOPS))
-def test_a_stop_inside_a_phase_resumes_exactly(tmp_path, where, stop_reference):
-    """A stop between dispatches: the interrupted phase is redone on resume from the checkpoint
-    it left, and the run ends exactly as one that was never stopped."""
-    method, at_step, nth_question, checkpoint = _STOPS[where]
-    reference_dir, reference = stop_reference
-    cfg = ExperimentConfig.from_config_dict(tiny_config_dict(**_STOP_RUN), VOCAB)
-    trainer = Trainer(cfg, str(tmp_path / "run"))
-    original = getattr(trainer, method)
-
-    def stop_inside(step, *args, **kwargs):
-        if step == at_step:
-            trainer.preemption.requested = _StopAfter(nth_question)
-        return original(step, *args, **kwargs)
-
-    setattr(trainer, method, stop_inside)
-    try:
-        assert trainer.run() == {"preempted_at": checkpoint}
-    finally:
-        trainer.close()
-    assert (tmp_path / "run" / "checkpoints" / str(checkpoint)).is_dir()
-    resumed = _run(tmp_path / "run", **_STOP_RUN)
+        setattr(trainer, method, stop_inside)
+        try:
+            assert trainer.run() == {"preempted_at": checkpoint}, (method, at_step)
+        finally:
+            trainer.close()
+        assert (tmp_path / "run" / "checkpoints" / str(checkpoint)).is_dir()
+    resumed = _run(tmp_path / "run", **run)
     strip = lambda rs: [{k: v for k, v in r.items() if k not in TIMING} for r in rs]
-    assert strip(read_metrics(str(tmp_path / "run"))) == strip(read_metrics(str(reference_dir)))
+    assert strip(read_metrics(str(tmp_path / "run"))) == strip(read_metrics(str(tmp_path / "ref")))
     timeless = lambda summary: {k: v for k, v in summary.items() if k != "wall_time_s"}
     assert timeless(resumed) == timeless(reference)
 

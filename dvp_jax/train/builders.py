@@ -48,12 +48,20 @@ class Preemption:
         self._checkpointer = checkpointer
         self.signal_name: str | None = None
         self._polls = -1
+        self._previous = {}  # the handlers ours replaced, put back by `close`
         if jax.process_count() == 1:
             try:
                 for sig in (signal.SIGTERM, signal.SIGINT):
-                    signal.signal(sig, self._handle)
+                    self._previous[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread (e.g. inside a test runner thread)
                 pass
+
+    def close(self) -> None:
+        """Puts back the handlers this object replaced (a library user's Ctrl-C works again
+        once the trainer is closed)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
     @property
     def exit_code(self) -> int:

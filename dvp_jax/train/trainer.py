@@ -512,6 +512,7 @@ class Trainer:
         finally:
             if self.writer is not None:
                 self.writer.close()
+            self.preemption.close()
             self.lock.release()
 
 
