@@ -80,16 +80,18 @@ PREEMPTED_EXIT_CODE = 75
 
 class _QuietLibraries:
     """Drops INFO records logged from the files of chatty libraries (Orbax logs each save step
-    by step) and keeps their warnings and errors to one line each (Orbax logs a failed
-    background write with two tracebacks; the run reports the cause itself). Records of ours
-    pass unchanged.
+    by step, JAX the backends it could not start) and keeps their warnings and errors to one
+    line each (Orbax logs a failed background write with two tracebacks; the run reports the
+    cause itself). Records of ours pass unchanged.
 
     absl routes every library's records through one "absl" logger, so a per-logger level (absl's
     `--logger_levels`) cannot tell Orbax from us; the record's source path can. Levels here are
     the standard library's (a record's `levelno`); absl's own `logging.WARNING` is -1.
     """
 
-    PREFIXES = tuple(os.sep + name + os.sep for name in ("orbax", "etils", "grain", "jetstream"))
+    PREFIXES = tuple(
+        os.sep + name + os.sep for name in ("jax", "flax", "orbax", "etils", "grain", "jetstream")
+    )
 
     def filter(self, record) -> bool:
         if not any(part in record.pathname for part in self.PREFIXES):

@@ -26,8 +26,7 @@ def _write(path, data: bytes):
 
 def _cases(tmp, port):
     """name -> (argv, the text the last line must hold)."""
-    rng = bytes(range(256)) * 12
-    (tmp / "ro").mkdir()
+
     damaged = tmp / "damaged" / "checkpoints" / "0"
     damaged.mkdir(parents=True)  # a step directory Orbax lists, with nothing inside
     (damaged / "_CHECKPOINT_METADATA").write_text("{}")
@@ -62,17 +61,6 @@ def _cases(tmp, port):
             "--config: the config file does not load ([Errno 2] No such file or directory",
         ),
         "empty data file": (math(_write(tmp / "empty.jsonl", b"")), "no examples to read"),
-        "every row bad": (
-            math(_write(tmp / "bad.jsonl", b'{"x": 1}\n{"y": 2}\n')),
-            "no examples to read",
-        ),
-        "random bytes": (math(_write(tmp / "rand.jsonl", rng)), "no examples to read"),
-        "fake parquet": (math(_write(tmp / "fake.parquet", rng)), "cannot read as parquet"),
-        "txt extension": (
-            math(_write(tmp / "data.txt", b'{"prompt": "1+1=", "answer": "2"}\n')),
-            "unsupported extension '.txt'",
-        ),
-        "missing data file": (math(str(tmp / "none.jsonl")), "does not exist"),
         "unwritable workdir": (
             main_command("/proc/dvp_jax_run")[0],
             "workdir /proc/dvp_jax_run is not writable",
@@ -158,3 +146,35 @@ def test_help_still_lists_the_flags(module):
     )
     assert out.returncode in (0, 1)  # absl's own --help exits 1
     assert "verbose" in out.stdout and "error:" not in out.stdout + out.stderr
+
+
+_BAD_DATA = {  # file name, content, what the message must say
+    "every row bad": ("bad.jsonl", b'{"x": 1}\n{"y": 2}\n', "no examples to read"),
+    "random bytes": ("rand.jsonl", bytes(range(256)) * 12, "no examples to read"),
+    "fake parquet": ("fake.parquet", bytes(range(256)) * 12, "cannot read as parquet"),
+    "txt extension": ("data.txt", b'{"prompt": "1+1=", "answer": "2"}\n', "unsupported extension"),
+    "missing file": ("none.jsonl", None, "does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", list(_BAD_DATA))
+def test_a_bad_data_file_is_one_data_error_and_leaves_no_workdir(tmp_path, case):
+    # The command line prints a DataError as its one line (the empty-file case above); here
+    # the message of each kind of bad file, from the trainer itself, before any model is built.
+    from dvp_jax.errors import DataError
+    from dvp_jax.rollout.tokenizers import CharTokenizer
+    from dvp_jax.train.config import ExperimentConfig
+    from dvp_jax.train.trainer import Trainer
+    from tests.train_utils import tiny_config_dict
+
+    name, content, expected = _BAD_DATA[case]
+    if content is not None:
+        (tmp_path / name).write_bytes(content)
+    overrides = {"data.task": "math", "data.path": str(tmp_path / name)}
+    cfg = ExperimentConfig.from_config_dict(
+        tiny_config_dict(**overrides), CharTokenizer().vocab_size
+    )
+    with pytest.raises(DataError, match=expected) as error:
+        Trainer(cfg, str(tmp_path / "run"))
+    assert str(error.value).startswith("config.data.path: ") and "\n" not in str(error.value)
+    assert not (tmp_path / "run").exists()

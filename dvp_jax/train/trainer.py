@@ -105,6 +105,30 @@ class Trainer:
             self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         except (OSError, ValueError) as e:
             raise UserError(f"config.data.tokenizer={cfg.data.tokenizer!r}: {e}") from e
+        # Data first, before the model: a bad data file fails in a second, not after a model init.
+        # The generated task (or a math file), this host's share of each prompt batch.
+        self.task = cfg.data.make_task()  # a generated task, or None for a math file
+        try:
+            self.data = pipeline.make_prompt_iterator(
+                self.task if self.task is not None else cfg.data.path,
+                self.tokenizer,
+                batch_size=cfg.train.prompts_per_step // jax.process_count(),
+                max_prompt_len=cfg.data.max_prompt_len,
+                seed=cfg.data.seed,
+                chat_format=cfg.data.chat_format,
+            )
+        except (OSError, ValueError) as e:  # pyarrow's errors are ValueErrors too
+            raise DataError(f"config.data.path: {e}") from e
+        if self.data.report is not None:
+            logging.info("data: %s", self.data.report.summary())
+        try:
+            self.heldout = evaluation.heldout_examples(
+                cfg.data, self.task, self.tokenizer, cfg.eval.num_prompts
+            )
+        except (OSError, ValueError) as e:
+            raise DataError(f"config.data.eval_path: {e}") from e
+        self.reward_kind = evaluation.reward_kind(cfg.data)
+
         try:
             self.mesh = make_mesh(cfg.mesh)
         except ValueError as e:  # a mesh shape the devices do not fill
@@ -126,29 +150,6 @@ class Trainer:
         self._sync_dtype = jnp.promote_types(
             self.engine.policy.param_dtype, self.eval_engine.policy.param_dtype
         )
-
-        # Data: the generated task (or a math file), this host's share of each prompt batch.
-        self.task = cfg.data.make_task()  # a generated task, or None for a math file
-        try:
-            self.data = pipeline.make_prompt_iterator(
-                self.task if self.task is not None else cfg.data.path,
-                self.tokenizer,
-                batch_size=t.prompts_per_step // jax.process_count(),
-                max_prompt_len=cfg.data.max_prompt_len,
-                seed=cfg.data.seed,
-                chat_format=cfg.data.chat_format,
-            )
-        except (OSError, ValueError) as e:  # pyarrow's errors are ValueErrors too
-            raise DataError(f"config.data.path: {e}") from e
-        if self.data.report is not None:
-            logging.info("data: %s", self.data.report.summary())
-        try:
-            self.heldout = evaluation.heldout_examples(
-                cfg.data, self.task, self.tokenizer, cfg.eval.num_prompts
-            )
-        except (OSError, ValueError) as e:
-            raise DataError(f"config.data.eval_path: {e}") from e
-        self.reward_kind = evaluation.reward_kind(cfg.data)
 
         # The update is jitted on the first batch (its shapes fix the shardings).
         self._update_fn = None
