@@ -196,7 +196,7 @@ def main(argv):
     except UserError as e:  # the workdir, the data, the tokenizer, the mesh, a checkpoint
         fail(str(e), USAGE_EXIT_CODE, e)
     except OSError as e:  # an unreachable or read-only workdir, a missing model directory
-        fail(one_line(e), USAGE_EXIT_CODE, e)
+        fail(" ".join(str(e).split()) or one_line(e), USAGE_EXIT_CODE, e)
     status = 0
     try:
         summary = trainer.run()

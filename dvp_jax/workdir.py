@@ -140,6 +140,7 @@ class WorkdirLock:
         self.path = as_path(workdir) / self.NAME
         self._fd: int | None = None
         self._stop: threading.Event | None = None
+        self._renewer: threading.Thread | None = None
         self._holder = {"host": socket.gethostname(), "pid": os.getpid()}
 
     def acquire(self) -> None:
@@ -158,7 +159,8 @@ class WorkdirLock:
             self._fd = None
         if self._stop is not None:
             self._stop.set()
-            self._stop = None
+            self._renewer.join(timeout=30)  # no renewal lands after the file is removed
+            self._stop = self._renewer = None
             with contextlib.suppress(Exception):
                 self.path.unlink()
 
@@ -201,8 +203,8 @@ class WorkdirLock:
             self._refuse(_describe(lease), f", lease renewed {age:.0f} s ago")
         self._write_lease()
         self._stop = threading.Event()
-        thread = threading.Thread(target=self._renew, args=(self._stop,), daemon=True)
-        thread.start()
+        self._renewer = threading.Thread(target=self._renew, args=(self._stop,), daemon=True)
+        self._renewer.start()
 
     def _write_lease(self) -> None:
         write_atomic(self.path, json.dumps({**self._holder, "time": time.time()}))
