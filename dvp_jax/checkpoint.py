@@ -71,6 +71,15 @@ ITEMS = ("state", "data", "extra")
 DAMAGED_DIR = "damaged"
 
 
+def _is_write_error(error: BaseException) -> bool:
+    """Whether `error` is the storage refusing a write (an OSError somewhere in its chain, or
+    TensorStore's status text for one), not a bug in what was saved."""
+    text = str(error)
+    return isinstance(root_cause(error), OSError) or any(
+        status in text for status in ("RESOURCE_EXHAUSTED", "PERMISSION_DENIED", "Failed writing")
+    )
+
+
 class NoRestorableCheckpointError(UserError, RuntimeError):
     """Every step of a checkpoint directory failed to restore."""
 
@@ -153,6 +162,8 @@ class Checkpointer:
                 force=True,
             )
         except Exception as e:
+            if not _is_write_error(e):
+                raise  # a bug, with its traceback
             raise self._write_failed(e) from e
         logging.info("saving checkpoint %d to %s", step, self.directory)
         return True
@@ -181,6 +192,8 @@ class Checkpointer:
         try:
             self.manager.check_for_errors()
         except Exception as e:
+            if not _is_write_error(e):
+                raise  # a bug, with its traceback
             raise self._write_failed(e) from e
 
     def wait(self) -> None:
@@ -188,6 +201,8 @@ class Checkpointer:
         try:
             self.manager.wait_until_finished()
         except Exception as e:
+            if not _is_write_error(e):
+                raise  # a bug, with its traceback
             raise self._write_failed(e) from e
 
     def _write_failed(self, error: BaseException) -> RunFailure:

@@ -221,12 +221,18 @@ class EventFiles:
     raises here, in the trainer's thread), flushed every `FLUSH_S` seconds and on `close`.
 
     A remote workdir (`gs://...`) gets the file from a local staging directory, copied over on
-    `flush` and `close`; only process 0 writes (the others pass `write=False`).
+    `flush` and `close`; only process 0 writes (the others pass `write=False`). A resumed run
+    (`kept_through`: the checkpoint step; None for a fresh start) opens its file with a
+    session-start record, on which TensorBoard drops the earlier attempts' points of later
+    steps, as `MetricsLog.truncate_after` drops their rows.
     """
 
     FLUSH_S = 30.0
+    _FIRST_STEP = -(2**62)  # below every warm-up step: a fresh start keeps nothing
 
-    def __init__(self, workdir: str | os.PathLike, write: bool = True):
+    def __init__(
+        self, workdir: str | os.PathLike, write: bool = True, kept_through: int | None = None
+    ):
         self._records = None
         if not write:
             return
@@ -241,6 +247,9 @@ class EventFiles:
             os.path.join(self._stage or os.fspath(self._target), self._name)
         )
         self._write(self._event(wall_time=time.time(), file_version="brain.Event:2"))
+        start = self._FIRST_STEP if kept_through is None else kept_through + 1
+        session = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+        self._write(self._event(wall_time=time.time(), step=start, session_log=session))
         self._flushed = time.time()
 
     def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:

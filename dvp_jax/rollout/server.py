@@ -456,9 +456,8 @@ def main(argv):
     if problem is not None:
         fail(problem, USAGE_EXIT_CODE)
     _orchestrator()
-    if not FLAGS.verbose:
-        # JetStream's orchestrator logs every generate step at DEBUG.
-        logging.getLogger().setLevel(logging.WARNING)
+    # JetStream's orchestrator logs every generate step at DEBUG: shown under --verbose only.
+    logging.getLogger().setLevel(logging.DEBUG if FLAGS.verbose else logging.WARNING)
     _log.setLevel(logging.INFO)
     try:
         engine = build_engine()

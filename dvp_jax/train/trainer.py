@@ -197,7 +197,9 @@ class Trainer:
                 self.workdir / "model_config.json",
                 json.dumps(self.cfg.model.to_hf(), indent=2),
             )
-        self.writer = metrics_lib.EventFiles(self.workdir, write=self.is_lead)
+        self.writer = metrics_lib.EventFiles(
+            self.workdir, write=self.is_lead, kept_through=resumed_step
+        )
 
     def _wall_time(self) -> float:
         return self._earlier_wall_time + time.time() - self._attempt_start
