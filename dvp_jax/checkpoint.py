@@ -47,6 +47,7 @@ the next resume does not try it again. When every step is damaged nothing is mov
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -151,7 +152,7 @@ class Checkpointer:
         self.check()  # the previous save's background write
         self._writing = step
         self._check_free_space()
-        try:
+        with self._storage_errors():
             self.manager.save(
                 step,
                 args=ocp.args.Composite(
@@ -161,10 +162,6 @@ class Checkpointer:
                 ),
                 force=True,
             )
-        except Exception as e:
-            if not _is_write_error(e):
-                raise  # a bug, with its traceback
-            raise self._write_failed(e) from e
         logging.info("saving checkpoint %d to %s", step, self.directory)
         return True
 
@@ -189,30 +186,31 @@ class Checkpointer:
     def check(self) -> None:
         """Raises `RunFailure` if the last save's background write has failed (disk full, lost
         permissions): one line naming the step, the directory and the cause."""
-        try:
+        with self._storage_errors():
             self.manager.check_for_errors()
-        except Exception as e:
-            if not _is_write_error(e):
-                raise  # a bug, with its traceback
-            raise self._write_failed(e) from e
 
     def wait(self) -> None:
         """Blocks until the last save is on disk; raises `RunFailure` if its write failed."""
-        try:
+        with self._storage_errors():
             self.manager.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _storage_errors(self):
+        """The storage refusing a write becomes one `RunFailure` line naming the step, the
+        directory, the cause and the checkpoint a rerun resumes from; a bug keeps its
+        traceback."""
+        try:
+            yield
         except Exception as e:
             if not _is_write_error(e):
-                raise  # a bug, with its traceback
-            raise self._write_failed(e) from e
-
-    def _write_failed(self, error: BaseException) -> RunFailure:
-        complete = [s for s in self.manager.all_steps() if s != self._writing]
-        previous = f"step {max(complete)}" if complete else "none yet"
-        return RunFailure(
-            f"checkpoint {self._writing} could not be written to {self.directory} "
-            f"({one_line(root_cause(error))}); the newest complete checkpoint ({previous}) is "
-            "the one a rerun resumes from"
-        )
+                raise
+            complete = [s for s in self.manager.all_steps() if s != self._writing]
+            previous = f"step {max(complete)}" if complete else "none yet"
+            raise RunFailure(
+                f"checkpoint {self._writing} could not be written to {self.directory} "
+                f"({one_line(root_cause(e))}); the newest complete checkpoint ({previous}) is "
+                "the one a rerun resumes from"
+            ) from e
 
     def restore(self, abstract_state: Any, data: Any, step: int | None = None):
         """Restores (state, data, extra) at `step` (default: latest) into the given layout.

@@ -178,6 +178,7 @@ def main(argv):
     import jax
 
     from dvp_jax.errors import RunFailure, UserError, one_line
+    from dvp_jax.train.builders import load_run_tokenizer
     from dvp_jax.train.config import ExperimentConfig
     from dvp_jax.train.report import summary_line
     from dvp_jax.train.trainer import Trainer
@@ -188,7 +189,9 @@ def main(argv):
     except Exception as e:
         fail(flag_error(e, sys.argv), USAGE_EXIT_CODE, e)
     try:
-        cfg = ExperimentConfig.from_config_dict(config, _vocab_size(config))
+        cfg = ExperimentConfig.from_config_dict(
+            config, load_run_tokenizer(config.data.tokenizer).vocab_size
+        )
     except (UserError, ValueError) as e:  # the config's checks raise ValueErrors
         fail(str(e), USAGE_EXIT_CODE, e)
     try:
@@ -230,16 +233,6 @@ def main(argv):
     if status:
         # Distinct from success (0) and failure (1): "stopped, checkpoint saved, rerun".
         sys.exit(status)
-
-
-def _vocab_size(config) -> int:
-    from dvp_jax.errors import UserError
-    from dvp_jax.rollout.tokenizers import load_tokenizer
-
-    try:
-        return load_tokenizer(config.data.tokenizer).vocab_size
-    except (OSError, ValueError) as e:
-        raise UserError(f"config.data.tokenizer={config.data.tokenizer!r}: {e}") from e
 
 
 def _close_quietly(trainer) -> None:

@@ -111,6 +111,16 @@ def _check_same_architecture(ours, theirs, path: str) -> None:
         )
 
 
+def load_run_tokenizer(spec: str):
+    """`config.data.tokenizer` loaded; a path that does not load is the user's mistake."""
+    from dvp_jax.rollout.tokenizers import load_tokenizer
+
+    try:
+        return load_tokenizer(spec)
+    except (OSError, ValueError) as e:
+        raise UserError(f"config.data.tokenizer={spec!r}: {e}") from e
+
+
 def build_model(cfg: ExperimentConfig, sharder: Sharder) -> Transformer:
     """The trainer model (`train.precision`: true fp32 by default), born sharded: from
     `model.hf_path` or a random init."""

@@ -25,9 +25,8 @@ from dvp_jax import metrics as metrics_lib
 from dvp_jax.checkpoint import Checkpointer, abstract_like
 from dvp_jax.data import pipeline
 from dvp_jax.dvp import advantages as adv
-from dvp_jax.errors import ConfigError, DataError, UserError
+from dvp_jax.errors import ConfigError, DataError
 from dvp_jax.rollout.offline import RolloutInterrupted, generate_rollouts
-from dvp_jax.rollout.tokenizers import load_tokenizer
 from dvp_jax.sharding import TRAIN_RULES, Sharder, make_mesh
 from dvp_jax.train import batch as batch_lib
 from dvp_jax.train import config as config_lib
@@ -39,6 +38,7 @@ from dvp_jax.train.builders import (
     build_engine,
     build_model,
     check_workdir,
+    load_run_tokenizer,
     rollout_weights,
 )
 from dvp_jax.train.config import ExperimentConfig
@@ -101,10 +101,7 @@ class Trainer:
                     f"({jax.process_count()}): each host takes an equal share of the batch"
                 )
 
-        try:
-            self.tokenizer = load_tokenizer(cfg.data.tokenizer)
-        except (OSError, ValueError) as e:
-            raise UserError(f"config.data.tokenizer={cfg.data.tokenizer!r}: {e}") from e
+        self.tokenizer = load_run_tokenizer(cfg.data.tokenizer)
         # Data first, before the model: a bad data file fails in a second, not after a model init.
         # The generated task (or a math file), this host's share of each prompt batch.
         self.task = cfg.data.make_task()  # a generated task, or None for a math file
