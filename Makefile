@@ -5,13 +5,17 @@
 #   make install ACCEL=tpu    Cloud TPU VM: jax with the libtpu it pins
 #
 # jax is pinned here (not in pyproject.toml) so that the accelerator plugin, which must match
-# jaxlib exactly, is pinned with it: to move both, change JAX_VERSION. An existing .venv of
-# another ACCEL is reinstalled (`make clean` first to be sure).
+# jaxlib exactly, is pinned with it: to move both, change JAX_VERSION. Every ACCEL also gets the
+# libtpu that jax[tpu]==JAX_VERSION pins (LIBTPU_VERSION; `pip install --dry-run
+# "jax[tpu]==X"` names it for another jax): it is the TPU compiler `python -m dvp_jax.aot` and
+# tests/test_tpu_compile.py use on a host without a TPU. An existing .venv of another ACCEL is
+# reinstalled (`make clean` first to be sure).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 ACCEL ?= cpu
 JAX_VERSION := 0.10.2
+LIBTPU_VERSION := 0.0.42.1
 # The test extra's torch: 2.13.0 is a CPU wheel on this project's machines; on an index that
 # serves only the CUDA build, pip takes that one (several GB; the tests still run on CPU).
 TORCH_VERSION := 2.13.0
@@ -34,7 +38,7 @@ $(VENV)/.installed-$(ACCEL): pyproject.toml packaging/seqio_standin/pyproject.to
 	# A code-less `seqio` first, so google-jetstream's requirement does not pull TensorFlow
 	# (packaging/seqio_standin/pyproject.toml says why).
 	$(PY) -m pip install ./packaging/seqio_standin
-	$(PY) -m pip install '$(JAX_SPEC)' -e '.[test]'
+	$(PY) -m pip install '$(JAX_SPEC)' 'libtpu==$(LIBTPU_VERSION)' -e '.[test]'
 	touch $@
 
 install: $(VENV)/.installed-$(ACCEL)

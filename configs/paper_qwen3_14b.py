@@ -11,8 +11,10 @@ Hardware: one Cloud TPU v5p-64 slice: 2x4x4 topology, 32 chips (64 TensorCores, 
   per chip in megacore mode), 8 hosts, 95 GB HBM per chip. Mesh (data, fsdp, tensor) =
   (1, 8, 4): tensor=4 divides the 40 query and 8 KV heads, keeps the per-decode-step collectives
   within 4 chips and cuts the bf16 rollout weights to a quarter per chip; fsdp takes the rest
-  (fsdp=-1), so the same config also runs on larger slices. `python -m experiments.scale_plan`
-  prints the per-chip memory of this config without allocating anything.
+  (fsdp=-1), so the same config also runs on larger slices. `python -m dvp_jax.aot --config
+  configs/paper_qwen3_14b.py --topology v5p:4x4x2` compiles every program of it for that slice
+  (no TPU needed) and prints per-chip memory: the fp32 update peaks at 77.5 of 95.7 GiB, the
+  decode loop at 58.0 (README, "TPU").
 Expected (the paper's claims, not yet reproduced here): the rollout/training PPL gap stays flat
   under DVP while it drifts up under plain RLOO, and MIS+DVP's AIME25 avg@16 beats the best
   unpruned RLOO score by 26.55% (relative). Time: not measured.
@@ -70,8 +72,8 @@ def get_config(method: str = "mis_dvp"):
     c.train.weight_decay = 0.1  # assumed (verl DAPO)
     # Mini-batch 32 prompts = the whole rollout batch: one optimizer update per batch (the
     # default updates_per_batch=1), so no PPO clip (E9). The 512 x 18,432-token batch is
-    # accumulated over 64 micro-batches of 8 sequences (one per fsdp shard); see
-    # experiments/scale_plan.py for the memory this implies.
+    # accumulated over 64 micro-batches of 8 sequences (one per fsdp shard); `dvp_jax.aot`
+    # gives the memory this implies.
     c.train.micro_batches = 64
     c.train.remat = "full"  # 16k-token responses: recompute block activations in the backward
 

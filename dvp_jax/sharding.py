@@ -149,8 +149,30 @@ class Sharder:
             return x
         return jax.lax.with_sharding_constraint(x, self.sharding(names, x.shape))
 
+    @property
+    def platform(self) -> str:
+        """The platform the sharded program runs on ("cpu", "gpu", "tpu"): the mesh's devices',
+        which for a program compiled ahead of time for a TPU topology is "tpu" on any host."""
+        if self.mesh is None:
+            return jax.default_backend()
+        return self.mesh.devices.flat[0].platform
+
     def replicated(self):
         return None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+
+
+# XLA options the project's TPU programs compile with. "while-loop-all-reduce-code-motion"
+# (which moves the gradient all-reduce of a micro-batch loop out of the loop) fails a RET_CHECK
+# in libtpu 0.0.42.1 (`user->opcode() == HloOpcode::kAdd`) on the mixed_bf16 update of a model
+# with an untied unembedding and micro_batches > 1; without the pass each micro-batch reduces
+# its own gradients (the same values; more collectives, no more memory: docs/design.md 3).
+TPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "while-loop-all-reduce-code-motion"}
+
+
+def compiler_options(sharder: Sharder) -> dict[str, str] | None:
+    """`jax.jit(..., compiler_options=)` for a program on `sharder`'s mesh: the TPU options
+    above on a TPU, None (XLA's defaults) elsewhere."""
+    return dict(TPU_COMPILER_OPTIONS) if sharder.platform == "tpu" else None
 
 
 def _is_var(x) -> bool:

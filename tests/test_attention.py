@@ -227,6 +227,49 @@ def test_splash_kernel_in_the_interpreter_equals_explicit():
         np.testing.assert_allclose(ga, gs, atol=1e-5 * float(jnp.abs(ga).max()), rtol=0)
 
 
+@pytest.mark.parametrize("tensor, kv", [(2, 2), (4, 2)])
+def test_splash_per_shard_on_a_mesh_equals_one_kernel(tensor, kv):
+    """On a mesh the splash kernel runs under shard_map, one kernel per (rows, heads) shard:
+    the same values and gradients as one unsharded kernel call (interpreted on 8 CPU devices),
+    with the KV heads split like the query heads (tensor 2) and, when there are fewer KV heads
+    than tensor shards (tensor 4, 2 KV heads), each query head given its own KV head copy."""
+    from dvp_jax.sharding import TRAIN_RULES, MeshConfig, Sharder, make_mesh
+
+    t = 256
+    q, k, v = _qkv(t, F32, b=4, n=4, kv=kv)
+    valid = _valid(t, [("right", 200), ("right", 256), ("left", 30), ("right", 7)])
+    sharder = Sharder(make_mesh(MeshConfig(1, 8 // tensor, tensor)), TRAIN_RULES)
+    one = functools.partial(attention._splash_attention, block=128, interpret=True)
+    sharded = functools.partial(one, sharder=sharder)
+    a = jax.jit(one)(q, k, v, valid)
+    s = jax.jit(sharded)(q, k, v, valid)
+    # The same kernel on the same rows and heads: only XLA's handling of the shards differs.
+    np.testing.assert_allclose(a, s, atol=1e-6, rtol=0)
+    cotangent = jnp.asarray(np.random.default_rng(2).normal(size=a.shape), F32)
+    cotangent = cotangent * valid[:, :, None, None]
+    for ga, gs in zip(
+        _grads(one, q, k, v, valid, cotangent),
+        _grads(sharded, q, k, v, valid, cotangent),
+        strict=True,
+    ):
+        np.testing.assert_allclose(ga, gs, atol=1e-5 * float(jnp.abs(ga).max()), rtol=0)
+
+
+def test_splash_block_defaults_to_the_largest_tile_that_divides_t():
+    assert [attention.splash_block(t) for t in (128, 256, 384, 1024, 18_432)] == [
+        128,
+        256,
+        128,
+        512,
+        512,
+    ]
+    assert attention.splash_block(1024, 256) == 256
+    with pytest.raises(ValueError, match="attention_block=192 must be a multiple of 128"):
+        attention.splash_block(1024, 192)
+    with pytest.raises(ValueError, match="attention_block must be 0"):
+        DTypePolicy.named("mixed_bf16", attention_block=100)
+
+
 # ---------------------------------------------------------------------------------------------
 # The whole model under each kernel
 # ---------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +72,35 @@ def test_event_files_are_read_by_tensorboard(tmp_path):
     assert sorted(events.Tags()["scalars"]) == ["loss", "reward_mean"]
     loss = [(e.step, e.value) for e in events.Scalars("loss")]
     assert loss == [(0, 1.0), (1, 0.5), (2, 0.125)]
+
+
+def test_the_installed_jax_and_libtpu_are_the_pinned_pair():
+    """`make install` pins jax (JAX_VERSION) and the libtpu jax[tpu] of that version pins
+    (LIBTPU_VERSION): the TPU compiler `dvp_jax.aot` uses must be the one that jaxlib
+    expects."""
+    import importlib.metadata
+    import re
+
+    makefile = (Path(REPO) / "Makefile").read_text()
+    pins = dict(re.findall(r"^(JAX_VERSION|LIBTPU_VERSION) := (\S+)$", makefile, re.MULTILINE))
+    assert importlib.metadata.version("jax") == pins["JAX_VERSION"]
+    assert importlib.metadata.version("libtpu") == pins["LIBTPU_VERSION"]
+
+
+def test_a_cpu_process_prints_no_libtpu_start_up_errors():
+    """With libtpu installed and no TPU, jax's backend search starts libtpu; importing dvp_jax
+    first tells it there is no TPU to look for, so nothing is printed (without that, libtpu
+    asks the metadata server and logs errors about TPU_WORKER_HOSTNAMES)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TPU_", "JAX_PLATFORMS"))}
+    env.pop("ALLOW_MULTIPLE_LIBTPU_LOAD", None)
+    out = subprocess.run(
+        [sys.executable, "-c", "import dvp_jax, jax; print(jax.default_backend())"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "cpu"
+    assert out.stderr.strip() == "", out.stderr[-2000:]

@@ -364,6 +364,36 @@ def test_sharded_engine_equals_single_device(fp32, master):
     )
 
 
+def test_the_tpu_cache_layout_gives_the_same_rollouts(fp32, master, monkeypatch):
+    """TPU programs keep the KV cache positions first, `[L, b, S, k, h]`
+    (`attention.cache_layout`). Forced on CPU, an engine in that layout (prefill, insert, the
+    decode loop over length buckets, the whole-cache `generate`) samples the same tokens as
+    the heads-first engine, with the same statistics to float rounding (the attention reads
+    its operands in another layout, so XLA may sum in another order; bound 1e-5)."""
+    import dvp_jax.model.transformer
+    import dvp_jax.rollout.engine
+    from dvp_jax.model import attention
+
+    key = jax.random.key(3)
+    a = generate_rollouts(fp32, PROMPTS, 2, key)  # traced heads first, before the patch
+    for module in (attention, dvp_jax.model.transformer, dvp_jax.rollout.engine):
+        monkeypatch.setattr(module, "cache_layout", lambda platform: "positions_first")
+    tpu = RolloutEngine(CFG, fp32.config, params=nnx.state(master))
+    assert tpu.cache_layout == "positions_first"
+    state = tpu.init_decode_state()
+    s = fp32.config.cache_length
+    assert state.cache.k.shape == (CFG.n_layers, 4, s, CFG.n_kv_heads, CFG.head_dim)
+    b = generate_rollouts(tpu, PROMPTS, 2, key)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_allclose(a.behaviour_logp, b.behaviour_logp, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(a.behaviour_logp_full, b.behaviour_logp_full, rtol=0, atol=1e-5)
+    # JetStream's one-request path in the same layout.
+    prefix = tpu.prefill(params=tpu.params, padded_tokens=PROMPTS[0], true_length=5)
+    state = tpu.insert(prefix, state, 1)
+    state, result = tpu.generate(tpu.params, state)
+    assert int(result.data[1, 1]) == 1  # slot 1 produced a valid token
+
+
 # ----------------------------------------------------------------------------------------------
 # Batched prefill and insert, length-bucketed decode, in-place cache, bad input.
 # ----------------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ in place (`write_cache`; 16- and 8-bit caches are carried as their bits, `cache_
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import NamedTuple
 
@@ -53,12 +54,47 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from dvp_jax.model.config import ATTENTION_IMPLS, DTypePolicy, ModelConfig
 from dvp_jax.model.layers import RMSNorm, matmul, param, rope
 from dvp_jax.sharding import Sharder
 
+# KV-cache layouts: the order of the kv-head and position axes of `[L, b, ., ., h]`, one per
+# platform, shared by every program that touches the cache (prefill, insert, decode), so the
+# cache is never re-laid out between them. "heads_first" `[L, b, k, S, h]` is the layout both
+# decode matmuls take as stored on CPU / GPU (a kv head is a batch dimension of q.k and p.v);
+# the TPU compiler wants the positions before the heads inside the scatter and the attention
+# and, given heads first, copies each of k and v in and out of the decode loop (a second cache:
+# 97 GiB for a 45 GiB cache in the paper config), so on TPU the cache is "positions_first"
+# `[L, b, S, k, h]` (docs/design.md section 3).
+CACHE_LAYOUTS = ("heads_first", "positions_first")
 CACHE_AXES = ("cache_layers", "cache_batch", "act_kv_heads", "cache_seq", "act_head_dim")
+_POSITIONS_FIRST_AXES = ("cache_layers", "cache_batch", "cache_seq", "act_kv_heads", "act_head_dim")
+
+
+def cache_layout(platform: str) -> str:
+    """The KV-cache layout of programs on `platform` ("positions_first" on TPU)."""
+    return "positions_first" if platform == "tpu" else "heads_first"
+
+
+def cache_axes(layout: str) -> tuple[str, ...]:
+    """The logical axis names of a cache in `layout`."""
+    return _POSITIONS_FIRST_AXES if layout == "positions_first" else CACHE_AXES
+
+
+def cache_shape(cfg: ModelConfig, batch: int, length: int, layout: str) -> tuple[int, ...]:
+    """The shape of k (and v) of a cache of `batch` rows and `length` positions."""
+    kv, h = cfg.n_kv_heads, cfg.head_dim
+    if layout == "positions_first":
+        return (cfg.n_layers, batch, length, kv, h)
+    return (cfg.n_layers, batch, kv, length, h)
+
+
+def seq_axis(layout: str) -> int:
+    """The position axis of a cache in `layout`."""
+    return 2 if layout == "positions_first" else 3
+
 
 # Backend names (`jax.default_backend()`, or a device's platform) of each fused kernel. JAX's
 # cuDNN attention is NVIDIA-only; on a ROCm "gpu" set attention_impl to "xla" or "dot_product".
@@ -70,14 +106,17 @@ _SPLASH_BLOCK = 128
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer: `k, v: [L, b, k, S, h]`."""
+    """Keys and values of every layer: `k, v: [L, b, k, S, h]` (or `[L, b, S, k, h]` in the
+    "positions_first" layout of TPU programs, `cache_layout`)."""
 
     k: jax.Array
     v: jax.Array
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype) -> KVCache:
-        shape = (cfg.n_layers, batch, cfg.n_kv_heads, length, cfg.head_dim)
+    def zeros(
+        cls, cfg: ModelConfig, batch: int, length: int, dtype, layout: str = "heads_first"
+    ) -> KVCache:
+        shape = cache_shape(cfg, batch, length, layout)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
@@ -177,7 +216,9 @@ def select_attention_impl(
     return impl
 
 
-def full_attention(q, k, v, valid, policy: DTypePolicy, backend: str | None = None):
+def full_attention(
+    q, k, v, valid, policy: DTypePolicy, backend: str | None = None, sharder: Sharder | None = None
+):
     """Causal, key-padded GQA attention of a whole sequence by the policy's kernel.
 
     Computes the module docstring's equation with the kernel `select_attention_impl` picks for
@@ -188,18 +229,22 @@ def full_attention(q, k, v, valid, policy: DTypePolicy, backend: str | None = No
       q: [b, t, n, h] queries (head n uses KV head n // g).
       k, v: [b, t, k, h] keys and values.
       valid: [b, t] bool, False on padding keys.
-      policy: compute dtype, matmul precision and `attention_impl`.
-      backend: platform name; default `jax.default_backend()`.
+      policy: compute dtype, matmul precision, `attention_impl` and `attention_block`.
+      backend: platform name; default the platform of `sharder`'s mesh, else
+        `jax.default_backend()` (a program compiled for a TPU topology from a CPU host runs
+        the TPU choice).
+      sharder: the mesh and rules q, k, v are sharded by; the splash kernel runs per shard
+        under `shard_map` on them (a Mosaic kernel cannot be partitioned by XLA).
     Returns:
       [b, t, n, h] in the compute dtype.
     """
     b, t, n, h = q.shape
-    backend = backend or jax.default_backend()
+    backend = backend or (sharder.platform if sharder is not None else jax.default_backend())
     impl = select_attention_impl(policy.attention_impl, backend, policy.compute_dtype, t, h)
     if impl == "dot_product":
         return _dot_product_attention(q, k, v, valid, policy.precision)
     if impl == "splash":
-        return _splash_attention(q, k, v, valid)
+        return _splash_attention(q, k, v, valid, sharder, policy.attention_block)
     if impl == "cudnn":
         try:
             return _cudnn_attention(q, k, v, valid)
@@ -279,8 +324,26 @@ def _cudnn_attention(q, k, v, valid, implementation: str = "cudnn"):
     return jnp.where(prefix[:, None, None, None], out, jnp.nan)
 
 
-def _splash_attention(q, k, v, valid, interpret: bool = False):
-    """The Pallas splash-attention kernel (TPU); padding as segment ids.
+def splash_block(seq_len: int, block: int = 0) -> int:
+    """The splash kernel's query / key tile for sequences of `seq_len` tokens.
+
+    `block` > 0 is used as given (it must divide T and be a multiple of 128). 0 picks the
+    largest of 512, 256, 128 that divides T: the kernel's own default of 128 x 128 tiles runs
+    16x the grid steps of 512 x 512 at 16k tokens, and MaxText's defaults for long sequences
+    are 512 (docs/design.md section 3 has the compiler's cost figures).
+    """
+    if block:
+        if block % _SPLASH_BLOCK or seq_len % block:
+            raise ValueError(
+                f"DTypePolicy.attention_block={block} must be a multiple of {_SPLASH_BLOCK} "
+                f"that divides the sequence length {seq_len}; 0 chooses one"
+            )
+        return block
+    return next(b for b in (512, 256, _SPLASH_BLOCK) if seq_len % b == 0)
+
+
+def _splash_attention(q, k, v, valid, sharder=None, block: int = 0, interpret: bool = False):
+    """The Pallas splash-attention kernel (TPU); padding as segment ids; per shard on a mesh.
 
     A causal `MultiHeadMask` of T x T blocks, and segment ids `valid` (1 real, 0 padding):
     a query attends to keys at or before it in its own segment, which is `causal_mask(valid)`
@@ -288,12 +351,41 @@ def _splash_attention(q, k, v, valid, interpret: bool = False):
     kernel does not scale the scores, so q is scaled by 1/sqrt(h) in float32 and cast back to
     its dtype first (one extra rounding of q in bf16, as MaxText does).
 
+    On a mesh the kernel runs under `shard_map`: rows split like the activations' batch axis,
+    heads like their head axis (the `sharder`'s specs for q and k), one kernel per shard over
+    its local heads. Query head n reads KV head n // g; when the KV heads cannot be split like
+    the query heads (fewer KV heads than tensor shards), each query head gets its own copy of
+    its KV head first, so every shard holds the KV heads its queries read.
+
     Args:
       q: [b, t, n, h]; k, v: [b, t, k, h]; valid: [b, t] bool; T a multiple of 128.
+      sharder: the mesh and rules of q, k, v (None or no mesh: one kernel call).
+      block: query / key tile (`splash_block`).
       interpret: run the kernel in the Pallas interpreter (tests, on CPU).
     Returns:
       [b, t, n, h] in q's dtype.
     """
+    b, t, n, h = q.shape
+    q = (q.astype(jnp.float32) * np.float32(h**-0.5)).astype(q.dtype)
+    local = functools.partial(_splash_local, block=splash_block(t, block), interpret=interpret)
+    if sharder is None or sharder.mesh is None or sharder.mesh.size == 1:
+        return local(q, k, v, valid)
+    q_spec = sharder.spec(("act_batch", None, "act_heads", None), q.shape)
+    kv_spec = sharder.spec(("act_batch", None, "act_kv_heads", None), k.shape)
+    if kv_spec[2] != q_spec[2]:
+        k, v = (jnp.repeat(x, n // k.shape[2], axis=2) for x in (k, v))
+        kv_spec = q_spec
+    return jax.shard_map(
+        local,
+        mesh=sharder.mesh,
+        in_specs=(q_spec, kv_spec, kv_spec, PartitionSpec(q_spec[0], None)),
+        out_specs=q_spec,
+        check_vma=False,
+    )(q, k, v, valid)
+
+
+def _splash_local(q, k, v, valid, *, block: int, interpret: bool):
+    """One splash kernel over the rows and heads it is given (q already scaled)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as splash,
     )
@@ -301,20 +393,61 @@ def _splash_attention(q, k, v, valid, interpret: bool = False):
         splash_attention_mask as splash_mask,
     )
 
-    b, t, n, h = q.shape
+    _, t, n, _ = q.shape
     mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((t, t))] * n)
-    kernel = splash.make_splash_mha(mask, head_shards=1, q_seq_shards=1, interpret=interpret)
-    segments = valid.astype(jnp.int32)
-    q = (q.astype(jnp.float32) * np.float32(h**-0.5)).astype(q.dtype)
+    sizes = splash.BlockSizes(
+        block_q=block,
+        block_kv=block,
+        block_kv_compute=block,
+        block_q_dkv=block,
+        block_kv_dkv=block,
+        block_kv_dkv_compute=block,
+        block_q_dq=block,
+        block_kv_dq=block,
+    )
     # The kernel takes one row's heads first: [n, t, h] queries, [k, t, h] keys and values.
     heads_first = (0, 2, 1, 3)
-    out = jax.vmap(kernel)(
-        q.transpose(heads_first),
-        k.transpose(heads_first),
-        v.transpose(heads_first),
-        segment_ids=splash.SegmentIds(q=segments, kv=segments),
-    )
+
+    def run(q, k, v, segments):
+        # Built inside the traced function: the kernel holds its mask tables as arrays of the
+        # trace it is made in.
+        kernel = splash.make_splash_mha(
+            mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
+        )
+        ids = splash.SegmentIds(q=segments, kv=segments)
+        return jax.vmap(kernel)(q, k, v, segment_ids=ids)
+
+    q, k, v = (x.transpose(heads_first) for x in (q, k, v))
+    out = _at_default_precision(run)(q, k, v, valid.astype(jnp.int32))
     return out.transpose(heads_first)
+
+
+def _at_default_precision(fn):
+    """`fn(q, k, v, segments)` and its backward pass traced at the DEFAULT matmul precision.
+
+    The splash kernel's dots take the global default precision; a "highest" default (set for
+    fp32 work elsewhere, as the tests do) makes Mosaic refuse the bf16 kernel ("Bad lhs
+    type"). 16-bit inputs run one pass whatever the precision, so nothing is lost. The
+    backward pass is traced when the caller differentiates, outside any scope set here, so
+    the scope goes into a custom VJP around both passes (the integer segments get no
+    cotangent).
+    """
+
+    @jax.custom_vjp
+    def wrapped(q, k, v, segments):
+        with jax.default_matmul_precision("default"):
+            return fn(q, k, v, segments)
+
+    def forward(q, k, v, segments):
+        with jax.default_matmul_precision("default"):
+            return jax.vjp(lambda q, k, v: fn(q, k, v, segments), q, k, v)
+
+    def backward(vjp, cotangent):
+        with jax.default_matmul_precision("default"):
+            return (*vjp(cotangent), None)
+
+    wrapped.defvjp(forward, backward)
+    return wrapped
 
 
 class Attention(nnx.Module):
@@ -382,7 +515,7 @@ class Attention(nnx.Module):
           (out [b, t, d], (k, v) each [b, t, k, h]) so that prefill can fill a cache.
         """
         q, k, v = self._qkv(x, positions)
-        attn = full_attention(q, k, v, valid, self.policy)
+        attn = full_attention(q, k, v, valid, self.policy, sharder=self.sharder)
         return self._out(attn), (k, v)
 
     def decode(self, x, positions, k_all, v_all, layer, kv_len: int | None = None):
@@ -401,23 +534,25 @@ class Attention(nnx.Module):
           `[layer, row, :, positions[row]]` (`write_cache`, in place in the donated cache).
         """
         q, k, v = self._qkv(x, positions[:, None])
-        dtype = self.policy.cache_dtype
-        k_all = write_cache(k_all, layer, positions, k[:, 0], dtype)
-        v_all = write_cache(v_all, layer, positions, v[:, 0], dtype)
-        kv_len = k_all.shape[3] if kv_len is None else kv_len
+        dtype, layout = self.policy.cache_dtype, cache_layout(self.sharder.platform)
+        k_all = write_cache(k_all, layer, positions, k[:, 0], dtype, layout)
+        v_all = write_cache(v_all, layer, positions, v[:, 0], dtype, layout)
+        kv_len = k_all.shape[seq_axis(layout)] if kv_len is None else kv_len
         cd, p = self.policy.compute_dtype, self.policy.precision
-        keys = from_storage(read_cache(k_all, layer, kv_len), dtype).astype(cd)  # [b, k, s, h]
-        values = from_storage(read_cache(v_all, layer, kv_len), dtype).astype(cd)
+        # [b, k, s, h] heads first, [b, s, k, h] positions first: read in the stored layout.
+        keys = from_storage(read_cache(k_all, layer, kv_len, layout), dtype).astype(cd)
+        values = from_storage(read_cache(v_all, layer, kv_len, layout), dtype).astype(cd)
+        kv = "bksh" if layout == "heads_first" else "bskh"
         q = self._group(q)[:, 0]  # [b, k, g, h]
-        # [b, k, g, h] x [b, k, s, h] -> [b, k, g, s]: kv head and row are batch dimensions and
-        # the keys are read in their stored layout; scores and softmax in float32.
+        # [b, k, g, h] x keys -> [b, k, g, s]: kv head and row are batch dimensions; scores and
+        # softmax in float32.
         scores = jnp.einsum(
-            "bkgh,bksh->bkgs", q, keys, precision=p, preferred_element_type=jnp.float32
+            f"bkgh,{kv}->bkgs", q, keys, precision=p, preferred_element_type=jnp.float32
         )
         visible = jnp.arange(kv_len)[None, :] <= positions[:, None]  # [b, s]
         probs = _masked_softmax(scores, visible[:, None, None, :], q.shape[-1], self.policy)
-        # [b, k, g, s] x [b, k, s, h] -> [b, k, g, h] -> [b, 1, k, g, h]
-        attn = matmul("bkgs,bksh->bkgh", probs, values, self.policy)[:, None]
+        # [b, k, g, s] x values -> [b, k, g, h] -> [b, 1, k, g, h]
+        attn = matmul(f"bkgs,{kv}->bkgh", probs, values, self.policy)[:, None]
         return self._out(attn), k_all, v_all
 
 
@@ -449,25 +584,33 @@ def from_storage(x: jax.Array, dtype) -> jax.Array:
     return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
 
 
-def write_cache(cache: jax.Array, layer, positions: jax.Array, new: jax.Array, dtype) -> jax.Array:
-    """`cache[layer, row, :, positions[row]] = new[row]` for every row, in place.
+def write_cache(
+    cache: jax.Array, layer, positions: jax.Array, new: jax.Array, dtype, layout="heads_first"
+) -> jax.Array:
+    """`cache[layer, row, :, positions[row]] = new[row]` for every row, in place (heads first;
+    `cache[layer, row, positions[row]]` positions first).
 
     Args:
-      cache: [L, b, k, S, h] in `cache_storage(dtype)`.
+      cache: [L, b, k, S, h] (or [L, b, S, k, h]) in `cache_storage(dtype)`.
       layer: [] int (traced) layer index.
       positions: [b] int32 write positions.
       new: [b, k, h] the new keys or values (rounded to `dtype`).
       dtype: the cache dtype.
+      layout: one of `CACHE_LAYOUTS`.
     Returns:
       The updated cache (the same buffer when donated).
     """
     rows = jnp.arange(cache.shape[1])
     # The advanced indices (layer, rows, positions) broadcast to [b] and lead the indexed
     # shape, so the update is [b, k, h]: one scatter of b rows.
+    if layout == "positions_first":
+        return cache.at[layer, rows, positions].set(to_storage(new, dtype))
     return cache.at[layer, rows, :, positions].set(to_storage(new, dtype))
 
 
-def read_cache(cache: jax.Array, layer, kv_len: int) -> jax.Array:
-    """`cache[layer, :, :, :kv_len]` ([b, k, kv_len, h]) for a traced layer index, static kv_len."""
-    _, b, k, _, h = cache.shape
-    return jax.lax.dynamic_slice(cache, (layer, 0, 0, 0, 0), (1, b, k, kv_len, h))[0]
+def read_cache(cache: jax.Array, layer, kv_len: int, layout: str = "heads_first") -> jax.Array:
+    """The first `kv_len` positions of layer `layer` (traced), static kv_len: [b, k, kv_len, h]
+    heads first, [b, kv_len, k, h] positions first."""
+    size = list(cache.shape)
+    size[0], size[seq_axis(layout)] = 1, kv_len
+    return jax.lax.dynamic_slice(cache, (layer, 0, 0, 0, 0), size)[0]

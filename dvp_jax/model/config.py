@@ -47,6 +47,9 @@ class DTypePolicy:
         `param_dtype`, so the rollout computes exactly what a weight-quantized deployment
         computes with `compute_dtype` matmuls; a model built with this policy does not quantize
         by itself (only the weight sync does).
+      attention_block: the splash kernel's query and key tile in tokens (a multiple of 128
+        dividing T); 0 (default) picks the largest of 512, 256, 128 dividing T
+        (`dvp_jax.model.attention.splash_block`). Changes speed, not the mask or the math.
     Logits are always produced in float32 (matmul accumulates in fp32), and softmax / RMSNorm
     statistics always run in float32, whatever the policy.
     """
@@ -57,8 +60,18 @@ class DTypePolicy:
     precision: jax.lax.Precision | str | None = None
     attention_impl: str = "auto"
     weight_quant: str = "none"
+    attention_block: int = 0
 
     def __post_init__(self):
+        if (
+            not isinstance(self.attention_block, int)
+            or self.attention_block < 0
+            or (self.attention_block % 128)
+        ):
+            raise ValueError(
+                f"DTypePolicy.attention_block must be 0 (choose) or a positive multiple of 128, "
+                f"got {self.attention_block!r}"
+            )
         if self.weight_quant not in WEIGHT_QUANTS:
             raise ValueError(
                 f"DTypePolicy.weight_quant {self.weight_quant!r} is unknown; allowed: "
@@ -80,16 +93,18 @@ class DTypePolicy:
             object.__setattr__(self, "precision", precision)
 
     @classmethod
-    def named(cls, name: str, attention_impl: str = "auto") -> DTypePolicy:
+    def named(
+        cls, name: str, attention_impl: str = "auto", attention_block: int = 0
+    ) -> DTypePolicy:
         """The policy called `name`, one of `POLICY_NAMES` (`PRECISIONS` + `TRAIN_PRECISIONS`),
-        with the attention kernel `attention_impl` (one of `ATTENTION_IMPLS`)."""
+        with the attention kernel `attention_impl` (one of `ATTENTION_IMPLS`) and its tile."""
         if name not in _POLICIES:
             raise ValueError(
                 f"unknown dtype policy {name!r}; allowed: rollout precisions {PRECISIONS}, "
                 f"trainer precisions {TRAIN_PRECISIONS}"
             )
         param, compute, cache, precision, weight_quant = _POLICIES[name]
-        return cls(param, compute, cache, precision, attention_impl, weight_quant)
+        return cls(param, compute, cache, precision, attention_impl, weight_quant, attention_block)
 
 
 _HIGHEST, _DEFAULT = jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT

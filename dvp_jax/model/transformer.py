@@ -22,11 +22,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dvp_jax.model.attention import (
-    CACHE_AXES,
     Attention,
     KVCache,
+    cache_axes,
+    cache_layout,
     cache_storage,
     from_storage,
+    seq_axis,
     to_storage,
 )
 from dvp_jax.model.config import REMAT_POLICIES, TRAIN_POLICY, DTypePolicy, ModelConfig
@@ -210,20 +212,26 @@ class Transformer(nnx.Module):
           lengths: [b] int32 true prompt lengths (>= 1).
           cache_len: S >= P, the cache length (static).
         Returns:
-          (logits [b, v] float32 at each row's last real token, KVCache with k, v [L, b, k, S, h]).
+          (logits [b, v] float32 at each row's last real token, KVCache with k, v [L, b, k, S, h]
+          or, on TPU, [L, b, S, k, h] (`attention.cache_layout`)).
         """
         b, p = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         valid = positions < lengths[:, None]
         x = self._embed(tokens)
-        pad = ((0, 0), (0, 0), (0, cache_len - p), (0, 0))
-        cd = self.policy.cache_dtype
+        cd, layout = self.policy.cache_dtype, cache_layout(self.sharder.platform)
+        axes = cache_axes(layout)
 
         # Each scan step emits its layer's keys and values [b, P, k, h] in the cache layout
-        # [b, k, S, h] (`attention.py`), padded to the cache length and cast to the cache dtype:
-        # the stacked outputs are the [L, b, k, S, h] cache.
+        # ([b, k, S, h] heads first, [b, S, k, h] positions first: `attention.cache_layout`),
+        # padded to the cache length and cast to the cache dtype: the stacked outputs are the
+        # cache.
         def to_cache(x):
-            return jnp.pad(jnp.swapaxes(x, 1, 2).astype(cd), pad)
+            if layout == "heads_first":
+                x = jnp.swapaxes(x, 1, 2)
+            pad = [(0, 0)] * 4
+            pad[seq_axis(layout) - 1] = (0, cache_len - p)
+            return jnp.pad(x.astype(cd), pad)
 
         def block_fn(block, x, positions, valid):
             x, (k, v) = block(x, positions, valid)
@@ -233,9 +241,7 @@ class Transformer(nnx.Module):
         x, (k, v) = scan(self.blocks, x, positions, valid)
         hidden = self.final_norm(x)
         last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [b, d]
-        cache = KVCache(
-            self.sharder.constrain(k, CACHE_AXES), self.sharder.constrain(v, CACHE_AXES)
-        )
+        cache = KVCache(self.sharder.constrain(k, axes), self.sharder.constrain(v, axes))
         return self.logits(last), cache
 
     def decode(self, tokens, positions, cache: KVCache, kv_len: int | None = None):
@@ -244,7 +250,8 @@ class Transformer(nnx.Module):
         Args:
           tokens: [b] int32, the token at `positions` for each row.
           positions: [b] int32 per-row positions (also the cache slot written).
-          cache: KVCache with k, v [L, b, k, S, h], in the policy's cache dtype or stored as
+          cache: KVCache with k, v [L, b, k, S, h] ([L, b, S, k, h] on TPU), in the policy's
+            cache dtype or stored as
             `attention.cache_storage` (its bits for 16- and 8-bit dtypes; the engine keeps
             its cache so, and then no step converts the cache).
           kv_len: static count of leading cache positions attention reads (default S); rows
@@ -276,5 +283,6 @@ class Transformer(nnx.Module):
             c if a.dtype == storage else from_storage(c, dtype)
             for c, a in zip((k_all, v_all), cache, strict=True)
         ]
-        cache = KVCache(*(self.sharder.constrain(c, CACHE_AXES) for c in out))
+        axes = cache_axes(cache_layout(self.sharder.platform))
+        cache = KVCache(*(self.sharder.constrain(c, axes) for c in out))
         return self.logits(self.final_norm(x)[:, 0]), cache

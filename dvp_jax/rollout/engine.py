@@ -51,7 +51,15 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jetstream.engine import engine_api, tokenizer_pb2
 
-from dvp_jax.model.attention import CACHE_AXES, KVCache, cache_storage, to_storage
+from dvp_jax.model.attention import (
+    KVCache,
+    cache_axes,
+    cache_layout,
+    cache_shape,
+    cache_storage,
+    seq_axis,
+    to_storage,
+)
 from dvp_jax.model.config import DTypePolicy, ModelConfig
 from dvp_jax.model.transformer import Transformer
 from dvp_jax.rollout import sampling
@@ -88,6 +96,9 @@ class RolloutEngine(engine_api.Engine):
       params: initial weights: an `nnx.State` (any float dtype, any layout; cast and resharded
         like `update_params`) or a `Transformer`. None: random init from `config.seed`.
       mesh: the rollout mesh (axes data, fsdp, tensor; `ROLLOUT_RULES`). None: one device.
+      abstract: build the programs only: `params` are `jax.ShapeDtypeStruct`s carrying the
+        rollout shardings and nothing is allocated, so the mesh may hold devices this host
+        cannot run (a TPU topology; `dvp_jax.aot` lowers the jitted programs from it).
     """
 
     def __init__(
@@ -97,6 +108,7 @@ class RolloutEngine(engine_api.Engine):
         tokenizer: Any = "char",
         params: Any = None,
         mesh: jax.sharding.Mesh | None = None,
+        abstract: bool = False,
     ):
         self.model_cfg = model_cfg
         self.config = config
@@ -107,15 +119,17 @@ class RolloutEngine(engine_api.Engine):
         )
         self._mesh = mesh or make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
         self.sharder = Sharder(self._mesh, ROLLOUT_RULES)
+        # One KV-cache layout for every program of the engine (`attention.cache_layout`).
+        self.cache_layout = cache_layout(self.sharder.platform)
         self.policy = DTypePolicy.named(config.dtype)
         stop = self.tokenizer.stop_tokens if config.stop_tokens is None else config.stop_tokens
         self.stop_tokens = tuple(sorted(int(t) for t in stop))
 
         make = lambda seed: Transformer(model_cfg, self.policy, self.sharder, rngs=nnx.Rngs(seed))
-        self._graphdef, abstract = nnx.split(nnx.eval_shape(lambda: make(0)))
-        self._abstract_leaves, self._params_treedef = jax.tree.flatten(abstract)
-        self._param_paths = [path for path, _ in nnx.to_flat_state(abstract)]
-        self._param_shardings = jax.tree.leaves(state_shardings(abstract, self.sharder))
+        self._graphdef, shapes = nnx.split(nnx.eval_shape(lambda: make(0)))
+        self._abstract_leaves, self._params_treedef = jax.tree.flatten(shapes)
+        self._param_paths = [path for path, _ in nnx.to_flat_state(shapes)]
+        self._param_shardings = jax.tree.leaves(state_shardings(shapes, self.sharder))
         self._state_shardings = self._decode_state_shardings()
         self._prefix_shardings = self._make_prefix_shardings()
 
@@ -157,6 +171,13 @@ class RolloutEngine(engine_api.Engine):
             ]
         )
 
+        if abstract:
+            structs = [
+                jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
+                for a, sh in zip(self._abstract_leaves, self._param_shardings, strict=True)
+            ]
+            self.params = jax.tree.unflatten(self._params_treedef, structs)
+            return
         if params is None:  # born sharded: full parameters never sit on one device
             params = nnx.state(init_sharded(lambda: make(config.seed), self.sharder))
         self.params = self.update_params(params)
@@ -218,9 +239,8 @@ class RolloutEngine(engine_api.Engine):
     # Shardings.
     # ------------------------------------------------------------------------------------------
     def _cache_sharding(self, batch: int, length: int) -> NamedSharding:
-        cfg = self.model_cfg
-        shape = (cfg.n_layers, batch, cfg.n_kv_heads, length, cfg.head_dim)
-        return self.sharder.sharding(CACHE_AXES, shape)
+        shape = cache_shape(self.model_cfg, batch, length, self.cache_layout)
+        return self.sharder.sharding(cache_axes(self.cache_layout), shape)
 
     def _decode_state_shardings(self) -> DecodeState:
         cache = self._cache_sharding(self.config.max_concurrent_decodes, self.config.cache_length)
@@ -358,7 +378,11 @@ class RolloutEngine(engine_api.Engine):
         cfg, b, m = self.config, self.config.max_concurrent_decodes, self.config.max_decode_length
         return DecodeState(
             cache=KVCache.zeros(
-                self.model_cfg, b, cfg.cache_length, cache_storage(self.policy.cache_dtype)
+                self.model_cfg,
+                b,
+                cfg.cache_length,
+                cache_storage(self.policy.cache_dtype),
+                self.cache_layout,
             ),
             logits=jnp.zeros((b, self.model_cfg.vocab_size), jnp.float32),
             pos=jnp.zeros((b,), jnp.int32),
@@ -416,11 +440,13 @@ class RolloutEngine(engine_api.Engine):
 
     def _insert_batch_impl(self, prefix: Prefix, state: DecodeState, slots, rows, sample_index):
         # slots [B]: target slot of each insertion, B (out of range, dropped) for padding.
-        bucket = prefix.cache.k.shape[3]
+        bucket = prefix.cache.k.shape[seq_axis(self.cache_layout)]
+        # [:, slots, :, :bucket] heads first, [:, slots, :bucket] positions first.
+        index = (slice(None), slots) + (slice(None),) * (seq_axis(self.cache_layout) - 2)
 
         def put(buf, value):  # buf in the cache storage dtype (`attention.cache_storage`)
             value = to_storage(value[:, rows], self.policy.cache_dtype)
-            return buf.at[:, slots, :, :bucket].set(value, mode="drop")
+            return buf.at[index + (slice(None, bucket),)].set(value, mode="drop")
 
         set_rows = lambda a, v: a.at[slots].set(v, mode="drop")
         fold = lambda k, g: jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(k), g))

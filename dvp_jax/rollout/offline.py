@@ -32,6 +32,10 @@ from flax import nnx
 from dvp_jax.rollout.engine import RECORD_FIELDS, RolloutEngine
 from dvp_jax.rollout.sampling import SamplingParams
 
+# Decode steps per dispatch of the RL loop (`generate_rollouts(steps_per_sync=)`): one compiled
+# loop of this many steps between host checks.
+STEPS_PER_SYNC = 8
+
 
 @dataclasses.dataclass(frozen=True)
 class RolloutBatch:
@@ -122,7 +126,7 @@ def generate_rollouts(
     params: nnx.State | None = None,
     sampling: SamplingParams | None = None,
     prompt_len: int | None = None,
-    steps_per_sync: int = 8,
+    steps_per_sync: int = STEPS_PER_SYNC,
     first_prompt_index: int = 0,
     should_stop: Callable[[], bool] | None = None,
 ) -> RolloutBatch:

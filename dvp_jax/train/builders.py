@@ -121,10 +121,16 @@ def load_run_tokenizer(spec: str):
         raise UserError(f"config.data.tokenizer={spec!r}: {e}") from e
 
 
+def train_policy(cfg: ExperimentConfig) -> DTypePolicy:
+    """The trainer's dtype policy: `train.precision` with its attention kernel and tile."""
+    t = cfg.train
+    return DTypePolicy.named(t.precision, t.attention_impl, t.attention_block)
+
+
 def build_model(cfg: ExperimentConfig, sharder: Sharder) -> Transformer:
     """The trainer model (`train.precision`: true fp32 by default), born sharded: from
     `model.hf_path` or a random init."""
-    policy = DTypePolicy.named(cfg.train.precision, attention_impl=cfg.train.attention_impl)
+    policy = train_policy(cfg)
     if cfg.init_hf_path:
         _check_same_architecture(cfg.model, load_hf_config(cfg.init_hf_path), cfg.init_hf_path)
         return load_hf(cfg.init_hf_path, policy, sharder, cfg=cfg.model, remat=cfg.train.remat)
@@ -159,6 +165,23 @@ def rollout_weights(params: nnx.State, dtype) -> nnx.State:
     )
 
 
+def engine_config(cfg: ExperimentConfig, dtype: str = "") -> EngineConfig:
+    """The rollout engine's settings for a run (precision `dtype`, default `rollout.dtype`)."""
+    r = cfg.rollout
+    return EngineConfig(
+        dtype=dtype or r.dtype,
+        noise_std=r.noise_std,
+        noise_tail_gap=r.noise_tail_gap,
+        max_concurrent_decodes=r.max_concurrent_decodes,
+        max_prefill_length=cfg.data.max_prompt_len,
+        prefill_buckets=(cfg.data.max_prompt_len,),
+        max_decode_length=r.max_decode_length,
+        temperature=r.temperature,
+        log_rho=cfg.rollout_log_rho,
+        seed=cfg.train.seed,
+    )
+
+
 def build_engine(cfg: ExperimentConfig, tokenizer, model, dtype: str = "") -> RolloutEngine:
     """One rollout engine per host on its local devices, with `model`'s weights, at precision
     `dtype` (default `rollout.dtype`; the evaluation engine passes `eval.dtype`)."""
@@ -166,18 +189,7 @@ def build_engine(cfg: ExperimentConfig, tokenizer, model, dtype: str = "") -> Ro
     dtype = dtype or r.dtype
     return RolloutEngine(
         cfg.model,
-        EngineConfig(
-            dtype=dtype,
-            noise_std=r.noise_std,
-            noise_tail_gap=r.noise_tail_gap,
-            max_concurrent_decodes=r.max_concurrent_decodes,
-            max_prefill_length=cfg.data.max_prompt_len,
-            prefill_buckets=(cfg.data.max_prompt_len,),
-            max_decode_length=r.max_decode_length,
-            temperature=r.temperature,
-            log_rho=cfg.rollout_log_rho,
-            seed=cfg.train.seed,
-        ),
+        engine_config(cfg, dtype),
         tokenizer=tokenizer,
         params=rollout_weights(nnx.state(model, nnx.Param), DTypePolicy.named(dtype).param_dtype),
         mesh=make_mesh(

@@ -279,6 +279,9 @@ class TrainConfig:
     # Full-sequence attention kernel (ATTENTION_IMPLS): "auto" picks cuDNN on GPU / splash on
     # TPU for bf16 compute and the explicit XLA path otherwise (always for float32).
     attention_impl: str = "auto"
+    # The splash kernel's query / key tile (a multiple of 128 dividing T); 0 picks the largest
+    # of 512, 256, 128 that divides T (`DTypePolicy.attention_block`).
+    attention_block: int = 0
     # Rematerialise the block activations in the backward pass (REMAT_POLICIES): "none",
     # "full" (long responses), or keep the matmul outputs ("save_dots", "save_dots_no_batch").
     remat: str = "none"
@@ -295,6 +298,14 @@ class TrainConfig:
         _int("train.micro_batches", self.micro_batches, 1)
         _int("train.updates_per_batch", self.updates_per_batch, 1)
         _int("train.chunk_size", self.chunk_size, 1)
+        _check(
+            isinstance(self.attention_block, int)
+            and self.attention_block >= 0
+            and self.attention_block % 128 == 0,
+            "train.attention_block",
+            "0 (choose) or a positive multiple of 128",
+            self.attention_block,
+        )
         _check(
             self.precision in TRAIN_PRECISIONS,
             "train.precision",

@@ -9,6 +9,7 @@ them back; the RL optimizer starts fresh afterwards. Its rows in metrics.jsonl h
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 from absl import logging
 
 from dvp_jax.data import pipeline
-from dvp_jax.sharding import Sharder
+from dvp_jax.sharding import Sharder, compiler_options
 from dvp_jax.train import batch as batch_lib
 from dvp_jax.train.config import SFTConfig
 from dvp_jax.train.report import duration
@@ -57,6 +58,15 @@ def sft_step(state: TrainState, batch, *, graphdef, optimizer, chunk_size: int):
     return new_state, metrics
 
 
+def jit_sft_step(graphdef, optimizer, chunk_size: int, sharder: Sharder):
+    """`sft_step` jitted as the warm-up runs it (the state donated; `dvp_jax.aot` compiles it)."""
+    return jax.jit(
+        functools.partial(sft_step, graphdef=graphdef, optimizer=optimizer, chunk_size=chunk_size),
+        donate_argnums=0,
+        compiler_options=compiler_options(sharder),
+    )
+
+
 def warm_up(
     model,
     task,
@@ -91,10 +101,7 @@ def warm_up(
     logging.info("supervised warm-up: %d steps of batch %d", cfg.steps, cfg.batch_size)
     optimizer = make_optimizer(cfg.learning_rate, cfg.warmup_steps, 0.0, 1.0)
     graphdef, state, _ = init_train_state(model, optimizer, seed, sharder)
-    step_fn = jax.jit(
-        lambda s, b: sft_step(s, b, graphdef=graphdef, optimizer=optimizer, chunk_size=chunk_size),
-        donate_argnums=0,
-    )
+    step_fn = jit_sft_step(graphdef, optimizer, chunk_size, sharder)
     every = max(1, cfg.steps // 10)
     window_start, window_time = 0, time.time()
     # Each host builds its rows of the global batch; together they form one global array.

@@ -69,19 +69,7 @@ def skipped_updates(opt_state) -> jax.Array:
     return opt_state.total_notfinite
 
 
-def init_train_state(
-    model: nnx.Module, optimizer: optax.GradientTransformation, seed: int, sharder: Sharder
-) -> tuple[nnx.GraphDef, TrainState, TrainState]:
-    """Builds the train state from a (sharded) model.
-
-    Returns:
-      (graphdef, state, state_shardings): the optimizer state is created under jit with
-      out_shardings derived from the parameters' logical axes (moments shard like params).
-    """
-    graphdef, model_state = nnx.split(model)
-    params = nnx.to_pure_dict(model_state)
-    param_sh = nnx.to_pure_dict(state_shardings(model_state, sharder)) if sharder.mesh else None
-
+def _state_maker(optimizer: optax.GradientTransformation, seed: int):
     def make(params):
         return TrainState(
             step=jnp.zeros((), jnp.int32),
@@ -90,12 +78,12 @@ def init_train_state(
             rng=jax.random.key_data(jax.random.key(seed)),
         )
 
-    if sharder.mesh is None:
-        state = jax.jit(make)(params)
-        return graphdef, state, None
-    abstract = jax.eval_shape(make, params)
+    return make
+
+
+def _train_state_shardings(abstract: TrainState, param_sh, optimizer, sharder: Sharder):
     replicated = sharder.replicated()
-    shardings = TrainState(
+    return TrainState(
         step=replicated,
         params=param_sh,
         # Optimizer moments shard like the parameters they track; counters replicate.
@@ -108,5 +96,44 @@ def init_train_state(
         ),
         rng=replicated,
     )
+
+
+def init_train_state(
+    model: nnx.Module, optimizer: optax.GradientTransformation, seed: int, sharder: Sharder
+) -> tuple[nnx.GraphDef, TrainState, TrainState]:
+    """Builds the train state from a (sharded) model.
+
+    Returns:
+      (graphdef, state, state_shardings): the optimizer state is created under jit with
+      out_shardings derived from the parameters' logical axes (moments shard like params).
+    """
+    graphdef, model_state = nnx.split(model)
+    params = nnx.to_pure_dict(model_state)
+    make = _state_maker(optimizer, seed)
+    if sharder.mesh is None:
+        state = jax.jit(make)(params)
+        return graphdef, state, None
+    param_sh = nnx.to_pure_dict(state_shardings(model_state, sharder))
+    shardings = _train_state_shardings(jax.eval_shape(make, params), param_sh, optimizer, sharder)
     state = jax.jit(make, out_shardings=shardings)(params)
+    return graphdef, state, shardings
+
+
+def abstract_train_state(
+    abstract_model: nnx.Module, optimizer: optax.GradientTransformation, sharder: Sharder
+) -> tuple[nnx.GraphDef, TrainState, TrainState]:
+    """`init_train_state` of a model made by `nnx.eval_shape`, without allocating anything.
+
+    Returns:
+      (graphdef, state, state_shardings) where `state` holds `jax.ShapeDtypeStruct`s carrying
+      the shardings `init_train_state` would give (what ahead-of-time lowering takes).
+    """
+    graphdef, model_state = nnx.split(abstract_model)
+    params = nnx.to_pure_dict(model_state)
+    abstract = jax.eval_shape(_state_maker(optimizer, 0), params)
+    param_sh = nnx.to_pure_dict(state_shardings(model_state, sharder))
+    shardings = _train_state_shardings(abstract, param_sh, optimizer, sharder)
+    state = jax.tree.map(
+        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), abstract, shardings
+    )
     return graphdef, state, shardings

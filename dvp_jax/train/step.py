@@ -20,7 +20,7 @@ from dvp_jax.dvp import diagnostics
 from dvp_jax.dvp.chunked import PositionStats, chunked_token_stats
 from dvp_jax.dvp.losses import LossConfig, dvp_loss
 from dvp_jax.dvp.pruning import TokenLogprobs
-from dvp_jax.sharding import Sharder
+from dvp_jax.sharding import Sharder, compiler_options
 from dvp_jax.train.batch import RLBatch
 from dvp_jax.train.state import TrainState, skipped_updates
 
@@ -172,12 +172,38 @@ def apply_gradients(state: TrainState, grads, optimizer):
 
 
 def jit_step(fn, state_shardings, batch_sh, sharder: Sharder):
-    """Jits a step with explicit in/out shardings and the train state donated."""
+    """Jits a step with explicit in/out shardings, the train state donated, and the project's
+    compiler options for the mesh's platform (`sharding.compiler_options`)."""
+    options = compiler_options(sharder)
     if sharder.mesh is None:
-        return jax.jit(fn, donate_argnums=0)
+        return jax.jit(fn, donate_argnums=0, compiler_options=options)
     return jax.jit(
         fn,
         in_shardings=(state_shardings, batch_sh),
         out_shardings=(state_shardings, sharder.replicated()),
         donate_argnums=0,
+        compiler_options=options,
     )
+
+
+def jit_rl_update(
+    *,
+    graphdef,
+    optimizer,
+    loss_cfg: LossConfig,
+    chunk_size: int,
+    micro_batches: int,
+    state_shardings,
+    batch_shardings,
+    sharder: Sharder,
+):
+    """`rl_update` jitted as the trainer runs it (and `dvp_jax.aot` compiles it)."""
+    fn = functools.partial(
+        rl_update,
+        graphdef=graphdef,
+        optimizer=optimizer,
+        loss_cfg=loss_cfg,
+        chunk_size=chunk_size,
+        micro_batches=micro_batches,
+    )
+    return jit_step(fn, state_shardings, batch_shardings, sharder)

@@ -355,19 +355,15 @@ class Trainer:
             mb = jax.tree.map(lambda x, i=i: x[i * per : (i + 1) * per], host_batch)
             shardings = batch_lib.global_shardings(mb, self.sharder)
             if self._update_fn is None:
-                self._update_fn = step_lib.jit_step(
-                    lambda s, b: step_lib.rl_update(
-                        s,
-                        b,
-                        graphdef=self.graphdef,
-                        optimizer=self.optimizer,
-                        loss_cfg=cfg.loss,
-                        chunk_size=cfg.train.chunk_size,
-                        micro_batches=cfg.train.micro_batches,
-                    ),
-                    self.state_sh,
-                    shardings,
-                    self.sharder,
+                self._update_fn = step_lib.jit_rl_update(
+                    graphdef=self.graphdef,
+                    optimizer=self.optimizer,
+                    loss_cfg=cfg.loss,
+                    chunk_size=cfg.train.chunk_size,
+                    micro_batches=cfg.train.micro_batches,
+                    state_shardings=self.state_sh,
+                    batch_shardings=shardings,
+                    sharder=self.sharder,
                 )
             self.state, metrics = self._update_fn(self.state, batch_lib.to_global(mb, shardings))
             all_metrics.append({k: float(v) for k, v in jax.device_get(metrics).items()})
