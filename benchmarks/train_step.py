@@ -203,7 +203,8 @@ def _build(cfg: ModelConfig, policy: str, remat: str):
 
     The state holds its own copy of the parameters: drop `model` once it is counted.
     """
-    model = Transformer(cfg, DTypePolicy.named(policy), rngs=nnx.Rngs(0), remat=remat)
+    policy_ = DTypePolicy.named(policy).for_platform(jax.default_backend())
+    model = Transformer(cfg, policy_, rngs=nnx.Rngs(0), remat=remat)
     optimizer = make_optimizer(1e-4, 0, 0.0, 1.0)
     graphdef, state, state_sh = init_train_state(model, optimizer, 0, Sharder())
     fn = _jit_update(graphdef, optimizer, cfg, state_sh)
@@ -285,7 +286,7 @@ def measure(
 def compile_seconds(cfg: ModelConfig, rows: int, length: int, policy: str, remat: str) -> float:
     """Lower + compile seconds of the step, from abstract shapes (nothing is allocated)."""
     optimizer = make_optimizer(1e-4, 0, 0.0, 1.0)
-    policy_ = DTypePolicy.named(policy)
+    policy_ = DTypePolicy.named(policy).for_platform(jax.default_backend())
     graphdef = nnx.graphdef(
         nnx.eval_shape(lambda: Transformer(cfg, policy_, rngs=nnx.Rngs(0), remat=remat))
     )

@@ -39,24 +39,9 @@ from dvp_jax.cli import USAGE_EXIT_CODE, fail, flag_error, parse_flags
 CHIP_HBM_GIB = {"v4": 15.25, "v5e": 15.75, "v5p": 95.74, "v6e": 31.25}
 _GIB = 1024**3
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Experiment config file (as for dvp_jax.main)."
-)
-_TOPOLOGY = flags.DEFINE_string(
-    "topology", None, "TPU topology, <chip>:<dims>, chip one of v4, v5e, v5p, v6e (v5p:4x4x2)."
-)
-_ALL_BUCKETS = flags.DEFINE_bool(
-    "all_buckets", False, "Compile every prefill and KV-cache bucket, not only the largest."
-)
-_PROGRAMS = flags.DEFINE_string(
-    "programs", "", "Comma-separated program names or prefixes to compile (default: all)."
-)
-_HBM_FRACTION = flags.DEFINE_float(
-    "hbm_fraction", 0.9, "A program fits when its peak is at most this fraction of HBM."
-)
-_JSON_OUT = flags.DEFINE_string("json_out", "", "Also write the JSON line to this file.")
-_VERBOSE = flags.DEFINE_bool("verbose", False, "Tracebacks for every error.")
-flags.mark_flags_as_required(["config", "topology"])
+# The command line's flags, defined when the module runs as a program (`_define_flags`): the
+# library functions here are imported by tests next to other absl programs' flags.
+_FLAGS: dict = {}
 
 
 # ==============================================================================================
@@ -165,6 +150,7 @@ class Program:
     alias: int = 0
     code: int = 0
     resident: int = 0  # bytes the other phase keeps on the chip while this one runs
+    moved: int = 0  # weight sync: bytes a chip (on device) or a host (via host) receives
     flops: float = 0.0  # per chip, per call, loops by trip count
     compile_s: float = 0.0
     mosaic_kernels: int = 0  # Pallas (Mosaic) kernel calls in the program, e.g. splash
@@ -184,6 +170,7 @@ class Program:
             "temp_gib": gib(self.temp),
             "alias_gib": gib(self.alias),
             "resident_gib": gib(self.resident),
+            "moved_gib": gib(self.moved),
             "peak_gib": gib(self.peak),
             "hbm_fraction": round(self.peak / (hbm * _GIB), 4),
             "tflop_per_call": round(self.flops / 1e12, 6),
@@ -206,6 +193,7 @@ class Spec:
     chips: int
     while_trips: int = 1
     resident: int = 0
+    moved: int = 0  # weight sync: bytes a chip (on device) or a host (via host) receives
 
 
 def per_chip_bytes(tree) -> int:
@@ -250,7 +238,9 @@ def train_specs(cfg, devices) -> tuple[list[Spec], dict[str, Any]]:
     sharder = Sharder(mesh, TRAIN_RULES)
     t = cfg.train
     abstract_model = nnx.eval_shape(
-        lambda: Transformer(cfg.model, train_policy(cfg), sharder, rngs=nnx.Rngs(0), remat=t.remat)
+        lambda: Transformer(
+            cfg.model, train_policy(cfg, sharder.platform), sharder, rngs=nnx.Rngs(0), remat=t.remat
+        )
     )
     optimizer = make_optimizer(t.learning_rate, t.warmup_steps, t.weight_decay, t.grad_clip)
     graphdef, state, state_sh = abstract_train_state(abstract_model, optimizer, sharder)
@@ -318,17 +308,10 @@ def engine_specs(
 
     from dvp_jax.rollout.engine import RolloutEngine
     from dvp_jax.rollout.offline import STEPS_PER_SYNC
-    from dvp_jax.sharding import MeshConfig, make_mesh
-    from dvp_jax.train.builders import engine_config
+    from dvp_jax.train.builders import engine_config, engine_mesh
 
     r = cfg.rollout
-    local = [d for d in devices if d.process_index == devices[0].process_index]
-    if r.tensor_parallel > len(local):
-        raise ValueError(
-            f"config.rollout.tensor_parallel={r.tensor_parallel} exceeds the {len(local)} "
-            "devices of one host of this topology"
-        )
-    mesh = make_mesh(MeshConfig(1, 1, r.tensor_parallel), local[: r.tensor_parallel])
+    mesh = engine_mesh(trainer["mesh"], r.tensor_parallel, devices[0].process_index)
     hosts = len({d.process_index for d in devices})
     engine = RolloutEngine(
         cfg.model, engine_config(cfg), tokenizer="char", mesh=mesh, abstract=True
@@ -380,9 +363,24 @@ def engine_specs(
             struct((), jnp.bool_),
             while_trips=k,
         )
-    # Weight sync: the trainer's params (on the trainer mesh) cast to the rollout dtype.
+    # Weight sync: the trainer's params (on the trainer mesh) cast to the rollout dtype, on the
+    # devices into the rollout layout when the engine is a tensor row of the trainer's mesh
+    # (`RolloutEngine.trainer_row_mesh`), else cast in place and copied through the host.
     trainer_params = jax.tree.leaves(trainer["params"])
-    sync = Spec("weight_sync/cast", engine._cast_jit, (trainer_params,), trainer["mesh"].size)
+    row_mesh = engine.trainer_row_mesh(trainer_params)
+    if row_mesh is not None:
+        cast = jax.jit(engine._cast, out_shardings=engine._sync_shardings(row_mesh))
+        sync = Spec("weight_sync/on_device", cast, (trainer_params,), trainer["mesh"].size)
+        out = jax.eval_shape(cast, trainer_params)
+        out = _structs(out, engine._sync_shardings(row_mesh))
+        own = [
+            jax.ShapeDtypeStruct(x.shape, y.dtype, sharding=x.sharding)
+            for x, y in zip(trainer_params, out, strict=True)
+        ]
+        sync.moved = per_chip_bytes(out) - per_chip_bytes(own)
+    else:
+        sync = Spec("weight_sync/via_host", engine._cast_jit, (trainer_params,), mesh.size)
+        sync.moved = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
     sync.resident = per_chip_bytes(params)
     specs.append(sync)
     # What the engines keep on a chip while the trainer runs: their weights (the decode state
@@ -413,7 +411,7 @@ def _cache_struct(x, engine):
 
 def compile_spec(spec: Spec) -> Program:
     """Lowers and compiles one program; errors become the program's `error`."""
-    program = Program(spec.name, resident=spec.resident)
+    program = Program(spec.name, resident=spec.resident, moved=spec.moved)
     start = time.time()
     try:
         traced = spec.jitted.trace(*spec.args)
@@ -499,6 +497,10 @@ def table(programs: list[Program], hbm: float) -> str:
             f"{g(p.resident)} {g(p.peak)} {100 * p.peak / (hbm * _GIB):5.1f}% "
             f"{p.flops / 1e12:8.3f}{mark} {p.compile_s:7.1f}s"
         )
+    for p in programs:
+        if p.moved:
+            where = "per chip, over the devices' links" if "on_device" in p.name else "per host"
+            lines.append(f"{p.name}: {p.moved / _GIB:.2f} GiB received {where} per sync")
     lines.append(
         f"(GiB per chip; HBM {hbm} GiB; resid: the other phase's arrays on the chip; TFLOP per "
         "chip per call, loops by trip count; * leaves out Mosaic kernels without a cost "
@@ -513,12 +515,13 @@ def main(argv):
     import jax
 
     jax.config.update("jax_platforms", "cpu")  # the host side; the programs are for TPU
+    opts = {name: flag.value for name, flag in _FLAGS.items() if name != "config"}
     from dvp_jax.errors import UserError
     from dvp_jax.train.builders import load_run_tokenizer
     from dvp_jax.train.config import ExperimentConfig
 
     try:
-        config = _CONFIG.value
+        config = _FLAGS["config"].value
         config.data  # noqa: B018  (a config file that failed to load raises on first use)
     except Exception as e:
         fail(flag_error(e, sys.argv), USAGE_EXIT_CODE, e)
@@ -527,37 +530,62 @@ def main(argv):
         if vocab in (None, -1):
             vocab = load_run_tokenizer(config.data.tokenizer).vocab_size
         cfg = ExperimentConfig.from_config_dict(config, vocab)
-        devices = topology_devices(_TOPOLOGY.value)
+        devices = topology_devices(opts["topology"])
     except (UserError, ValueError) as e:
         fail(str(e), USAGE_EXIT_CODE, e)
     del devices
-    hbm = CHIP_HBM_GIB[chip_of(_TOPOLOGY.value)]
-    programs = tuple(p for p in _PROGRAMS.value.split(",") if p)
+    hbm = CHIP_HBM_GIB[chip_of(opts["topology"])]
+    programs = tuple(p for p in opts["programs"].split(",") if p)
     log = lambda line: print(line, file=sys.stderr, flush=True)
     try:
-        results = compile_config(cfg, _TOPOLOGY.value, _ALL_BUCKETS.value, programs, log)
+        results = compile_config(cfg, opts["topology"], opts["all_buckets"], programs, log)
     except ValueError as e:  # a mesh or tensor_parallel the topology cannot hold
         fail(str(e), USAGE_EXIT_CODE, e)
     print(table(results, hbm), flush=True)
-    bad = failures(results, hbm, _HBM_FRACTION.value)
+    bad = failures(results, hbm, opts["hbm_fraction"])
     line = json.dumps(
         {
-            "topology": _TOPOLOGY.value,
+            "topology": opts["topology"],
             "hbm_gib": hbm,
-            "hbm_fraction_limit": _HBM_FRACTION.value,
+            "hbm_fraction_limit": opts["hbm_fraction"],
             "ok": not bad,
             "programs": [p.row(hbm) for p in results],
         }
     )
     print(line, flush=True)
-    if _JSON_OUT.value:
-        with open(_JSON_OUT.value, "w") as f:
+    if opts["json_out"]:
+        with open(opts["json_out"], "w") as f:
             f.write(line + "\n")
     if bad:
         fail(bad[0] + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""), 1)
 
 
+def _define_flags() -> None:
+    f = _FLAGS
+    f["config"] = config_flags.DEFINE_config_file(
+        "config", None, "Experiment config file (as for dvp_jax.main)."
+    )
+    f["topology"] = flags.DEFINE_string(
+        "topology",
+        None,
+        "TPU topology, <chip>:<dims>, chip one of v4, v5e, v5p, v6e (v5p:4x4x2).",
+    )
+    f["all_buckets"] = flags.DEFINE_bool(
+        "all_buckets", False, "Compile every prefill and KV-cache bucket, not only the largest."
+    )
+    f["programs"] = flags.DEFINE_string(
+        "programs", "", "Comma-separated program names or prefixes to compile (default: all)."
+    )
+    f["hbm_fraction"] = flags.DEFINE_float(
+        "hbm_fraction", 0.9, "A program fits when its peak is at most this fraction of HBM."
+    )
+    f["json_out"] = flags.DEFINE_string("json_out", "", "Also write the JSON line to this file.")
+    f["verbose"] = flags.DEFINE_bool("verbose", False, "Tracebacks for every error.")
+    flags.mark_flags_as_required(["config", "topology"])
+
+
 def run():
+    _define_flags()
     parse_flags(sys.argv)
     app.run(main, argv=[sys.argv[0]])
 

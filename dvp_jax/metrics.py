@@ -95,7 +95,10 @@ METRICS: dict[str, str] = {
     "rollout_s": "seconds spent generating the rollout batch",
     "train_s": "seconds spent in the jitted update(s)",
     "rollout_tok_s": "generated tokens per second",
-    "train_precision": "the trainer's dtype policy (a name: float32 is true fp32, mixed_bf16)",
+    "train_precision": (
+        "the trainer's dtype policy (a name: float32 is true fp32, float32_x3 three 16-bit "
+        "passes per matmul, mixed_bf16)"
+    ),
     # ----- evaluation (train.evaluation)
     "eval_accuracy": "held-out avg@k: mean reward of k samples per held-out prompt",
     "eval_pass_at_k": "held-out pass@k",

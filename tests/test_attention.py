@@ -73,6 +73,14 @@ def _max_diff(a, b, where=None) -> float:
         ("tpu", B16, 100, 128, "xla"),  # T not a multiple of the kernel's 128 block
         ("tpu", B16, 256, 64, "xla"),
         ("tpu", F32, 256, 128, "xla"),
+        # From 2,048 tokens, where no fused kernel serves the policy: blockwise (no T x T).
+        ("cpu", F32, 2048, 128, "blockwise"),
+        ("cpu", B16, 18_432, 128, "blockwise"),
+        ("gpu", F32, 16_384, 128, "blockwise"),
+        ("tpu", F32, 18_432, 128, "blockwise"),
+        ("tpu", B16, 18_432, 128, "splash"),
+        ("gpu", B16, 16_384, 128, "cudnn"),
+        ("cpu", F32, 2047, 128, "xla"),
     ],
 )
 def test_auto_picks_the_kernel_per_backend_dtype_and_shape(backend, dtype, t, h, expected):
@@ -81,7 +89,7 @@ def test_auto_picks_the_kernel_per_backend_dtype_and_shape(backend, dtype, t, h,
 
 def test_explicit_choices_are_checked_against_backend_and_dtype():
     for backend in ("cpu", "gpu", "tpu"):
-        for impl in ("xla", "dot_product"):
+        for impl in ("xla", "dot_product", "blockwise"):
             assert select_attention_impl(impl, backend, F32, 16, 8) == impl
     assert select_attention_impl("cudnn", "gpu", B16, 17, 8) == "cudnn"
     assert select_attention_impl("splash", "tpu", B16, 256, 64) == "splash"
@@ -102,7 +110,7 @@ def test_explicit_choices_are_checked_against_backend_and_dtype():
     # Every named policy defaults to "auto"; a named policy takes another kernel by name.
     assert {DTypePolicy.named(n).attention_impl for n in POLICY_NAMES} == {"auto"}
     assert DTypePolicy.named("mixed_bf16", attention_impl="cudnn").attention_impl == "cudnn"
-    assert set(ATTENTION_IMPLS) == {"auto", "xla", "dot_product", "cudnn", "splash"}
+    assert set(ATTENTION_IMPLS) == {"auto", "xla", "dot_product", "blockwise", "cudnn", "splash"}
 
 
 def test_a_fused_kernel_the_backend_cannot_run_is_refused_by_the_model():
@@ -225,6 +233,88 @@ def test_splash_kernel_in_the_interpreter_equals_explicit():
     ):
         print(f"splash grad max diff = {_max_diff(ga, gs):.3e}")
         np.testing.assert_allclose(ga, gs, atol=1e-5 * float(jnp.abs(ga).max()), rtol=0)
+
+
+def test_blockwise_attention_equals_explicit():
+    """The blockwise path (online softmax over 64-token blocks; T = 200 is padded to 256, so
+    the last block is partly padding) equals the explicit path on valid queries, forward and
+    gradients, to 1e-5 relative (fp32, every dot at `highest`; another summation order), with
+    GQA and right-, left- and heavily padded rows; padding queries stay finite."""
+    t = 200
+    q, k, v = _qkv(t, F32, b=4)
+    valid = _valid(t, [("right", 150), ("right", 200), ("left", 30), ("right", 3)])
+    blockwise = jax.jit(
+        lambda q, k, v, valid: full_attention(
+            q, k, v, valid, DTypePolicy.named("float32", "blockwise", attention_block=0)
+        )
+    )
+    small = jax.jit(
+        lambda q, k, v, valid: attention.blockwise_attention(
+            q, k, v, valid, jax.lax.Precision.HIGHEST, 64
+        )
+    )
+    explicit = _attend("xla")
+    a = explicit(q, k, v, valid)
+    for fn in (blockwise, small):
+        b = fn(q, k, v, valid)
+        assert np.isfinite(np.asarray(b)).all()
+        print(f"blockwise vs explicit max |d out| = {_max_diff(a, b, valid):.3e}")
+        np.testing.assert_allclose(a[valid], b[valid], atol=1e-5, rtol=0)
+    cotangent = jnp.asarray(np.random.default_rng(1).normal(size=a.shape), F32)
+    cotangent = cotangent * valid[:, :, None, None]
+    for ga, gb in zip(
+        _grads(explicit, q, k, v, valid, cotangent),
+        _grads(small, q, k, v, valid, cotangent),
+        strict=True,
+    ):
+        print(f"blockwise grad max diff = {_max_diff(ga, gb):.3e}")
+        np.testing.assert_allclose(ga, gb, atol=1e-5 * float(jnp.abs(ga).max()), rtol=0)
+
+
+def test_blockwise_attention_holds_no_t_by_t_array():
+    """The compiled fp32 forward + backward at T = 4096 (one row, two heads): the explicit path
+    holds the scores and probabilities (2 x 4096^2 floats per head, 128 MiB per array); the
+    blockwise path's temporaries are a few [512, 512] blocks and q-sized accumulators (10 MiB
+    here)."""
+    t = 4096
+    q, k, v = _qkv(t, F32, b=1, n=2, kv=1, h=16)
+    valid = jnp.ones((1, t), bool)
+
+    def temp(impl):
+        policy = DTypePolicy.named("float32", impl)
+        loss = lambda q, k, v: jnp.sum(full_attention(q, k, v, valid, policy) ** 2)
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        return grad.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
+
+    explicit, blockwise = temp("xla"), temp("blockwise")
+    scores = 2 * t * t * 4  # one float32 [heads, T, T] array
+    print(f"temp bytes: explicit {explicit / 2**20:.0f} MiB, blockwise {blockwise / 2**20:.1f} MiB")
+    assert explicit >= scores
+    assert blockwise < scores / 8
+
+
+@pytest.mark.parametrize(
+    "error",
+    [RuntimeError("cuDNN is not detected."), NotImplementedError("head dim"), ValueError("x")],
+)
+def test_auto_falls_back_to_the_explicit_path_when_cudnn_cannot_run(monkeypatch, error):
+    """With "auto" on a GPU, a cuDNN call that raises at trace time (no cuDNN: RuntimeError;
+    an unsupported shape: NotImplementedError; a refused layout: ValueError) runs the explicit
+    path instead; an explicit "cudnn" lets the error through."""
+    monkeypatch.setattr(attention, "_GPU_BACKENDS", ("cpu",))
+
+    def refuse(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(attention, "_cudnn_attention", refuse)
+    q, k, v = _qkv(16, B16)
+    valid = _valid(16, [("right", 16), ("right", 9), ("right", 4), ("right", 1)])
+    auto = DTypePolicy.named("bfloat16", attention_impl="auto")
+    out = full_attention(q, k, v, valid, auto, backend="cpu")
+    ref = full_attention(q, k, v, valid, DTypePolicy.named("bfloat16", "xla"), backend="cpu")
+    np.testing.assert_array_equal(np.asarray(out, F32), np.asarray(ref, F32))
+    with pytest.raises(type(error)):
+        full_attention(q, k, v, valid, DTypePolicy.named("bfloat16", "cudnn"), backend="cpu")
 
 
 @pytest.mark.parametrize("tensor, kv", [(2, 2), (4, 2)])
@@ -388,4 +478,8 @@ def test_dot_product_attention_takes_the_policy_precision():
     # the BF16_BF16_F32 algorithm, the rest at the policy's DEFAULT).
     found, _ = _train_step_precisions(DTypePolicy.named("bfloat16", "dot_product"), "highest")
     assert found and ("HIGHEST", "HIGHEST") not in found, found
+    # The blockwise path (forward and its custom backward) under the float32 policy.
+    found, n_dots = _train_step_precisions(DTypePolicy.named("float32", "blockwise"), "default")
+    assert len(found) == n_dots > 10
+    assert set(found) == {("HIGHEST", "HIGHEST")}, found
     assert TRAIN_POLICY.attention_impl == "auto"

@@ -32,15 +32,23 @@ _PRECISION = re.compile(r"precision = \[(\w+), (\w+)\]")
 _OPERANDS = re.compile(r": \(tensor<[^>]*x(\w+)>, tensor<[^>]*x(\w+)>\) -> tensor<[^>]*x(\w+)>")
 
 
+_ALGORITHM = re.compile(
+    r"algorithm = <lhs_precision_type = (\w+), .*num_primitive_operations = (\d+)"
+)
+
+
 def _dots(text: str) -> list[dict]:
-    """Every dot_general of a StableHLO module: its precision pair and operand/result types."""
+    """Every dot_general of a StableHLO module: its precision pair, its algorithm (the 16-bit
+    operand type and pass count, when one is set) and its operand/result types."""
     dots = []
     for line in _DOT.findall(text):
         precision = _PRECISION.search(line)
+        algorithm = _ALGORITHM.search(line)
         types = _OPERANDS.search(line)
         dots.append(
             dict(
                 precision=precision.groups() if precision else None,
+                algorithm=algorithm.groups() if algorithm else None,
                 types=types.groups() if types else None,
             )
         )
@@ -107,6 +115,21 @@ def test_train_policy_runs_every_matmul_forward_and_backward_at_highest():
     assert all(d["types"] == ("f32", "f32", "f32") for d in dots), dots
 
 
+def test_the_three_pass_policy_runs_every_matmul_as_three_16_bit_passes():
+    """`float32_x3`: float32 parameters and activations, every matmul forward and backward the
+    backend's three-pass fp32-class algorithm, whatever the global default: bf16 x 3 on TPU
+    (lowered here for this CPU, which computes it exactly), 3xTF32 on an NVIDIA GPU (a CPU
+    cannot lower that algorithm: only the policy's value is checked)."""
+    policy = DTypePolicy.named("float32_x3").for_platform("tpu")
+    dots = _train_step_dots(policy, global_precision="highest")
+    assert len(dots) > FORWARD_DOTS
+    assert all(d["algorithm"] == ("bf16", "3") for d in dots), dots
+    assert all(d["types"] == ("f32", "f32", "f32") for d in dots), dots
+    gpu = DTypePolicy.named("float32_x3").for_platform("gpu")
+    assert gpu.precision == jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    assert DTypePolicy.named("float32").for_platform("gpu").precision == HIGHEST
+
+
 @pytest.mark.parametrize(
     "name, expected",
     [
@@ -156,7 +179,11 @@ def test_policy_names_and_precision_values():
     assert DTypePolicy.named("bfloat16").precision is DEFAULT
     assert DTypePolicy(precision="highest").precision is HIGHEST
     # The rollout list stays the rollout list; the mixed policy is a trainer precision only.
-    assert "mixed_bf16" not in PRECISIONS and TRAIN_PRECISIONS == ("float32", "mixed_bf16")
+    assert "mixed_bf16" not in PRECISIONS and TRAIN_PRECISIONS == (
+        "float32",
+        "float32_x3",
+        "mixed_bf16",
+    )
     assert MIXED_TRAIN_POLICY == DTypePolicy(jnp.float32, jnp.bfloat16, jnp.bfloat16, DEFAULT)
     with pytest.raises(ValueError, match="DTypePolicy.precision 'fast'.*allowed"):
         DTypePolicy(precision="fast")

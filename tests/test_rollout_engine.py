@@ -256,6 +256,45 @@ def test_update_params_casts_reshards_without_recompiling(bf16, batch, master):
         )
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "bfloat16_fp8kv_int4w"])
+def test_weight_sync_into_a_tensor_row_of_the_trainer_mesh_stays_on_the_devices(dtype):
+    """The engine on one tensor row of the trainer's (1, 4, 2) mesh (`builders.engine_mesh`)
+    takes the trainer's sharded fp32 params by one cast whose outputs are split over tensor on
+    the trainer's mesh (`RolloutEngine.trainer_row_mesh`): its arrays are the shards already on
+    its two devices, each holding half of every split parameter, and equal what the copying
+    path (cast where the trainer's arrays are, then `device_put`) gives, to float rounding
+    (int4 weights: the group absmax is computed by another program)."""
+    from dvp_jax.train.builders import engine_mesh
+
+    trainer_mesh = make_mesh(MeshConfig(1, 4, 2))
+    sharder = Sharder(trainer_mesh, TRAIN_RULES)
+    trainer = init_sharded(
+        lambda: Transformer(CFG, TRAIN_POLICY, sharder, rngs=nnx.Rngs(2)), sharder
+    )
+    mesh = engine_mesh(trainer_mesh, 2, jax.process_index())
+    assert list(mesh.devices.flat) == list(trainer_mesh.devices[0, 0])
+    config = _engine_config(dtype)
+    engine = RolloutEngine(CFG, config, mesh=mesh)
+    leaves = jax.tree.leaves(nnx.state(trainer, nnx.Param))
+    assert engine.trainer_row_mesh(leaves) == trainer_mesh
+    params = engine.update_params(nnx.state(trainer, nnx.Param))
+    # The copying path: an engine on devices that are not a row of the trainer's mesh.
+    other = RolloutEngine(CFG, config, mesh=make_mesh(MeshConfig(1, 1, 2), jax.devices()[1:3]))
+    assert other.trainer_row_mesh(leaves) is None
+    reference = other.update_params(nnx.state(trainer, nnx.Param))
+    for x, ref, sharding in zip(
+        jax.tree.leaves(params), jax.tree.leaves(reference), engine._param_shardings, strict=True
+    ):
+        assert x.sharding == sharding and x.sharding.device_set == set(mesh.devices.flat)
+        np.testing.assert_allclose(
+            np.asarray(x, np.float32), np.asarray(ref, np.float32), rtol=1e-6, atol=0
+        )
+    q_proj = params["blocks"]["attn"]["q_proj"].get_value()  # [L, d, n, h]: n split over tensor
+    assert q_proj.addressable_shards[0].data.shape[2] == CFG.n_heads // 2
+    # Rollouts from the synced weights run.
+    generate_rollouts(engine, PROMPTS[:1], 2, jax.random.key(0))
+
+
 def _mismatch(b: RolloutBatch, master) -> dict:
     """Rollout log mu_S vs trainer log pi_S (fp32 full forward + its own pruning, E2/E5)."""
     tf, _ = teacher_forced(master, b)

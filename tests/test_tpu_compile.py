@@ -105,12 +105,17 @@ def test_mixed_bf16_with_splash_on_a_tensor_parallel_mesh_compiles():
 
 def test_float32_on_an_fsdp_mesh_compiles_without_a_kernel():
     """float32 trainer (explicit attention: no Mosaic kernel) on a (1, 4, 1) mesh, a float32
-    engine at tensor parallel 1."""
+    engine at tensor parallel 1 on the first device."""
     cfg = _config(precision="float32", mesh=(1, 4, 1), tensor_parallel=1, rollout_dtype="float32")
     programs = _compile(cfg, "v5p:2x2x1")
-    assert {"rl_update", "weight_sync/cast"} <= set(programs)
+    assert {"rl_update", "weight_sync/on_device"} <= set(programs)
     assert programs["rl_update"].mosaic_kernels == 0
     assert programs["rl_update"].flops > 0
+    # The engine is one (tensor) row of the trainer's mesh: the sync is an all-gather over
+    # fsdp on the devices, each chip receiving the 3/4 of the (float32) weights it lacks
+    # (the small norm vectors are not split by the trainer, so a little less).
+    sync = programs["weight_sync/on_device"]
+    assert 0.72 * sync.output < sync.moved <= 0.75 * sync.output
 
 
 def test_the_decode_loop_does_not_copy_the_cache():
@@ -138,11 +143,12 @@ def test_the_decode_loop_does_not_copy_the_cache():
 
 
 def test_tiny_config_on_two_hosts_with_every_axis_split():
-    """The tiny model (head_dim 32: `auto` takes the explicit path even for bf16) on 8 devices
-    of two hosts, mesh (2, 2, 2), mixed_bf16 with a tied embedding; each host's engine on its
-    first 2 devices, with int4 weights and an fp8 cache."""
+    """The tiny model (head_dim 32) on 8 devices of two hosts, mesh (2, 2, 2), the three-pass
+    float32_x3 trainer with a tied embedding; each host's engine on a tensor row of the
+    trainer's mesh (bf16 compute, but h = 32: the explicit path), with int4 weights and an fp8
+    cache."""
     cfg = _config(
-        precision="mixed_bf16",
+        precision="float32_x3",
         mesh=(2, 2, 2),
         tensor_parallel=2,
         rollout_dtype="bfloat16_fp8kv_int4w",

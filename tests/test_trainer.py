@@ -254,20 +254,22 @@ def test_metric_names_are_declared_once_and_typos_fail():
         metrics.tail_mean([{"step": 1, "loss": 1.0}], "los")
 
 
-def test_mixed_precision_trainer_is_named_in_metrics_and_summary(tmp_path):
+@pytest.mark.parametrize("precision", ["mixed_bf16", "float32_x3"])
+def test_other_trainer_precisions_are_named_in_metrics_and_summary(tmp_path, precision):
+    """mixed_bf16 (bf16 compute on fp32 master params) and float32_x3 (three-pass fp32-class
+    matmuls; exact fp32 on this CPU) train and are recorded by name."""
     cfg = ExperimentConfig.from_config_dict(
-        tiny_config_dict(**{"train.precision": "mixed_bf16", "train.steps": 1}), VOCAB
+        tiny_config_dict(**{"train.precision": precision, "train.steps": 1}), VOCAB
     )
     trainer = Trainer(cfg, str(tmp_path))
     try:
         summary = trainer.run()
-        # bf16 compute on fp32 master params.
         assert trainer.state.params["embed"].dtype == np.float32
     finally:
         trainer.close()
-    assert summary["train_precision"] == "mixed_bf16"
+    assert summary["train_precision"] == precision
     rows = [r for r in _metrics(tmp_path) if "loss" in r]
-    assert rows and all(r["train_precision"] == "mixed_bf16" for r in rows)
+    assert rows and all(r["train_precision"] == precision for r in rows)
     assert np.isfinite(rows[0]["loss"]) and np.isfinite(rows[0]["grad_norm"])
     with pytest.raises(ValueError, match=r"config\.train\.precision"):
         ExperimentConfig.from_config_dict(tiny_config_dict(**{"train.precision": "fp16"}), VOCAB)

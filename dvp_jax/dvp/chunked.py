@@ -367,7 +367,8 @@ def chunked_token_stats(
       temperature: static tau > 0.
       chunk_size: static number of vocabulary columns per chunk (clamped to the local V).
       precision: static matmul precision of every einsum, forward and backward (a
-        `jax.lax.Precision` or its name, e.g. "highest"); None is the backend default.
+        `jax.lax.Precision` or its name, e.g. "highest", or a `jax.lax.DotAlgorithmPreset`);
+        None is the backend default.
       mesh: the device mesh to partition over (see above); None looks it up from the arrays'
         types or the context.
 
@@ -446,15 +447,16 @@ def _reshape(x, shape, sharding):
     return jax.sharding.auto_axes(lambda a: a.reshape(shape), out_sharding=sharding)(x)
 
 
-def _as_precision(precision) -> jax.lax.Precision | None:
-    if precision is None or isinstance(precision, jax.lax.Precision):
+def _as_precision(precision) -> jax.lax.Precision | jax.lax.DotAlgorithmPreset | None:
+    if precision is None or isinstance(precision, jax.lax.Precision | jax.lax.DotAlgorithmPreset):
         return precision
     try:
         return jax.lax.Precision(precision)
     except ValueError:
         names = [p.name.lower() for p in jax.lax.Precision]
         raise ValueError(
-            f"precision must be None, a jax.lax.Precision or one of {names}; got {precision!r}."
+            f"precision must be None, a jax.lax.Precision, a jax.lax.DotAlgorithmPreset or one "
+            f"of {names}; got {precision!r}."
         ) from None
 
 

@@ -22,6 +22,10 @@ k = n // g, `out[t] = sum_s softmax_s(q[t] . k[s] / sqrt(h) + mask[t, s]) v[s]` 
   key mask: the same values as "xla" (padding rows included); its matmuls take the policy's
   precision through a scoped `jax.default_matmul_precision` (the function has no precision
   argument), so a float32 policy stays `highest`.
+* "blockwise": `blockwise.blockwise_attention`, query and key blocks with an online softmax and
+  a recomputing custom VJP in plain JAX: no T x T array, causal blocks skipped, every dot at the
+  policy's precision (the fp32 trainer at 16k tokens). Equal to "xla" on valid queries to float
+  rounding; a padding query with no visible key averages its block's values instead of all.
 * "cudnn": cuDNN flash attention through `jax.nn.dot_product_attention(implementation=
   "cudnn")`, 16-bit compute only, no T x T array. Key padding reaches the kernel as per-row
   key lengths (cuDNN's PADDING_CAUSAL mask), which is exact when each row's valid tokens are a
@@ -31,13 +35,13 @@ k = n // g, `out[t] = sum_s softmax_s(q[t] . k[s] / sqrt(h) + mask[t, s]) v[s]` 
 * "splash": the Pallas splash-attention kernel (`jax.experimental.pallas.ops.tpu.
   splash_attention`), TPU and 16-bit compute only, T a multiple of 128; causal block mask,
   padding as segment ids (valid = 1, padding = 0), so any `valid` pattern is exact on valid
-  queries and a padding query attends to padding keys (never an empty row). On a multi-device
-  mesh the kernel call is not partitioned by the `Sharder` (XLA replicates its operands);
-  running it per shard under `shard_map` over batch and heads is the follow-up for a v5p slice.
+  queries and a padding query attends to padding keys (never an empty row). XLA cannot
+  partition a Mosaic kernel, so on a mesh it runs per shard under `shard_map`.
 
-On CPU "auto" is "xla"; on an NVIDIA GPU "cudnn" and on a TPU "splash" for 16-bit compute
-dtypes where the shapes allow, "xla" otherwise (a float32 policy never runs a fused kernel:
-neither kernel runs fp32 matmuls at the policy's precision). Decode (one query against the
+"auto" is "cudnn" on an NVIDIA GPU and "splash" on a TPU for 16-bit compute dtypes where the
+shapes allow; otherwise (CPU, float32 policies) "blockwise" from `BLOCKWISE_FROM` tokens and
+"xla" below (a float32 policy never runs a fused kernel: neither runs fp32 matmuls at the
+policy's precision). Decode (one query against the
 cache) always runs the explicit path, over the first `kv_len` cache positions (a static length
 bucket the engine picks per dispatch, docs/design.md section 3), and writes its new key and value
 in place (`write_cache`; 16- and 8-bit caches are carried as their bits, `cache_storage`).
@@ -56,6 +60,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from dvp_jax.model.blockwise import blockwise_attention
 from dvp_jax.model.config import ATTENTION_IMPLS, DTypePolicy, ModelConfig
 from dvp_jax.model.layers import RMSNorm, matmul, param, rope
 from dvp_jax.sharding import Sharder
@@ -101,6 +106,14 @@ def seq_axis(layout: str) -> int:
 _GPU_BACKENDS = ("gpu", "cuda")
 _TPU_BACKENDS = ("tpu",)
 _FUSED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# "auto" runs the blockwise path (no T x T scores) from this many tokens where no fused kernel
+# serves the policy: at 2,048 the explicit path's float32 scores are 16 MiB per row and head.
+BLOCKWISE_FROM = 2048
+# What `jax.nn.dot_product_attention(implementation="cudnn")` raises at trace time when it cannot
+# run: NotImplementedError for a shape or dtype the kernel lacks, RuntimeError when cuDNN itself
+# is missing or too old ("cuDNN is not detected"), ValueError for a layout it refuses. "auto"
+# falls back to the explicit path on any of them; an explicit "cudnn" re-raises.
+_KERNEL_REFUSALS = (NotImplementedError, RuntimeError, ValueError)
 # The splash kernel's default tiles (BlockSizes.get_default()) are 128 x 128 blocks.
 _SPLASH_BLOCK = 128
 
@@ -174,9 +187,11 @@ def select_attention_impl(
       seq_len: T, the query and key length.
       head_dim: h.
     Returns:
-      One of "xla", "dot_product", "cudnn", "splash". "auto" gives "cudnn" on a GPU and
-      "splash" on a TPU (T and h multiples of 128) for a bfloat16 / float16 compute dtype, and
-      "xla" otherwise (CPU, float32 policies, other shapes).
+      One of "xla", "dot_product", "blockwise", "cudnn", "splash". "auto" gives "cudnn" on a
+      GPU and "splash" on a TPU (T and h multiples of 128) for a bfloat16 / float16 compute
+      dtype; otherwise (CPU, float32 policies, other shapes) "blockwise" from
+      `BLOCKWISE_FROM` tokens, where the explicit path's T x T scores stop fitting (1 GiB per
+      row and head at 16k), and "xla" below.
     Raises:
       ValueError: naming the field, for an unknown name, a fused kernel on a backend that cannot
         run it, a fused kernel under a float32 policy, or splash with T not a multiple of 128.
@@ -192,7 +207,7 @@ def select_attention_impl(
         tiled = seq_len % _SPLASH_BLOCK == 0 and head_dim % _SPLASH_BLOCK == 0
         if backend in _TPU_BACKENDS and fused_dtype and tiled:
             return "splash"
-        return "xla"
+        return "blockwise" if seq_len >= BLOCKWISE_FROM else "xla"
     if impl in ("cudnn", "splash"):
         backends = _GPU_BACKENDS if impl == "cudnn" else _TPU_BACKENDS
         if backend not in backends:
@@ -222,8 +237,8 @@ def full_attention(
     """Causal, key-padded GQA attention of a whole sequence by the policy's kernel.
 
     Computes the module docstring's equation with the kernel `select_attention_impl` picks for
-    `policy.attention_impl`; with "auto", a shape cuDNN refuses (NotImplementedError at trace
-    time, e.g. a head dim over its limit) falls back to "xla" with a warning.
+    `policy.attention_impl`; with "auto", a call cuDNN refuses at trace time (a head dim over
+    its limit, a missing or old cuDNN: `_KERNEL_REFUSALS`) falls back to "xla" with a warning.
 
     Args:
       q: [b, t, n, h] queries (head n uses KV head n // g).
@@ -243,12 +258,14 @@ def full_attention(
     impl = select_attention_impl(policy.attention_impl, backend, policy.compute_dtype, t, h)
     if impl == "dot_product":
         return _dot_product_attention(q, k, v, valid, policy.precision)
+    if impl == "blockwise":
+        return blockwise_attention(q, k, v, valid, policy.precision, policy.attention_block)
     if impl == "splash":
         return _splash_attention(q, k, v, valid, sharder, policy.attention_block)
     if impl == "cudnn":
         try:
             return _cudnn_attention(q, k, v, valid)
-        except NotImplementedError as err:
+        except _KERNEL_REFUSALS as err:
             if policy.attention_impl != "auto":
                 raise
             logging.warning(

@@ -22,8 +22,9 @@ class DTypePolicy:
       param_dtype: dtype the parameters are stored in.
       compute_dtype: dtype of activations and matmul inputs (parameters are cast to it at use).
       cache_dtype: dtype of the KV cache (may be lower than compute, e.g. float8_e4m3fn).
-      precision: the `jax.lax.Precision` of every matmul of the model (projections, attention
-        q.k and p.v, MLP, unembedding); a string ('default', 'high', 'highest') is converted.
+      precision: the `jax.lax.Precision` (or `jax.lax.DotAlgorithmPreset`) of every matmul of
+        the model (projections, attention q.k and p.v, MLP, unembedding); a string
+        ('default', 'high', 'highest') is converted.
         With float32 inputs it decides what "fp32" means on an accelerator: `HIGHEST` is true
         fp32 on every backend, `DEFAULT` is the backend's choice (exact on CPU, TF32 on recent
         GPUs, one bf16 pass on TPUs). With bf16 inputs there is one pass whatever the value.
@@ -32,11 +33,13 @@ class DTypePolicy:
       attention_impl: the kernel of the full-sequence attention (training forward and prefill;
         decode always runs the explicit path), one of `ATTENTION_IMPLS`: "xla" the explicit
         einsum softmax at `precision`; "dot_product" `jax.nn.dot_product_attention` on XLA, its
-        matmuls at `precision`; "cudnn" cuDNN flash attention (NVIDIA GPU, 16-bit compute);
-        "splash" the Pallas splash kernel (TPU, 16-bit compute); "auto" (default) picks per
-        backend, compute dtype and shape (`dvp_jax.model.attention.select_attention_impl`):
-        a fused kernel only for a 16-bit compute dtype on GPU / TPU, the explicit path
-        otherwise, so a float32 policy is true fp32 on every backend. Part of the policy
+        matmuls at `precision`; "blockwise" query/key blocks with an online softmax in JAX
+        (no T x T array; every dot at `precision`, `dvp_jax/model/blockwise.py`); "cudnn"
+        cuDNN flash attention (NVIDIA GPU, 16-bit compute); "splash" the Pallas splash kernel
+        (TPU, 16-bit compute); "auto" (default) picks per backend, compute dtype and shape
+        (`dvp_jax.model.attention.select_attention_impl`): a fused kernel only for a 16-bit
+        compute dtype on GPU / TPU, else "blockwise" from 2,048 tokens and the explicit path
+        below, so a float32 policy is true fp32 on every backend. Part of the policy
         because the kernel decides the attention's numerics (which dtypes it takes, its
         accumulation order, whether `precision` reaches its matmuls).
       weight_quant: fake quantization of the decoder blocks' matmul kernels, one of
@@ -47,9 +50,10 @@ class DTypePolicy:
         `param_dtype`, so the rollout computes exactly what a weight-quantized deployment
         computes with `compute_dtype` matmuls; a model built with this policy does not quantize
         by itself (only the weight sync does).
-      attention_block: the splash kernel's query and key tile in tokens (a multiple of 128
-        dividing T); 0 (default) picks the largest of 512, 256, 128 dividing T
-        (`dvp_jax.model.attention.splash_block`). Changes speed, not the mask or the math.
+      attention_block: the query and key tile in tokens of splash (a multiple of 128 dividing
+        T) and of "blockwise"; 0 (default) picks for splash the largest of 512, 256, 128
+        dividing T (`dvp_jax.model.attention.splash_block`), for blockwise 512. Changes speed
+        and memory, not the mask or the math.
     Logits are always produced in float32 (matmul accumulates in fp32), and softmax / RMSNorm
     statistics always run in float32, whatever the policy.
     """
@@ -92,6 +96,14 @@ class DTypePolicy:
                 ) from None
             object.__setattr__(self, "precision", precision)
 
+    def for_platform(self, platform: str) -> DTypePolicy:
+        """This policy as programs on `platform` run it: the three-pass fp32 algorithm is
+        bf16 x 3 on TPU (and CPU, which computes it exactly) and 3xTF32 on an NVIDIA GPU, the
+        backend's own fp32-class three-pass matmul."""
+        if self.precision == _X3 and platform in ("gpu", "cuda"):
+            return dataclasses.replace(self, precision=_X3_GPU)
+        return self
+
     @classmethod
     def named(
         cls, name: str, attention_impl: str = "auto", attention_block: int = 0
@@ -108,6 +120,11 @@ class DTypePolicy:
 
 
 _HIGHEST, _DEFAULT = jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT
+# fp32-class matmuls from three 16-bit passes: on TPU bf16 x 3 (a = hi + lo in bf16, the product
+# hi.hi + hi.lo + lo.hi accumulated in f32; HIGHEST is 6 passes), on an NVIDIA GPU 3xTF32
+# (`DTypePolicy.for_platform`); CPUs compute float32 exactly for either.
+_X3 = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
+_X3_GPU = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 # (param, compute, KV cache dtype, matmul precision, weight quantization) of each named policy
 # (docs/design.md section 4). "float32" is the trainer and, as a rollout dtype, removes the
@@ -129,6 +146,7 @@ _POLICIES = {
     "bfloat16_fp8kv_fp8w": (jnp.bfloat16, jnp.bfloat16, _FP8, _DEFAULT, "fp8_channel"),
     "bfloat16_fp8kv_int4w": (jnp.bfloat16, jnp.bfloat16, _FP8, _DEFAULT, "int4_group32"),
     "mixed_bf16": (jnp.float32, jnp.bfloat16, jnp.bfloat16, _DEFAULT, "none"),
+    "float32_x3": (jnp.float32, jnp.float32, jnp.float32, _X3, "none"),
 }
 # Rollout precisions: the one list `config.rollout.dtype`, `EngineConfig.dtype` and the server's
 # --dtype choose from. "mixed_bf16" is not one: as a rollout it would compute exactly what
@@ -142,7 +160,9 @@ PRECISIONS = (
     "bfloat16_fp8kv_int4w",
 )
 # Trainer precisions: what `config.train.precision` chooses from (reported as `train_precision`).
-TRAIN_PRECISIONS = ("float32", "mixed_bf16")
+# "float32_x3" is fp32 parameters and activations with every matmul from three 16-bit passes
+# (about half of HIGHEST's six on a TPU; README "Precision" has the measured error).
+TRAIN_PRECISIONS = ("float32", "float32_x3", "mixed_bf16")
 POLICY_NAMES = tuple(_POLICIES)
 assert set(PRECISIONS) | set(TRAIN_PRECISIONS) == set(_POLICIES)
 
@@ -155,7 +175,7 @@ REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch")
 
 # Attention kernels of the full-sequence forward (`DTypePolicy.attention_impl`; the selection
 # logic and each kernel's contract are in `dvp_jax/model/attention.py`).
-ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cudnn", "splash")
+ATTENTION_IMPLS = ("auto", "xla", "dot_product", "blockwise", "cudnn", "splash")
 
 # Weight quantizations of the rollout copy of the weights (`DTypePolicy.weight_quant`; the
 # formats and which parameters they touch are in `dvp_jax/rollout/quantize.py`).

@@ -67,6 +67,7 @@ from dvp_jax.rollout.quantize import quantize_leaves
 from dvp_jax.rollout.state import RECORD_FIELDS, DecodeState, EngineConfig, Prefix
 from dvp_jax.rollout.tokenizers import load_tokenizer
 from dvp_jax.sharding import (
+    MESH_AXES,
     ROLLOUT_RULES,
     MeshConfig,
     Sharder,
@@ -127,6 +128,7 @@ class RolloutEngine(engine_api.Engine):
 
         make = lambda seed: Transformer(model_cfg, self.policy, self.sharder, rngs=nnx.Rngs(seed))
         self._graphdef, shapes = nnx.split(nnx.eval_shape(lambda: make(0)))
+        self._shapes = shapes
         self._abstract_leaves, self._params_treedef = jax.tree.flatten(shapes)
         self._param_paths = [path for path, _ in nnx.to_flat_state(shapes)]
         self._param_shardings = jax.tree.leaves(state_shardings(shapes, self.sharder))
@@ -164,12 +166,11 @@ class RolloutEngine(engine_api.Engine):
         paths, policy = self._param_paths, self.policy
         # The policy's weight quantization first (the mismatch ladder of e004; quantized kernels
         # come back in the param dtype), then the cast of every leaf to the rollout dtype.
-        self._cast_jit = jax.jit(
-            lambda leaves: [
-                x.astype(d)
-                for x, d in zip(quantize_leaves(leaves, paths, policy), dtypes, strict=True)
-            ]
-        )
+        self._cast = lambda leaves: [
+            x.astype(d) for x, d in zip(quantize_leaves(leaves, paths, policy), dtypes, strict=True)
+        ]
+        self._cast_jit = jax.jit(self._cast)
+        self._sync_jits = {}  # trainer mesh -> the cast with rollout out_shardings on it
 
         if abstract:
             structs = [
@@ -219,12 +220,64 @@ class RolloutEngine(engine_api.Engine):
                     f"{tuple(value.shape)}, the rollout model expects {tuple(abstract.shape)}"
                 )
             leaves.append(value)
-        # Cast where the trainer's arrays live (one compiled program per trainer layout), then
-        # move to the rollout shardings (a no-op copy when they already match).
-        leaves = self._cast_jit(leaves)
-        leaves = [jax.device_put(x, s) for x, s in zip(leaves, self._param_shardings, strict=True)]
+        trainer_mesh = self.trainer_row_mesh(leaves)
+        if trainer_mesh is not None:
+            leaves = self._sync_on_device(leaves, trainer_mesh)
+        else:
+            # Cast where the trainer's arrays live (one compiled program per trainer layout),
+            # then move to the rollout shardings (a copy through the devices' links, or the
+            # host, when the device sets differ).
+            leaves = self._cast_jit(leaves)
+            leaves = [
+                jax.device_put(x, s) for x, s in zip(leaves, self._param_shardings, strict=True)
+            ]
         self.params = jax.tree.unflatten(self._params_treedef, leaves)
         return self.params
+
+    def trainer_row_mesh(self, leaves) -> jax.sharding.Mesh | None:
+        """The trainer mesh whose tensor axis this engine's devices are one row of, or None.
+
+        When the trainer's params live on a `(data, fsdp, tensor)` mesh with this engine's
+        tensor-parallel degree and this engine's devices are, in order, one (data, fsdp) row
+        of it, the weight sync needs no host and no whole-parameter copy per chip
+        (`_sync_on_device`). Else (another layout, plain arrays) None.
+        """
+        shardings = [getattr(x, "sharding", None) for x in leaves]
+        if not shardings or not all(isinstance(s, NamedSharding) for s in shardings):
+            return None
+        mesh = shardings[0].mesh
+        if any(s.mesh != mesh for s in shardings) or tuple(mesh.axis_names) != MESH_AXES:
+            return None
+        tp = self._mesh.shape["tensor"]
+        if mesh.shape["tensor"] != tp or self._mesh.size != tp:
+            return None
+        ours = list(self._mesh.devices.flat)
+        rows = np.asarray(mesh.devices).reshape(-1, tp)
+        return mesh if any(list(row) == ours for row in rows) else None
+
+    def _sync_on_device(self, leaves, mesh: jax.sharding.Mesh) -> list[jax.Array]:
+        """Cast + reshard on the trainer's devices: one jitted program whose outputs take the
+        rollout layout on the trainer's mesh (split over tensor, replicated over data and
+        fsdp: an all-gather over fsdp, each chip holding 1/tensor of every parameter); this
+        engine's arrays are then the shards already on its devices (no copy)."""
+        out = self._sync_shardings(mesh)
+        if mesh not in self._sync_jits:
+            self._sync_jits[mesh] = jax.jit(self._cast, out_shardings=out)
+        cast = self._sync_jits[mesh](leaves)
+        local = []
+        for x, sharding in zip(cast, self._param_shardings, strict=True):
+            by_device = {shard.device: shard.data for shard in x.addressable_shards}
+            devices = sharding.addressable_devices_indices_map(x.shape)
+            local.append(
+                jax.make_array_from_single_device_arrays(
+                    x.shape, sharding, [by_device[d] for d in devices]
+                )
+            )
+        return local
+
+    def _sync_shardings(self, mesh: jax.sharding.Mesh) -> list[NamedSharding]:
+        """The rollout layout (`ROLLOUT_RULES`) of every parameter on the trainer's mesh."""
+        return jax.tree.leaves(state_shardings(self._shapes, Sharder(mesh, ROLLOUT_RULES)))
 
     def load_params(self, *args, **kwargs) -> nnx.State:
         """The current rollout params (set at construction or by `update_params`)."""

@@ -8,6 +8,7 @@ import json
 import signal
 
 import jax
+import numpy as np
 from absl import logging
 from flax import nnx
 
@@ -121,16 +122,19 @@ def load_run_tokenizer(spec: str):
         raise UserError(f"config.data.tokenizer={spec!r}: {e}") from e
 
 
-def train_policy(cfg: ExperimentConfig) -> DTypePolicy:
-    """The trainer's dtype policy: `train.precision` with its attention kernel and tile."""
+def train_policy(cfg: ExperimentConfig, platform: str) -> DTypePolicy:
+    """The trainer's dtype policy on `platform`: `train.precision` with its attention kernel
+    and tile (`DTypePolicy.for_platform`)."""
     t = cfg.train
-    return DTypePolicy.named(t.precision, t.attention_impl, t.attention_block)
+    return DTypePolicy.named(t.precision, t.attention_impl, t.attention_block).for_platform(
+        platform
+    )
 
 
 def build_model(cfg: ExperimentConfig, sharder: Sharder) -> Transformer:
     """The trainer model (`train.precision`: true fp32 by default), born sharded: from
     `model.hf_path` or a random init."""
-    policy = train_policy(cfg)
+    policy = train_policy(cfg, sharder.platform)
     if cfg.init_hf_path:
         _check_same_architecture(cfg.model, load_hf_config(cfg.init_hf_path), cfg.init_hf_path)
         return load_hf(cfg.init_hf_path, policy, sharder, cfg=cfg.model, remat=cfg.train.remat)
@@ -146,17 +150,19 @@ def build_model(cfg: ExperimentConfig, sharder: Sharder) -> Transformer:
     )
 
 
-def rollout_weights(params: nnx.State, dtype) -> nnx.State:
+def rollout_weights(params: nnx.State, dtype, engines=()) -> nnx.State:
     """The trainer's params as this host's engines take them (weight sync).
 
-    One process: the params as they are (each engine casts and reshards them). Several: the
-    engine of each host holds the full weights on its local devices, while the trainer's params
-    are sharded over every host's devices; they are cast to `dtype` (the widest engine param
-    dtype) on device first, so the all-gather moves half the bytes for bf16 rollouts. What
-    remains: every host receives all the weights (a sharded host-to-engine transfer would need
-    engines spanning hosts).
+    One process, or engines that are each a tensor row of the trainer's mesh
+    (`RolloutEngine.trainer_row_mesh`: they cast and reshard on the devices, no host): the
+    params as they are. Otherwise, with several processes, the engine of each host holds the
+    full weights on its local devices while the trainer's params are sharded over every host's
+    devices: they are cast to `dtype` (the widest engine param dtype) on device and gathered to
+    every host (`process_allgather`, through the host).
     """
-    if jax.process_count() == 1:
+    leaves = jax.tree.leaves(params)
+    on_device = engines and all(e.trainer_row_mesh(leaves) is not None for e in engines)
+    if jax.process_count() == 1 or on_device:
         return params
     from jax.experimental import multihost_utils
 
@@ -173,8 +179,10 @@ def engine_config(cfg: ExperimentConfig, dtype: str = "") -> EngineConfig:
         noise_std=r.noise_std,
         noise_tail_gap=r.noise_tail_gap,
         max_concurrent_decodes=r.max_concurrent_decodes,
+        # Prompts are padded to the smallest of EngineConfig's default buckets (16 ... 8192,
+        # and max_prompt_len) that holds the longest prompt of a prefill call, not to
+        # max_prompt_len: 2,048 for ~200-token prompts was 10x the prefill work.
         max_prefill_length=cfg.data.max_prompt_len,
-        prefill_buckets=(cfg.data.max_prompt_len,),
         max_decode_length=r.max_decode_length,
         temperature=r.temperature,
         log_rho=cfg.rollout_log_rho,
@@ -192,10 +200,27 @@ def build_engine(cfg: ExperimentConfig, tokenizer, model, dtype: str = "") -> Ro
         engine_config(cfg, dtype),
         tokenizer=tokenizer,
         params=rollout_weights(nnx.state(model, nnx.Param), DTypePolicy.named(dtype).param_dtype),
-        mesh=make_mesh(
-            MeshConfig(1, 1, r.tensor_parallel), jax.local_devices()[: r.tensor_parallel]
-        ),
+        mesh=engine_mesh(model.sharder.mesh, r.tensor_parallel, jax.process_index()),
     )
+
+
+def engine_mesh(trainer_mesh, tensor_parallel: int, process: int) -> jax.sharding.Mesh:
+    """The devices of process `process`'s engine: a tensor row of the trainer's mesh on that
+    process when the tensor degrees agree (the weight sync then stays on the devices,
+    `RolloutEngine.trainer_row_mesh`), else its first `tensor_parallel` devices."""
+    if trainer_mesh is not None and trainer_mesh.shape["tensor"] == tensor_parallel:
+        for row in np.asarray(trainer_mesh.devices).reshape(-1, tensor_parallel):
+            if all(d.process_index == process for d in row):
+                return make_mesh(MeshConfig(1, 1, tensor_parallel), list(row))
+    devices = [d for d in jax.devices() if d.process_index == process]
+    if trainer_mesh is not None:  # the devices of this program (e.g. a TPU topology)
+        devices = [d for d in trainer_mesh.devices.flat if d.process_index == process]
+    if tensor_parallel > len(devices):
+        raise ConfigError(
+            f"config.rollout.tensor_parallel={tensor_parallel} exceeds the {len(devices)} "
+            "devices of one host"
+        )
+    return make_mesh(MeshConfig(1, 1, tensor_parallel), devices[:tensor_parallel])
 
 
 class WorkdirMismatchError(ValueError, UserError):

@@ -210,7 +210,9 @@ class Trainer:
 
     def _sync_weights(self) -> None:
         """Trainer fp32 params -> rollout (and evaluation) engine: cast, resharded."""
-        params = nnx.merge(self.graphdef, rollout_weights(self.state.params, self._sync_dtype))
+        engines = {id(e): e for e in (self.engine, self.eval_engine)}.values()
+        params = rollout_weights(self.state.params, self._sync_dtype, tuple(engines))
+        params = nnx.merge(self.graphdef, params)
         self.engine.update_params(params)
         if self.eval_engine is not self.engine:
             self.eval_engine.update_params(params)

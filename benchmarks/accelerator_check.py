@@ -1,0 +1,126 @@
+"""One accelerator check: the benchmarks' accelerator commands in one run, one markdown table.
+
+  python benchmarks/accelerator_check.py --out check.md          # on a GPU or TPU, < 10 min
+  python benchmarks/accelerator_check.py --smoke --out check.md  # tiny sizes, any machine (CI)
+
+Runs, each in its own process (one JSON line each, parsed here):
+
+* `train_step.py`: qwen3_0_6b, 8 x 4096 tokens, remat save_dots_no_batch, under each trainer
+  policy (`float32`, `float32_x3`, `mixed_bf16`): tokens/s, MFU against the device's bf16 peak,
+  peak memory, compile seconds;
+* `rollout_throughput.py`: qwen3_0_6b, 64 slots, 128-token prompts, 256 new tokens: engine
+  tokens/s, the ratio to Hugging Face `generate` on the same weights, the fraction of the memory
+  roofline;
+* `pruned_logprobs.py`: the chunked pruned log-probs against the naive full-logits version
+  (N 2048, d 512, V 151,936): time and memory ratios, gradient error.
+
+`--smoke` runs the same scripts at tiny sizes (seconds each on a CPU). A check that fails gets a
+row saying so (its last error line) and the exit status is 1; the table is written either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+POLICIES = ("float32", "float32_x3", "mixed_bf16")
+
+
+def checks(smoke: bool) -> list[tuple[str, list[str]]]:
+    """(name, command) of every check."""
+    py = [sys.executable]
+    train = ["--preset", "qwen3_0_6b", "--batch", "8", "--seq", "4096"]
+    train += ["--remat", "save_dots_no_batch", "--quick"]
+    rollout = ["--preset=qwen3_0_6b", "--batch=64", "--group=1", "--prompt_len=128"]
+    rollout += ["--new_tokens=256", "--steps_per_sync=8", "--repeats=2"]
+    loss: list[str] = []
+    if smoke:
+        train = ["--preset", "tiny", "--batch", "2", "--seq", "32", "--quick"]
+        rollout = ["--preset=tiny", "--batch=4", "--group=2", "--prompt_len=8"]
+        rollout += ["--new_tokens=8", "--repeats=1"]
+        loss = ["--quick", "--runs", "1"]
+    out = [
+        (f"train step, {p}", py + [str(HERE / "train_step.py"), "--policy", p] + train)
+        for p in POLICIES
+    ]
+    out.append(("rollout vs HF generate", py + [str(HERE / "rollout_throughput.py")] + rollout))
+    out.append(("chunked vs naive loss", py + [str(HERE / "pruned_logprobs.py")] + loss))
+    return out
+
+
+def summary(name: str, result: dict) -> str:
+    """The figures of one check's JSON line that the table shows."""
+
+    def pick(*keys):
+        return ", ".join(f"{k} {_fmt(result[k])}" for k in keys if k in result)
+
+    if name.startswith("train step"):
+        return pick("tok_s", "mfu", "peak_memory_gib", "temp_gib", "compile_s", "peak_source")
+    if name.startswith("rollout"):
+        return pick("engine_tok_s", "hf_tok_s", "ratio_vs_hf", "ms_per_step", "frac_of_roofline")
+    return pick("time_ratio", "mem_ratio", "max_grad_rel_err", "naive_s", "chunked_s")
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def run(name: str, command: list[str], timeout: int) -> tuple[str, bool, float]:
+    start = time.time()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
+    try:
+        out = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, cwd=HERE.parent, env=env
+        )
+    except subprocess.TimeoutExpired:
+        return f"timed out after {timeout} s", False, time.time() - start
+    seconds = time.time() - start
+    lines = [line for line in out.stdout.strip().splitlines() if line.startswith("{")]
+    if out.returncode != 0 or not lines:
+        errors = [line for line in out.stderr.strip().splitlines() if line.strip()]
+        return f"failed (exit {out.returncode}): {errors[-1] if errors else ''}", False, seconds
+    return summary(name, json.loads(lines[-1])), True, seconds
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU, CI)")
+    parser.add_argument("--out", default="", help="also write the markdown table here")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per check")
+    args = parser.parse_args(argv)
+
+    import jax  # the device this machine has, for the table's title
+
+    device = f"{jax.default_backend()} ({jax.devices()[0].device_kind})"
+    rows, ok = [], True
+    for name, command in checks(args.smoke):
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        figures, passed, seconds = run(name, command, args.timeout)
+        ok &= passed
+        shown = " ".join(Path(c).name if c.endswith(".py") else c for c in command[1:])
+        rows.append(f"| {name} | `{shown}` | {figures} | {seconds:.0f} |")
+    table = "\n".join(
+        [
+            f"Accelerator check on {device}{' (smoke sizes)' if args.smoke else ''}",
+            "",
+            "| check | command | figures | s |",
+            "|---|---|---|---|",
+            *rows,
+        ]
+    )
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""The accelerator check script at smoke sizes: every benchmark it runs works and reports."""
+
+import subprocess
+import sys
+
+from tests.train_utils import REPO
+
+
+def test_accelerator_check_smoke_writes_one_table_of_every_check(tmp_path):
+    out = tmp_path / "check.md"
+    run = subprocess.run(
+        [sys.executable, "benchmarks/accelerator_check.py", "--smoke", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    table = out.read_text()
+    assert table.strip() == run.stdout.strip()
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    names = [row.split(" | ")[0].lstrip("| ") for row in rows[1:]]
+    assert names == [
+        "train step, float32",
+        "train step, float32_x3",
+        "train step, mixed_bf16",
+        "rollout vs HF generate",
+        "chunked vs naive loss",
+    ]
+    for row in rows[1:]:
+        assert "failed" not in row and "timed out" not in row, row
+    assert "tok_s" in rows[1] and "mfu" in rows[1]
+    assert "ratio_vs_hf" in rows[4] and "frac_of_roofline" in rows[4]
+    assert "time_ratio" in rows[5] and "mem_ratio" in rows[5]
