@@ -155,6 +155,7 @@ class Program:
     compile_s: float = 0.0
     mosaic_kernels: int = 0  # Pallas (Mosaic) kernel calls in the program, e.g. splash
     uncounted_kernels: int = 0  # of those, the ones whose FLOPs `flops` leaves out
+    warning: str = ""  # what explains a number the config makes worse than it needs to be
     error: str = ""
 
     @property
@@ -175,6 +176,7 @@ class Program:
             "hbm_fraction": round(self.peak / (hbm * _GIB), 4),
             "tflop_per_call": round(self.flops / 1e12, 6),
             "compile_s": round(self.compile_s, 2),
+            "warning": self.warning,
             "mosaic_kernels": self.mosaic_kernels,
             "uncounted_kernels": self.uncounted_kernels,
             "error": self.error,
@@ -194,6 +196,7 @@ class Spec:
     while_trips: int = 1
     resident: int = 0
     moved: int = 0  # weight sync: bytes a chip (on device) or a host (via host) receives
+    warning: str = ""
 
 
 def per_chip_bytes(tree) -> int:
@@ -279,6 +282,13 @@ def train_specs(cfg, devices) -> tuple[list[Spec], dict[str, Any]]:
         return Spec(name, fn, (state, batch), chips=mesh.size)
 
     specs = [update_spec("rl_update", rows, t.micro_batches)]
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if (rows // t.micro_batches) % shards:
+        specs[0].warning = (
+            f"a micro-batch of {rows // t.micro_batches} rows does not split over the "
+            f"{shards} data x fsdp shards: every chip holds all of its rows (set "
+            "config.train.micro_batches so that rows / micro_batches is a multiple)"
+        )
     if t.micro_batches > 1:
         specs.append(update_spec("rl_update/one_micro_batch", rows // t.micro_batches, 1))
     if cfg.sft.steps > 0:
@@ -381,7 +391,8 @@ def engine_specs(
     else:
         sync = Spec("weight_sync/via_host", engine._cast_jit, (trainer_params,), mesh.size)
         sync.moved = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
-    sync.resident = per_chip_bytes(params)
+    # Meanwhile: the engine's current weights and the rest of the trainer state.
+    sync.resident = per_chip_bytes(params) + trainer_state - per_chip_bytes(trainer_params)
     specs.append(sync)
     # What the engines keep on a chip while the trainer runs: their weights (the decode state
     # lives only during rollouts); a second engine for evaluation at another precision too.
@@ -411,7 +422,7 @@ def _cache_struct(x, engine):
 
 def compile_spec(spec: Spec) -> Program:
     """Lowers and compiles one program; errors become the program's `error`."""
-    program = Program(spec.name, resident=spec.resident, moved=spec.moved)
+    program = Program(spec.name, resident=spec.resident, moved=spec.moved, warning=spec.warning)
     start = time.time()
     try:
         traced = spec.jitted.trace(*spec.args)
@@ -498,6 +509,8 @@ def table(programs: list[Program], hbm: float) -> str:
             f"{p.flops / 1e12:8.3f}{mark} {p.compile_s:7.1f}s"
         )
     for p in programs:
+        if p.warning:
+            lines.append(f"warning: {p.name}: {p.warning}")
         if p.moved:
             where = "per chip, over the devices' links" if "on_device" in p.name else "per host"
             lines.append(f"{p.name}: {p.moved / _GIB:.2f} GiB received {where} per sync")

@@ -18,7 +18,7 @@ import pytest
 from dvp_jax.pyfile import load_file
 from dvp_jax.rollout.tokenizers import CharTokenizer
 from dvp_jax.train.config import ExperimentConfig
-from experiments import launch, scale_plan
+from experiments import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HF_VOCAB = 151_936
@@ -650,76 +650,3 @@ def test_gpu_mid_config_validates():
             module.get_config(method), CharTokenizer().vocab_size
         )
         assert cfg.method == method and cfg.mesh.shape(1) == (1, 1, 1)
-
-
-# ------------------------------------------------------------------------------------------------
-# Scale plan.
-# ------------------------------------------------------------------------------------------------
-def test_scale_plan_shards_the_paper_config_on_v5p_64(tmp_path, capsys):
-    out = tmp_path / "plan.json"
-    assert scale_plan.main(["--out", str(out)]) == 0
-    assert "KV cache" in capsys.readouterr().out
-    plan = json.loads(out.read_text())
-    assert plan["chips"] == 32 and plan["train_mesh"] == {"data": 1, "fsdp": 8, "tensor": 4}
-
-    q = plan["parameter_layouts"]["blocks.attn.q_proj"]  # [layers 40, 5120, 40, 128] fp32
-    assert q["shape"] == [40, 5120, 40, 128] and q["stacked_layers"] == 40
-    assert q["train_spec"] == "P(None, 'fsdp', 'tensor', None)"  # the layer axis replicates
-    assert q["train_bytes_per_chip"] == 40 * 5120 * 40 * 128 * 4 // 32  # total / (8 x 4) shards
-    assert q["rollout_bytes_per_chip"] == 40 * 5120 * 40 * 128 * 2 // 4  # bf16 / 4 tensor shards
-    norm = plan["parameter_layouts"]["final_norm.weight"]
-    assert norm["train_bytes_per_chip"] == 5120 * 4  # replicated
-    assert plan["parameter_layouts"]["embed"]["stacked_layers"] == 0
-
-    rows = plan["per_chip_bytes"]
-    params = rows["trainer params (fp32)"]
-    assert params == pytest.approx(plan["num_params"] * 4 / 32, rel=1e-3)  # norms replicate
-    # mu and nu shard like the params; the step counters (a few int32 scalars) replicate.
-    opt = rows["optimizer state (AdamW mu + nu)"]
-    assert 0 <= opt - 2 * params < 64
-    kv = next(v for k, v in rows.items() if k.startswith("KV cache"))
-    assert kv == 2 * 40 * 64 * (2048 + 16_384) * 8 * 128 * 2 // 4
-    # Full remat under the layer scan keeps one fp32 [t, d] block input per layer; a micro-batch
-    # of 512 / 64 = 8 rows splits over data x fsdp = 8: t = one row of 2048 + 16,384 tokens.
-    assert plan["train"]["remat"] == "full" and plan["train"]["rows"] == 1
-    assert rows["activations: saved by the layer scan"] == 40 * 18_432 * 5120 * 4
-    # Each phase is the sum of its rows; the peak (the rollout, its KV cache) fits 95 GB.
-    engine = rows["rollout params (bfloat16)"]
-    decode = ("decode records + pending logits", "decode step temporaries")
-    decode = sum(rows[k] for k in (*decode, "prefix in flight + prefill"))
-    assert plan["phases"]["rollout"] == params + opt + engine + kv + decode
-    step = (
-        "gradients (accumulator + micro-batch)",
-        "batch on device (RLBatch + per-token outputs)",
-    )
-    train_step = params + opt + engine + sum(rows[k] for k in (*step, "activations, planned peak"))
-    assert plan["phases"]["train_step"] == train_step
-    assert plan["peak_phase"] == "rollout" and plan["fits"] and plan["peak_bytes"] <= 95e9
-    # The fp32 trainer cannot use the 16-bit fused kernels: the plan says which row applies.
-    assert len(plan["warnings"]) == 1 and "train_step_einsum_attention" in plan["warnings"][0]
-    # Without remat, with [T, T] scores kept, the train step would need > 1 TB per chip.
-    assert plan["comparison"]["train_step_no_remat_einsum_attention"] > 10 * 95e9
-
-
-def test_scale_plan_warns_when_micro_batch_rows_do_not_split(tmp_path):
-    # v5p-128: fsdp = 16 does not divide the 8-row micro-batches of micro_batches=64, so every
-    # chip would hold all 8 rows (Sharder drops a mesh axis that does not divide a dimension).
-    out = tmp_path / "p.json"
-    assert scale_plan.main(["--topology", "v5p-128", "--out", str(out)]) == 0
-    plan = json.loads(out.read_text())
-    assert plan["train"]["rows"] == 8 and not plan["fits"]
-    assert "config.train.micro_batches" in plan["warnings"][0]
-    args = ["--topology", "v5p-128", "--set", "train.micro_batches=32", "--out", str(out)]
-    args += ["--set", "train.precision=mixed_bf16"]  # bf16 activations: no fp32 warning either
-    assert scale_plan.main(args) == 0
-    plan = json.loads(out.read_text())
-    assert plan["train"]["rows"] == 1 and plan["warnings"] == [] and plan["fits"]
-
-
-def test_scale_plan_overrides_only_declared_fields(tmp_path):
-    cd = scale_plan.load_config(
-        os.path.join(REPO, "configs/paper_qwen3_14b.py"), ["rollout.max_concurrent_decodes=32"]
-    )
-    assert cd.rollout.max_concurrent_decodes == 32
-    with pytest.raises(KeyError, match="num_slots"):  # the old name is not a field any more
-        scale_plan.main(["--set", "rollout.num_slots=32", "--out", str(tmp_path / "p.json")])

@@ -136,6 +136,28 @@ def test_noise_is_a_fixed_function_of_the_context():
     assert int(whole[0]) != int(sampling.context_hash(ids[:, ::-1], jnp.asarray([4]))[0])
 
 
+def test_the_two_level_draw_follows_the_weights_across_vocabulary_chunks():
+    """`inverse_cdf_draw` over 3 chunks (V = 2,500 = 2 x 1,024 + a padded third): mass in every
+    chunk, zero weights between; 20,000 draws against w / sum(w) (chi-square, alpha = 0.001);
+    no zero-weight entry is ever drawn, also with uniforms at the top of [0, 1)."""
+    v = 2500
+    w = np.zeros(v, np.float32)
+    support = [0, 3, 1023, 1024, 1500, 2047, 2048, 2499]
+    w[support] = [1.0, 0.5, 0.25, 2.0, 0.1, 0.7, 1.2, 0.05]
+    n = 20_000
+    u = jax.random.uniform(jax.random.key(3), (n, 2))
+    tokens = np.asarray(jax.jit(sampling.inverse_cdf_draw)(jnp.broadcast_to(w, (n, v)), u))
+    counts = np.bincount(tokens, minlength=v)
+    assert counts[w == 0].sum() == 0
+    p = w[support].astype(np.float64) / w[support].astype(np.float64).sum()
+    assert stats.chisquare(counts[support], n * p).pvalue > 1e-3
+    top = jnp.full((2, 2), np.nextafter(np.float32(1), np.float32(0)))
+    edge = sampling.inverse_cdf_draw(jnp.asarray(np.stack([w, w])), top)
+    assert list(np.asarray(edge)) == [2499, 2499]  # the last positive entry
+    zero = sampling.inverse_cdf_draw(jnp.asarray(w[None]), jnp.zeros((1, 2)))
+    assert int(zero[0]) == 0
+
+
 @pytest.mark.parametrize("log_rho, tau, n_safe", [(-4.0, 1.0, 5), (-math.inf, 1.5, 8)])
 def test_chi_square_samples_follow_the_pruned_distribution(log_rho, tau, n_safe):
     """20,000 draws from one state vs mu_S; significance level alpha = 0.001 (fixed seed).

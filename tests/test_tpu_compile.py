@@ -226,3 +226,20 @@ def test_aot_command_refuses_bad_input_in_one_line(args, message):
     assert out.returncode == 2, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
     assert lines[-1].startswith("error: ") and message in lines[-1], lines[-3:]
+
+
+def test_a_micro_batch_that_does_not_split_over_the_shards_is_named():
+    """8 rows in 4 micro-batches on a (1, 4, 1) mesh: 2 rows per micro-batch cannot split over
+    4 fsdp shards (the Sharder replicates them), which the update's row says; nothing is
+    compiled to find it."""
+    cfg = _config(
+        precision="float32",
+        mesh=(1, 4, 1),
+        tensor_parallel=1,
+        rollout_dtype="bfloat16",
+        micro_batches=4,
+    )
+    specs, _ = aot.train_specs(cfg, aot.topology_devices("v5p:2x2x1"))
+    assert "2 rows does not split over the 4 data x fsdp shards" in specs[0].warning
+    even = _config(precision="float32", mesh=(1, 4, 1), tensor_parallel=1, rollout_dtype="bfloat16")
+    assert aot.train_specs(even, aot.topology_devices("v5p:2x2x1"))[0][0].warning == ""
