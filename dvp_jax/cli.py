@@ -4,6 +4,7 @@ and no usage dump (`--verbose` adds the traceback); `--backend` refuses the wron
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 
@@ -85,3 +86,27 @@ def require_backend(wanted: str | None) -> None:
 
 
 _ACCEL = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
+
+
+# JAX's persistent compilation cache, on by default for every command (`--compilation_cache`).
+DEFAULT_COMPILATION_CACHE = os.environ.get(
+    "DVP_JAX_COMPILATION_CACHE",
+    os.path.join(os.path.expanduser("~"), ".cache", "dvp_jax", "jax_compilation_cache"),
+)
+COMPILATION_CACHE_HELP = (
+    "Directory of JAX's persistent compilation cache: a rerun, a resume or another run with "
+    "the same programs loads them instead of compiling. Empty: off. Default: "
+    "$DVP_JAX_COMPILATION_CACHE, else ~/.cache/dvp_jax/jax_compilation_cache."
+)
+
+
+def use_compilation_cache(path: str) -> None:
+    """Keeps every compiled program in `path` (none when empty), however quick to compile: a
+    resumed tiny run is mostly compilation, a restarted server mostly its buckets."""
+    if not path:
+        return
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

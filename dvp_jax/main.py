@@ -11,7 +11,8 @@ tracebacks for every error and the libraries' INFO logs.
 Multi-process: on Cloud TPU VMs `jax.distributed.initialize()` auto-detects the slice
 (`--distributed`); elsewhere pass `--coordinator_address`, `--num_processes` and `--process_id`.
 
-This module (with tests/conftest.py) is the only place that touches `jax.config`.
+This module (with `cli.use_compilation_cache`, `dvp_jax.aot` and tests/conftest.py) is the only
+place that touches `jax.config`.
 """
 
 from __future__ import annotations
@@ -25,11 +26,14 @@ from ml_collections import config_flags
 
 from dvp_jax.cli import (
     BACKENDS,
+    COMPILATION_CACHE_HELP,
+    DEFAULT_COMPILATION_CACHE,
     USAGE_EXIT_CODE,
     fail,
     flag_error,
     parse_flags,
     require_backend,
+    use_compilation_cache,
 )
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -63,14 +67,7 @@ _BACKEND = flags.DEFINE_enum(
 )
 
 _COMPILATION_CACHE = flags.DEFINE_string(
-    "compilation_cache",
-    os.environ.get(
-        "DVP_JAX_COMPILATION_CACHE",
-        os.path.join(os.path.expanduser("~"), ".cache", "dvp_jax", "jax_compilation_cache"),
-    ),
-    "Directory of JAX's persistent compilation cache: a rerun, a resume or another run with "
-    "the same programs loads them instead of compiling. Empty: off. Default: "
-    "$DVP_JAX_COMPILATION_CACHE, else ~/.cache/dvp_jax/jax_compilation_cache.",
+    "compilation_cache", DEFAULT_COMPILATION_CACHE, COMPILATION_CACHE_HELP
 )
 
 # Exit status of a run stopped by SIGTERM after checkpointing (EX_TEMPFAIL: "try again"); a
@@ -126,11 +123,7 @@ def _init_jax():
         )
     import jax
 
-    if _COMPILATION_CACHE.value:
-        # Every program, however quick to compile: a resumed tiny run is mostly compilation.
-        jax.config.update("jax_compilation_cache_dir", _COMPILATION_CACHE.value)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    use_compilation_cache(_COMPILATION_CACHE.value)
     if _COORDINATOR.value or (_NUM_PROCESSES.value or 1) > 1:
         # Cross-process collectives on CPU need gloo; harmless on accelerators.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")

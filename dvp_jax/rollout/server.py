@@ -22,7 +22,9 @@ stops the process before the model is loaded, with one line on stderr naming the
 why (e.g. `cannot bind 127.0.0.1:9000: address already in use; pick another --port or stop the
 process that holds it`) and exit status 2. `serve` binds the gRPC port before it starts
 JetStream's driver (whose detokenize thread is not a daemon and would keep the process alive),
-and stops the driver and the gRPC server on every path out, failures included.
+and stops the driver and the gRPC server on every path out, failures included. Compiled
+programs (one per prefill bucket and the generate step) are kept in JAX's persistent cache, as
+`dvp_jax.main` keeps them (`--compilation_cache`; empty to turn it off).
 
 Checkpoints (exactly one of):
 * `--hf_checkpoint DIR`: a Hugging Face Qwen3 directory (config.json + safetensors), loaded by
@@ -54,7 +56,14 @@ from flax import nnx
 from google.protobuf.message import DecodeError
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
 
-from dvp_jax.cli import USAGE_EXIT_CODE, fail, parse_flags
+from dvp_jax.cli import (
+    COMPILATION_CACHE_HELP,
+    DEFAULT_COMPILATION_CACHE,
+    USAGE_EXIT_CODE,
+    fail,
+    parse_flags,
+    use_compilation_cache,
+)
 from dvp_jax.errors import UserError, one_line
 from dvp_jax.model.config import PRECISIONS, DTypePolicy, ModelConfig
 from dvp_jax.model.transformer import Transformer
@@ -113,6 +122,7 @@ flags.DEFINE_integer("tensor_parallel", 1, "Devices on the mesh's tensor axis.")
 flags.DEFINE_bool(
     "verbose", False, "JetStream's per-step DEBUG logging; tracebacks for every error."
 )
+flags.DEFINE_string("compilation_cache", DEFAULT_COMPILATION_CACHE, COMPILATION_CACHE_HELP)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -456,6 +466,7 @@ def main(argv):
     if problem is not None:
         fail(problem, USAGE_EXIT_CODE)
     _orchestrator()
+    use_compilation_cache(FLAGS.compilation_cache)
     # JetStream's orchestrator logs every generate step at DEBUG: shown under --verbose only.
     logging.getLogger().setLevel(logging.DEBUG if FLAGS.verbose else logging.WARNING)
     _log.setLevel(logging.INFO)
