@@ -11,6 +11,7 @@ every rollout precision, tensor parallelism 1 and 2, and meshes with fsdp > 1.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -34,6 +35,8 @@ def _config(
     prompt_len: int = 128,
     decode_len: int = 128,
     sft_steps: int = 0,
+    prompts: int = 4,
+    attention_impl: str = "auto",
 ) -> ExperimentConfig:
     """A 2-layer model (d 256, 4 query / 2 KV heads) on a 128-token vocabulary-sized test."""
     c = default_config("mis_dvp")
@@ -51,7 +54,8 @@ def _config(
     c.rollout.max_concurrent_decodes = 8
     c.rollout.tensor_parallel = tensor_parallel
     c.rollout.dtype = rollout_dtype
-    c.train.prompts_per_step = 4
+    c.train.prompts_per_step = prompts
+    c.train.attention_impl = attention_impl
     c.train.group_size = 2
     c.train.micro_batches = micro_batches
     c.train.precision = precision
@@ -116,6 +120,28 @@ def test_float32_on_an_fsdp_mesh_compiles_without_a_kernel():
     # (the small norm vectors are not split by the trainer, so a little less).
     sync = programs["weight_sync/on_device"]
     assert 0.72 * sync.output < sync.moved <= 0.75 * sync.output
+
+
+def test_float32_at_long_sequences_compiles_with_blockwise_attention():
+    """At T = 2,048 (1,024 prompt + 1,024 response tokens) `auto` gives the float32 update the
+    blockwise path on TPU too: it compiles on a (1, 2, 2) mesh and the compiled program holds
+    no T x T array (the explicit path's scores and probabilities are [.., 2048, 2048])."""
+    cfg = _config(
+        precision="float32",
+        mesh=(1, 2, 2),
+        tensor_parallel=2,
+        rollout_dtype="bfloat16",
+        prompt_len=1024,
+        decode_len=1024,
+        prompts=1,
+    )
+    specs, _ = aot.train_specs(cfg, aot.topology_devices("v5p:2x2x1"))
+    update = specs[0]
+    assert update.name == "rl_update"
+    hlo = update.jitted.trace(*update.args).lower().compile().as_text()
+    square = re.findall(r"\[[\d,]*2048,2048[\d,]*\]", hlo)
+    assert "dot(" in hlo or "convolution(" in hlo
+    assert square == [], square[:3]
 
 
 def test_the_decode_loop_does_not_copy_the_cache():
