@@ -310,8 +310,9 @@ def train_specs(cfg, devices) -> tuple[list[Spec], dict[str, Any]]:
 def engine_specs(
     cfg, devices, trainer: dict[str, Any], all_buckets: bool
 ) -> tuple[list[Spec], int]:
-    """One host's rollout engine programs (its first `rollout.tensor_parallel` local devices)
-    and the weight sync into it; and the bytes per chip the engines keep meanwhile."""
+    """The rollout engine programs of the first host (on the devices `builders.engine_mesh`
+    gives it, as the trainer does) and the weight sync into it; and the bytes per chip the
+    engines keep meanwhile."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
@@ -353,8 +354,8 @@ def engine_specs(
             struct((rows,) + key_shape, jnp.uint32),
         )
         spec(f"engine/prefill[{rows}x{bucket}]", engine._prefill_batch_jit, *args)
-    # The prefix of the largest bucket as insert receives it (the compiler's layout of it
-    # is its output sharding; the cache shards like the decode state's).
+    # The prefix of the largest bucket as insert receives it: its cache sharded like the
+    # decode state's, the rest replicated.
     prefix = jax.tree.map(
         lambda x: struct(x.shape, x.dtype), jax.eval_shape(engine._prefill_batch_impl, *args)
     )
@@ -389,7 +390,8 @@ def engine_specs(
         ]
         sync.moved = per_chip_bytes(out) - per_chip_bytes(own)
     else:
-        sync = Spec("weight_sync/via_host", engine._cast_jit, (trainer_params,), mesh.size)
+        chips = trainer["mesh"].size
+        sync = Spec("weight_sync/via_host", engine._cast_jit, (trainer_params,), chips)
         sync.moved = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
     # Meanwhile: the engine's current weights and the rest of the trainer state.
     sync.resident = per_chip_bytes(params) + trainer_state - per_chip_bytes(trainer_params)

@@ -269,3 +269,19 @@ def test_a_micro_batch_that_does_not_split_over_the_shards_is_named():
     assert "2 rows does not split over the 4 data x fsdp shards" in specs[0].warning
     even = _config(precision="float32", mesh=(1, 4, 1), tensor_parallel=1, rollout_dtype="bfloat16")
     assert aot.train_specs(even, aot.topology_devices("v5p:2x2x1"))[0][0].warning == ""
+
+
+def test_weight_sync_through_the_host_when_the_engine_is_not_a_trainer_row():
+    """A tensor-parallel-2 engine beside a (1, 4, 1) trainer mesh is no row of it: the sync
+    casts where the trainer's params are and copies the whole bf16 model to the host's engine
+    (reported per host)."""
+    cfg = _config(precision="float32", mesh=(1, 4, 1), tensor_parallel=2, rollout_dtype="bfloat16")
+    programs = aot.compile_config(cfg, "v5p:2x2x1", programs=("weight_sync",), log=lambda _: None)
+    assert [p.name for p in programs] == ["weight_sync/via_host"] and not programs[0].error
+    from flax import nnx
+
+    from dvp_jax.model import ROLLOUT_POLICY, Transformer
+    from dvp_jax.sharding import count_params
+
+    model = nnx.eval_shape(lambda: Transformer(cfg.model, ROLLOUT_POLICY, rngs=nnx.Rngs(0)))
+    assert programs[0].moved == 2 * count_params(nnx.state(model, nnx.Param))  # bf16 bytes
