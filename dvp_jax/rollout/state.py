@@ -115,7 +115,8 @@ class Prefix:
     """A prefilled request (JetStream's `Prefix`).
 
     Attributes:
-      cache: KVCache with k, v `[L, 1, bucket, k, h]` in the cache dtype.
+      cache: KVCache with k, v `[L, 1, k, bucket, h]` in the cache dtype (`[L, 1, bucket, k, h]`
+        in a TPU engine: `attention.cache_layout`).
       logits: `[v]` float32 logits for the first generated token.
       length: `[]` int32 true prompt length (BOS included).
       key: `[2]` uint32 raw PRNG key of the request.
@@ -134,7 +135,8 @@ class DecodeState:
     """Per-slot decode state (B slots, M = max_decode_length, S = cache length).
 
     Attributes:
-      cache: KVCache with k, v `[L, B, S, k, h]` stored as `attention.cache_storage` (the bits
+      cache: KVCache with k, v `[L, B, k, S, h]` (`[L, B, S, k, h]` in a TPU engine:
+        `attention.cache_layout`) stored as `attention.cache_storage` (the bits
         of a bfloat16 / float8 cache as uint16 / uint8, so every write is an in-place integer
         scatter on every backend; `attention.from_storage` gives the values).
       logits: `[B, v]` float32 pending next-token logits of each slot.
