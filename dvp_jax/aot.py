@@ -380,10 +380,10 @@ def engine_specs(
     trainer_params = jax.tree.leaves(trainer["params"])
     row_mesh = engine.trainer_row_mesh(trainer_params)
     if row_mesh is not None:
-        cast = jax.jit(engine._cast, out_shardings=engine._sync_shardings(row_mesh))
+        layout = engine._sync_shardings(row_mesh)
+        cast = jax.jit(engine._cast, out_shardings=layout)
         sync = Spec("weight_sync/on_device", cast, (trainer_params,), trainer["mesh"].size)
-        out = jax.eval_shape(cast, trainer_params)
-        out = _structs(out, engine._sync_shardings(row_mesh))
+        out = _structs(jax.eval_shape(cast, trainer_params), layout)
         own = [
             jax.ShapeDtypeStruct(x.shape, y.dtype, sharding=x.sharding)
             for x, y in zip(trainer_params, out, strict=True)
@@ -545,17 +545,15 @@ def main(argv):
         if vocab in (None, -1):
             vocab = load_run_tokenizer(config.data.tokenizer).vocab_size
         cfg = ExperimentConfig.from_config_dict(config, vocab)
-        devices = topology_devices(opts["topology"])
     except (UserError, ValueError) as e:
         fail(str(e), USAGE_EXIT_CODE, e)
-    del devices
-    hbm = CHIP_HBM_GIB[chip_of(opts["topology"])]
     programs = tuple(p for p in opts["programs"].split(",") if p)
     log = lambda line: print(line, file=sys.stderr, flush=True)
     try:
         results = compile_config(cfg, opts["topology"], opts["all_buckets"], programs, log)
-    except ValueError as e:  # a mesh or tensor_parallel the topology cannot hold
+    except ValueError as e:  # a topology name, or a mesh / tensor_parallel it cannot hold
         fail(str(e), USAGE_EXIT_CODE, e)
+    hbm = CHIP_HBM_GIB[chip_of(opts["topology"])]
     print(table(results, hbm), flush=True)
     bad = failures(results, hbm, opts["hbm_fraction"])
     line = json.dumps(

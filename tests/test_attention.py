@@ -53,6 +53,21 @@ def _grads(fn, q, k, v, valid, cotangent):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
 
+def _assert_valid_query_grads_match(ref, other, q, k, v, valid, name: str, seed: int = 1):
+    """d/d(q, k, v) of a random loss read on valid queries only (as the trainer's loss is):
+    `other`'s equal `ref`'s to 1e-5 of their largest magnitude."""
+    shape = q.shape
+    cotangent = jnp.asarray(np.random.default_rng(seed).normal(size=shape), F32)
+    cotangent = cotangent * valid[:, :, None, None]
+    for ga, gb in zip(
+        _grads(ref, q, k, v, valid, cotangent),
+        _grads(other, q, k, v, valid, cotangent),
+        strict=True,
+    ):
+        print(f"{name} grad max diff = {_max_diff(ga, gb):.3e}")
+        np.testing.assert_allclose(ga, gb, atol=1e-5 * float(jnp.abs(ga).max()), rtol=0)
+
+
 def _max_diff(a, b, where=None) -> float:
     d = jnp.abs(jnp.asarray(a, F32) - jnp.asarray(b, F32))
     return float(d[where].max() if where is not None else d.max())
@@ -224,15 +239,7 @@ def test_splash_kernel_in_the_interpreter_equals_explicit():
     print(f"splash (interpreted) vs explicit max |d out| = {_max_diff(a, s, valid):.3e}")
     np.testing.assert_allclose(a[valid], s[valid], atol=1e-5, rtol=0)
     # The loss reads valid queries only (as the trainer's does).
-    cotangent = jnp.asarray(np.random.default_rng(1).normal(size=a.shape), F32)
-    cotangent = cotangent * valid[:, :, None, None]
-    for ga, gs in zip(
-        _grads(explicit, q, k, v, valid, cotangent),
-        _grads(splash, q, k, v, valid, cotangent),
-        strict=True,
-    ):
-        print(f"splash grad max diff = {_max_diff(ga, gs):.3e}")
-        np.testing.assert_allclose(ga, gs, atol=1e-5 * float(jnp.abs(ga).max()), rtol=0)
+    _assert_valid_query_grads_match(explicit, splash, q, k, v, valid, "splash")
 
 
 def test_blockwise_attention_equals_explicit():
@@ -260,15 +267,7 @@ def test_blockwise_attention_equals_explicit():
         assert np.isfinite(np.asarray(b)).all()
         print(f"blockwise vs explicit max |d out| = {_max_diff(a, b, valid):.3e}")
         np.testing.assert_allclose(a[valid], b[valid], atol=1e-5, rtol=0)
-    cotangent = jnp.asarray(np.random.default_rng(1).normal(size=a.shape), F32)
-    cotangent = cotangent * valid[:, :, None, None]
-    for ga, gb in zip(
-        _grads(explicit, q, k, v, valid, cotangent),
-        _grads(small, q, k, v, valid, cotangent),
-        strict=True,
-    ):
-        print(f"blockwise grad max diff = {_max_diff(ga, gb):.3e}")
-        np.testing.assert_allclose(ga, gb, atol=1e-5 * float(jnp.abs(ga).max()), rtol=0)
+    _assert_valid_query_grads_match(explicit, small, q, k, v, valid, "blockwise")
 
 
 def test_blockwise_attention_holds_no_t_by_t_array():
@@ -335,14 +334,7 @@ def test_splash_per_shard_on_a_mesh_equals_one_kernel(tensor, kv):
     s = jax.jit(sharded)(q, k, v, valid)
     # The same kernel on the same rows and heads: only XLA's handling of the shards differs.
     np.testing.assert_allclose(a, s, atol=1e-6, rtol=0)
-    cotangent = jnp.asarray(np.random.default_rng(2).normal(size=a.shape), F32)
-    cotangent = cotangent * valid[:, :, None, None]
-    for ga, gs in zip(
-        _grads(one, q, k, v, valid, cotangent),
-        _grads(sharded, q, k, v, valid, cotangent),
-        strict=True,
-    ):
-        np.testing.assert_allclose(ga, gs, atol=1e-5 * float(jnp.abs(ga).max()), rtol=0)
+    _assert_valid_query_grads_match(one, sharded, q, k, v, valid, "splash per shard", seed=2)
 
 
 def test_splash_block_defaults_to_the_largest_tile_that_divides_t():

@@ -260,9 +260,8 @@ class RolloutEngine(engine_api.Engine):
         rollout layout on the trainer's mesh (split over tensor, replicated over data and
         fsdp: an all-gather over fsdp, each chip holding 1/tensor of every parameter); this
         engine's arrays are then the shards already on its devices (no copy)."""
-        out = self._sync_shardings(mesh)
         if mesh not in self._sync_jits:
-            self._sync_jits[mesh] = jax.jit(self._cast, out_shardings=out)
+            self._sync_jits[mesh] = jax.jit(self._cast, out_shardings=self._sync_shardings(mesh))
         cast = self._sync_jits[mesh](leaves)
         local = []
         for x, sharding in zip(cast, self._param_shardings, strict=True):

@@ -212,9 +212,9 @@ def engine_mesh(trainer_mesh, tensor_parallel: int, process: int) -> jax.shardin
         for row in np.asarray(trainer_mesh.devices).reshape(-1, tensor_parallel):
             if all(d.process_index == process for d in row):
                 return make_mesh(MeshConfig(1, 1, tensor_parallel), list(row))
-    devices = [d for d in jax.devices() if d.process_index == process]
-    if trainer_mesh is not None:  # the devices of this program (e.g. a TPU topology)
-        devices = [d for d in trainer_mesh.devices.flat if d.process_index == process]
+    # The devices of this program (a TPU topology's for `dvp_jax.aot`), else jax's.
+    pool = jax.devices() if trainer_mesh is None else trainer_mesh.devices.flat
+    devices = [d for d in pool if d.process_index == process]
     if tensor_parallel > len(devices):
         raise ConfigError(
             f"config.rollout.tensor_parallel={tensor_parallel} exceeds the {len(devices)} "
