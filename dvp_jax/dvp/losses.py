@@ -14,7 +14,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dvp_jax.dvp import diagnostics
+from dvp_jax.dvp import diagnostics, pruning
 
 CORRECTIONS = ("none", "token_tis", "token_mis", "seq_tis", "seq_mis")
 NORMALISATIONS = ("token_mean", "seq_mean_token_sum")
@@ -40,7 +40,7 @@ class LossConfig:
     """
 
     prune: bool = True
-    log_rho: float = -13.0
+    log_rho: float = pruning.DEFAULT_LOG_RHO
     correction: str = "none"
     cap: float = 2.0
     normalisation: str = "token_mean"
@@ -50,14 +50,7 @@ class LossConfig:
     def __post_init__(self):
         if not isinstance(self.prune, bool):
             raise ValueError(f"LossConfig.prune must be a bool, got {self.prune!r}.")
-        if not isinstance(self.log_rho, int | float) or math.isnan(self.log_rho):
-            raise ValueError(
-                f"LossConfig.log_rho must be a float <= 0 or -inf, got {self.log_rho!r}."
-            )
-        if self.log_rho > 0:
-            raise ValueError(
-                f"LossConfig.log_rho must be <= 0 (rho <= 1) or -inf, got {self.log_rho}."
-            )
+        pruning.check_log_rho(self.log_rho, "LossConfig.log_rho")
         if self.correction not in CORRECTIONS:
             raise ValueError(
                 f"LossConfig.correction must be one of {CORRECTIONS}, got {self.correction!r}."

@@ -74,6 +74,24 @@ class TokenLogprobs(NamedTuple):
     logp_full: jax.Array
 
 
+# The paper's min-p threshold, rho = e^-13: the one default every config and the sampler take.
+DEFAULT_LOG_RHO = -13.0
+
+
+def check_log_rho(log_rho, name: str = "log_rho") -> float:
+    """The one rule for a log min-p threshold: a number <= 0, or -inf (no pruning).
+
+    Returns it as a float; raises ValueError naming `name` (the caller's field) otherwise.
+    `None` is not accepted here: callers that allow it map it to -inf first.
+    """
+    if isinstance(log_rho, bool) or not isinstance(log_rho, int | float):
+        raise ValueError(f"{name} must be a number <= 0 or -inf (no pruning), got {log_rho!r}.")
+    log_rho = float(log_rho)
+    if math.isnan(log_rho) or log_rho > 0:
+        raise ValueError(f"{name} must be a number <= 0 or -inf (no pruning), got {log_rho}.")
+    return log_rho
+
+
 def pruning_enabled(log_rho: float | None) -> bool:
     """Whether `log_rho` (a Python number or None) prunes anything (E1)."""
     return log_rho is not None and log_rho != -math.inf
@@ -81,11 +99,7 @@ def pruning_enabled(log_rho: float | None) -> bool:
 
 def _check_static_args(log_rho, temperature) -> float:
     """Validates a static `log_rho` / `temperature` pair and returns log_rho as a float."""
-    if log_rho is None:
-        log_rho = -math.inf
-    log_rho = float(log_rho)
-    if math.isnan(log_rho) or log_rho > 0:
-        raise ValueError(f"log_rho must be <= 0 or -inf (no pruning), got {log_rho}.")
+    log_rho = check_log_rho(-math.inf if log_rho is None else log_rho)
     temperature = float(temperature)
     if not (temperature > 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be a finite float > 0, got {temperature}.")

@@ -101,7 +101,7 @@ class SamplingParams:
     def create(
         cls,
         temperature: float = 1.0,
-        log_rho: float = -13.0,
+        log_rho: float = pruning.DEFAULT_LOG_RHO,
         noise_std: float = 0.0,
         greedy: bool = False,
         noise_tail_gap: float = 0.0,
@@ -123,8 +123,7 @@ def check_sampling_values(
     """Raises ValueError naming the field and its allowed range."""
     if not (temperature > 0 and math.isfinite(temperature)):
         raise ValueError(f"SamplingParams.temperature must be finite and > 0, got {temperature}")
-    if math.isnan(log_rho) or log_rho > 0:
-        raise ValueError(f"SamplingParams.log_rho must be <= 0 or -inf, got {log_rho}")
+    pruning.check_log_rho(log_rho, "SamplingParams.log_rho")
     if not (noise_std >= 0 and math.isfinite(noise_std)):
         raise ValueError(f"SamplingParams.noise_std must be finite and >= 0, got {noise_std}")
     if not (noise_tail_gap >= 0 and math.isfinite(noise_tail_gap)):

@@ -10,6 +10,7 @@ import dataclasses
 import jax
 from flax import struct
 
+from dvp_jax.dvp import pruning
 from dvp_jax.model.attention import KVCache
 from dvp_jax.model.config import PRECISIONS
 from dvp_jax.rollout import sampling
@@ -48,7 +49,7 @@ class EngineConfig:
     prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
     max_decode_length: int = 64
     temperature: float = 1.0
-    log_rho: float = -13.0
+    log_rho: float = pruning.DEFAULT_LOG_RHO
     greedy: bool = False
     seed: int = 0
     noise_tail_gap: float = 0.0
