@@ -311,6 +311,7 @@ def test_auto_falls_back_to_the_explicit_path_when_cudnn_cannot_run(monkeypatch,
     auto = DTypePolicy.named("bfloat16", attention_impl="auto")
     out = full_attention(q, k, v, valid, auto, backend="cpu")
     ref = full_attention(q, k, v, valid, DTypePolicy.named("bfloat16", "xla"), backend="cpu")
+    # The fallback runs the explicit path's own code on the same inputs: exact.
     np.testing.assert_array_equal(np.asarray(out, F32), np.asarray(ref, F32))
     with pytest.raises(type(error)):
         full_attention(q, k, v, valid, DTypePolicy.named("bfloat16", "cudnn"), backend="cpu")
