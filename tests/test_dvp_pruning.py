@@ -47,16 +47,29 @@ def test_four_token_vocab_by_hand():
     # log pi_S(0) = 2 - 2.3132617 = -0.3132617; log pi_S(1) = -1.3132617; tokens 2, 3 outside.
     # delta_S = (e^-1 + e^-3) / (e^2 + e^1 + e^-1 + e^-3) = 0.4176665 / 10.5250036 = 0.0396833.
     z = jnp.array([[2.0, 1.0, -1.0, -3.0]])
-    np.testing.assert_array_equal(pruning.safe_set(z, -2.5), [[True, True, False, False]])
-    logp, stats = pruning.pruned_log_softmax(z, -2.5)
+    every = jnp.arange(4)  # each token of the vocabulary as a target, one row each
+    out = pruning.pruned_token_logprobs(jnp.repeat(z, 4, axis=0), every, -2.5)
+    np.testing.assert_array_equal(out.in_safe, [True, True, False, False])
     lse = 2.0 + math.log1p(math.exp(-1.0))
-    np.testing.assert_allclose(logp[0, :2], [2.0 - lse, 1.0 - lse], rtol=1e-6)
-    np.testing.assert_array_equal(logp[0, 2:], [pruning.LOGP_FLOOR] * 2)
-    np.testing.assert_allclose(stats.pruned_mass, [0.4176665 / 10.5250036], rtol=1e-5)
-    np.testing.assert_array_equal(stats.safe_size, [2])
+    np.testing.assert_allclose(out.logp[:2], [2.0 - lse, 1.0 - lse], rtol=1e-6)
+    np.testing.assert_array_equal(out.logp[2:], [pruning.LOGP_FLOOR] * 2)
+    np.testing.assert_allclose(out.pruned_mass, [0.4176665 / 10.5250036] * 4, rtol=1e-5)
+    np.testing.assert_array_equal(out.safe_size, [2] * 4)
+    # The gradient of a pruned log-prob is zero outside V_S (the floor is a constant) and, inside,
+    # that of z_a - logsumexp over V_S: 1[b = a] - q_b, q = softmax over V_S = (e^2, e^1) / sum.
+    grad = jax.grad(lambda z: pruning.pruned_token_logprobs(z, every[:3], -2.5).logp.sum())
+    q = np.exp(np.array([2.0, 1.0]) - lse)
+    np.testing.assert_allclose(
+        grad(jnp.repeat(z, 3, axis=0)),
+        [[1 - q[0], -q[1], 0, 0], [-q[0], 1 - q[1], 0, 0], [0, 0, 0, 0]],
+        rtol=1e-6,
+        atol=1e-7,
+    )
     # tau = 2: z / tau = [1, 0.5, -0.5, -1.5], threshold 1 - 2.5 = -1.5 (exact in binary), and
     # E1 is ">=": token 3 sits exactly on the threshold, so all four are safe and delta_S = 0.
-    np.testing.assert_array_equal(pruning.safe_set(z, -2.5, temperature=2.0), [[True] * 4])
+    hot = pruning.pruned_token_logprobs(jnp.repeat(z, 4, axis=0), every, -2.5, temperature=2.0)
+    np.testing.assert_array_equal(hot.in_safe, [True] * 4)
+    np.testing.assert_array_equal(hot.pruned_mass, [0.0] * 4)
     # The same case through the chunked path (h = [[1], [1]], W = z, so h W = z): y = 1 is
     # inside, y = 3 is not.
     h = jnp.ones((2, 1))
@@ -75,7 +88,7 @@ def test_tiny_pruned_mass_is_accurate():
     z = np.array([[20.0, 0.0, -1.0, -30.0]], np.float32)
     expect = ref.pruned_token_logprob(z[0], 0, -13.0)["pruned_mass"]
     assert 2.8e-9 < expect < 2.83e-9
-    _, stats = pruning.pruned_log_softmax(z, -13.0)
+    stats = pruning.pruned_token_logprobs(z, jnp.array([0]), -13.0)
     np.testing.assert_allclose(stats.pruned_mass, [expect], rtol=1e-5)
     out = chunked.chunked_pruned_logprobs(
         jnp.ones((1, 1)), z, jnp.array([0]), log_rho=-13.0, chunk_size=2
@@ -92,7 +105,7 @@ def test_logits_path_matches_reference(log_rho, temperature):
     expect = ref.pruned_token_logprobs(logits, y, lr, temperature)
     got = pruning.pruned_token_logprobs(jnp.asarray(logits), jnp.asarray(y), log_rho, temperature)
     _assert_matches_reference(got, expect)
-    mask = pruning.safe_set(jnp.asarray(logits), log_rho, temperature)
+    mask = pruning.safe_set_sums(jnp.asarray(logits) / temperature, log_rho).safe
     for n in range(N):
         assert set(np.flatnonzero(mask[n])) == ref.safe_set(logits[n], lr, temperature)
 

@@ -1,30 +1,15 @@
 """Dynamic vocabulary pruning: safe set (E1), pruned log-probabilities (E2), pruned mass (E3).
 
-The one implementation of E1-E3 (docs/design.md section 2), in two forms (the second in
-`dvp_jax/dvp/chunked.py`, re-exported here):
+The one implementation of E1-E3 (docs/design.md section 2) from logits `[..., V]` in memory:
+`safe_set_sums` is the core (row max, safe mask, exp(z - max) and its sums inside and outside
+V_S) and `token_logprobs` turns it into the `TokenLogprobs` record of given tokens;
+`pruned_token_logprobs` (the small-shape reference path) and the rollout sampler
+(`rollout/sampling.py`) are built on them. The trainer's form, from hidden states and the
+unembedding in vocabulary chunks, is `dvp_jax/dvp/chunked.py`; it is not re-exported here.
 
-* From logits `[..., V]` already in memory: `safe_set_sums` is the core (row max, safe mask,
-  shifted exponentials exp(z - max), and their sums inside and outside V_S) and `token_logprobs`
-  turns it into the E2-E3 record of given tokens. `pruned_log_softmax`, `pruned_token_logprobs`
-  (the small-shape reference path) and the rollout sampler (`rollout/sampling.py`, whose
-  exponential race reuses the same exponentials) are built on them.
-* From final hidden states and the unembedding (`chunked.chunked_pruned_logprobs`, and
-  `chunked.chunked_token_stats`, which adds the entropy): used by the trainer.
-  It never materialises a `[N, V]` float32 array: the vocabulary is visited in chunks of
-  `chunk_size` columns (pass 1: row max; pass 2: masked logsumexp, full logsumexp, target logit)
-  and a custom VJP recomputes each chunk's logits in the backward pass. Same sums, chunked. On
-  a mesh with W's vocabulary split over `tensor` it runs under `shard_map`, each device on its
-  own vocabulary shard: the shards combine through [N]-sized pmax / psum only, and W is never
-  gathered along V. Every matmul takes the caller's `precision`.
-
-Temperature `tau` divides the logits before everything else (docs/design.md section 2). `log_rho`
-is <= 0; `None` or `-inf` means no pruning (the safe set is the whole vocabulary). The in-memory
-core takes `log_rho` as a Python number or a (traced) array; the chunked path takes it static.
-
-Numerics: softmax statistics are float32 whatever the input dtype; exponentials are always taken
-of `z - max(z) <= 0`, so they never overflow; the E2 value `-inf` outside the safe set is replaced
-by the finite `LOGP_FLOOR`, selected with `jnp.where` so no inf/NaN reaches a reduction or a
-gradient. The pruned mass is summed from the pruned terms themselves (never 1 - S/F).
+`log_rho` <= 0, `None` or -inf meaning no pruning, is a Python number or a (traced) array here.
+Numerics: float32 statistics; exponentials only of z - max <= 0; E2's -inf outside V_S is the
+finite `LOGP_FLOOR`, chosen by `jnp.where`; the pruned mass is summed from the pruned terms.
 """
 
 from __future__ import annotations
@@ -38,18 +23,6 @@ import jax.numpy as jnp
 # Stands in for E2's -inf outside the safe set. Finite so that it survives arithmetic (exp gives
 # exactly 0 in float32), large enough that nobody mistakes it for a log-probability.
 LOGP_FLOOR = -1e9
-
-
-class PruneStats(NamedTuple):
-    """Per-position pruning statistics.
-
-    Attributes:
-      pruned_mass: `[...]` float32, delta_S = 1 - sum_{b in V_S} softmax(z)_b (E3).
-      safe_size: `[...]` int32, |V_S| (E1).
-    """
-
-    pruned_mass: jax.Array
-    safe_size: jax.Array
 
 
 class TokenLogprobs(NamedTuple):
@@ -198,42 +171,6 @@ def token_logprobs(sums: SafeSetSums, y: jax.Array) -> TokenLogprobs:
     )
 
 
-def safe_set(logits: jax.Array, log_rho: float | jax.Array | None, temperature=1.0) -> jax.Array:
-    """Safe set V_S (E1): `z_a >= max_b z_b + log_rho` with `z = logits / tau`.
-
-    Args:
-      logits: `[..., V]` logits (any float dtype; compared in float32).
-      log_rho: log of the min-p threshold rho (<= 0); None or -inf keeps the full vocabulary.
-      temperature: tau > 0.
-
-    Returns:
-      `[..., V]` bool mask; the argmax is always inside.
-    """
-    return safe_set_sums(_scaled_logits(logits, temperature), log_rho).safe
-
-
-def pruned_log_softmax(
-    logits: jax.Array, log_rho: float | jax.Array | None, temperature=1.0
-) -> tuple[jax.Array, PruneStats]:
-    """Pruned log-softmax (E2) with pruned mass (E3) and safe-set size (E1).
-
-    log pi_S(a) = z_a - logsumexp_{b in V_S} z_b for a in V_S, z = logits / tau. Entries outside
-    V_S are `LOGP_FLOOR` (E2 says -inf); their gradient is exactly zero. The safe-set indicator
-    is piecewise constant and gets zero gradient.
-
-    Args:
-      logits: `[..., V]` logits.
-      log_rho: log min-p threshold (<= 0); None or -inf means no pruning.
-      temperature: tau > 0, divides the logits first.
-
-    Returns:
-      `(logp [..., V] float32, PruneStats([...], [...]))`.
-    """
-    sums = safe_set_sums(_scaled_logits(logits, temperature), log_rho)
-    logp = jnp.where(sums.safe, sums.shifted - jnp.log(sums.sum_safe), LOGP_FLOOR)
-    return logp, PruneStats(pruned_mass=sums.pruned_mass, safe_size=sums.safe_size)
-
-
 def pruned_token_logprobs(
     logits: jax.Array, y: jax.Array, log_rho: float | jax.Array | None, temperature=1.0
 ) -> TokenLogprobs:
@@ -252,14 +189,13 @@ def pruned_token_logprobs(
 
 
 __all__ = [
+    "DEFAULT_LOG_RHO",
     "LOGP_FLOOR",
-    "PruneStats",
     "SafeSetSums",
     "TokenLogprobs",
-    "pruned_log_softmax",
+    "check_log_rho",
     "pruned_token_logprobs",
     "pruning_enabled",
-    "safe_set",
     "safe_set_sums",
     "token_logprobs",
 ]
