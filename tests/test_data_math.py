@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dvp_jax.data import pipeline
-from dvp_jax.data.tasks import load_math_dataset, render_messages
+from dvp_jax.data.math_data import load_math_dataset, render_messages
 from dvp_jax.rollout.tokenizers import HFTokenizer
 
 MAX_PROMPT_TOKENS = 64

@@ -1,51 +1,12 @@
-"""Grain pipelines: RL prompt batches and supervised warm-up batches (host side, NumPy).
+"""Grain pipelines on the host (NumPy): RL prompt batches and supervised warm-up batches.
 
-Public API:
-
-- `make_prompt_iterator(source, tokenizer, *, batch_size, max_prompt_len, seed=0, shuffle=True,
-  num_epochs=None, add_bos=None, process_index=None, process_count=None, chat_format="chatml",
-  read_threads=0) -> PromptIterator`.
-  `source` is a generated task (`tasks.GeneratedTask`: `ArithmeticTask`, `RunningSumTask`;
-  train split, stream 0, an endless index space), a path to a jsonl/parquet math file (loaded
-  whole with `tasks.load_math_dataset`; the `LoadReport` is `iterator.report`), or a sequence
-  of `Example`s.
-  Hosts: `process_index`/`process_count` default to `jax.process_index()`/`jax.process_count()`.
-  The source is shuffled globally with `seed` (each epoch reshuffled) and cut into global
-  batches of `batch_size * process_count`; host h reads rows [h * batch_size, (h + 1) *
-  batch_size) of each global batch (lazily: only its own examples are generated and encoded).
-  So the union of the hosts' batches at every step is exactly what one process with the
-  global batch size reads: results do not depend on the number of hosts, and all hosts run out
-  after the same number of batches when `num_epochs` is finite (`drop_remainder=True`). With
-  `num_epochs=None` (the default) iteration never ends.
-  Each item is a `PromptBatch`:
-    tokens   int32 [P, L]  BOS (if `add_bos`, default `tokenizer.add_bos`) + prompt ids,
-                           right-padded with `tokenizer.pad_id` to L = max_prompt_len
-    lengths  int32 [P]     true lengths (BOS included)
-    prompts  tuple[str]    prompt texts;  answers tuple[str]: ground truths for the reward
-    indices  int64 [P]     source index (train example number / file row)
-  A generated prompt longer than `max_prompt_len` raises ValueError (a configuration error); a
-  file row that long is a malformed row and was skipped at load.
-  `PromptIterator.get_state() -> dict` is JSON-serialisable; `set_state(state)` on an iterator
-  built with the same arguments continues exactly where the saved one was (a state from a
-  differently configured iterator is rejected with ValueError naming the differing fields).
-
-- `sft_batch(examples, tokenizer, *, max_len, add_bos=None) -> SFTBatch`: supervised warm-up
-  sequences [BOS] + prompt + response + [EOS], right-padded to `max_len`, the response being
-  `example.target` (a reference response with its working, e.g. the running-sum task's) or,
-  when empty, `example.answer`:
-    tokens        int32   [B, L]
-    loss_mask     float32 [B, L]  1.0 where tokens[b, t] is an answer token or the EOS, i.e. a
-                                  token the model must predict; the loss at t uses logits from
-                                  position t - 1:  loss = CE(logits[:, :-1], tokens[:, 1:]) *
-                                  loss_mask[:, 1:].
-    lengths       int32   [B]     prompt + answer + EOS (+ BOS) lengths
-    prompt_lengths int32  [B]
-  Example (char tokenizer, "3+4=" -> "7"): tokens <bos> 3 + 4 = 7 <eos> <pad>...,
-  loss_mask 0 0 0 0 0 1 1 0....
-- `sft_batch_for_step(task, tokenizer, *, step, batch_size, max_len, process_index=None,
-  process_count=None) -> SFTBatch`: warm-up batch `step` of this host, a pure function of the
-  arguments (train split, stream 1, examples step * batch_size * count + host * batch_size + j),
-  so its only checkpoint state is the step.
+`make_prompt_iterator` reads a generated task's train split, a math file or a list of examples
+in a global shuffled order cut into global batches; each host reads its rows of every global
+batch, so the union over hosts is what one process with the global batch reads and results do
+not depend on the number of hosts. Its state (`get_state` / `set_state`) is JSON and
+checkpointed. `sft_batch` / `sft_batch_for_step` make warm-up sequences with a loss mask; a
+warm-up batch is a pure function of its step, so the step is its only state. Not here:
+loading and validating math rows (`math_data`), the tasks themselves (`tasks`).
 """
 
 from __future__ import annotations
@@ -59,7 +20,7 @@ import grain
 import jax
 import numpy as np
 
-from dvp_jax.data import tasks
+from dvp_jax.data import math_data, tasks
 
 # Index space of the generated task: the per-host shard and its shuffle are lazy (grain's
 # index shuffle), so the size costs nothing.
@@ -74,7 +35,15 @@ RL_STREAM, SFT_STREAM = 0, 1
 
 @dataclasses.dataclass(frozen=True)
 class PromptBatch:
-    """P prompts for one rollout step (shapes in the module docstring)."""
+    """P prompts for one rollout step.
+
+    Attributes:
+      tokens: [P, L] int32, BOS (when the tokenizer adds one) + prompt ids, right-padded with
+        `tokenizer.pad_id` to L = max_prompt_len.
+      lengths: [P] int32 true lengths (BOS included).
+      prompts, answers: the prompt texts and their ground truths (for the reward).
+      indices: [P] int64 source index (train example number / file row).
+    """
 
     tokens: np.ndarray
     lengths: np.ndarray
@@ -85,7 +54,15 @@ class PromptBatch:
 
 @dataclasses.dataclass(frozen=True)
 class SFTBatch:
-    """Supervised warm-up sequences (shapes in the module docstring)."""
+    """Supervised warm-up sequences [BOS] + prompt + response + [EOS], right-padded.
+
+    Attributes:
+      tokens: [B, L] int32.
+      loss_mask: [B, L] float32, 1.0 where tokens[b, t] is a response token or the EOS (a token
+        the model must predict): loss = CE(logits[:, :-1], tokens[:, 1:]) * loss_mask[:, 1:].
+        E.g. (char tokenizer, "3+4=" -> "7"): <bos> 3 + 4 = 7 <eos> has mask 0 0 0 0 0 1 1.
+      lengths, prompt_lengths: [B] int32 (BOS included).
+    """
 
     tokens: np.ndarray
     loss_mask: np.ndarray
@@ -138,7 +115,7 @@ class PromptIterator:
     def __init__(self, dataset: grain.IterDataset, fingerprint: dict[str, Any], report=None):
         self._it = iter(dataset)
         self._fingerprint = fingerprint
-        self.report: tasks.LoadReport | None = report
+        self.report: math_data.LoadReport | None = report
 
     def __iter__(self) -> PromptIterator:
         return self
@@ -181,7 +158,24 @@ def make_prompt_iterator(
     chat_format: str = "chatml",
     read_threads: int = 0,
 ) -> PromptIterator:
-    """Batches of this host's prompts (see module docstring)."""
+    """An endless (`num_epochs=None`) or finite iterator of this host's `PromptBatch`es.
+
+    Args:
+      source: a `tasks.GeneratedTask` (its train split, stream 0, an endless index space), a
+        jsonl / parquet math file (loaded whole; its `LoadReport` is `iterator.report`), or a
+        sequence of `Example`s.
+      batch_size: prompts per host per batch; the global batch is batch_size * process_count.
+      max_prompt_len: L; a generated prompt longer than this raises ValueError (a file row
+        that long was skipped at load as malformed).
+      seed, shuffle: the global order, reshuffled every epoch. Host h reads rows
+        [h * batch_size, (h + 1) * batch_size) of each global batch, lazily (only its own
+        examples are generated and encoded); with finite `num_epochs` all hosts run out after
+        the same number of batches (the remainder is dropped).
+      process_index, process_count: default `jax.process_index()` / `jax.process_count()`.
+
+    `set_state(state)` on an iterator built with the same arguments continues exactly where the
+    saved one was; a state of a differently configured iterator is refused, naming the fields.
+    """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if max_prompt_len < 1:
@@ -200,7 +194,7 @@ def make_prompt_iterator(
     elif isinstance(source, (str, os.PathLike)):
         # Every host reads the whole file (parsing is cheap next to a rollout), so that all
         # hosts agree on the global order; the report is the same on every host.
-        loaded, report = tasks.load_math_dataset(
+        loaded, report = math_data.load_math_dataset(
             source,
             tokenizer,
             max_prompt_tokens=max_prompt_len,

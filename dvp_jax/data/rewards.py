@@ -1,32 +1,11 @@
-"""Reward functions (host side, pure Python): response text + ground truth -> float in {0, 1}.
+"""Reward functions (host side, pure Python): response text + ground truth -> 0.0 or 1.0.
 
-Public API:
-
-- `parse_int(text) -> int | None`: the integer a response starts with. Rules: leading whitespace
-  is skipped; then an optional sign (`-` or `+`) and at least one ASCII digit must follow; the
-  number ends at the first non-digit, and whatever follows it is ignored ("46", " 46", "46 is it",
-  "46." all give 46). Anything else before the number gives None ("x46", "= 46"). Digits that run
-  on belong to the number ("4612" is 4612, not 46), so a model that does not stop is wrong.
-  Leading zeros are accepted ("046" is 46); thousands separators are not ("1,000" is 1).
-- `exact_match_reward(response_text, answer) -> float`: 1.0 iff `parse_int(response_text)` equals
-  the integer `answer` (a string like "46" or "-3"), else 0.0. Never raises on the response; a
-  non-integer `answer` is a caller bug and raises ValueError.
-- `marked_answer_reward(response_text, answer) -> float`: 1.0 iff the text after the LAST
-  answer marker `<ans>` (`running_sum.ANSWER_MARKER`) is, leading and trailing whitespace
-  stripped, exactly one integer equal to the integer `answer` ("... <ans> 97" and "<ans>97" give
-  97; "<ans> 97 baba", "<ans>", "<ans> 9 7" give 0). No marker gives 0. What precedes the last
-  marker (the worked sum, the thoughts, an earlier marker) is ignored. Leading zeros and a sign
-  are accepted as in `parse_int`. Never raises on the response; a non-integer `answer` raises.
-- `math_verify_reward(response_text, ground_truth, timeout_s=5) -> float`: 1.0 iff `math_verify`
-  finds the response's final answer (last `\\boxed{}` or LaTeX/plain expression) equivalent to the
-  ground truth ("\\boxed{1/2}" vs "0.5" -> 1.0). The ground truth is parsed as `\\boxed{gt}` first,
-  then as is. Every exception is caught and scores 0.0 (logged at debug level), so a reward never
-  crashes the run. Timeouts: math_verify's own SIGALRM timeouts, `timeout_s` seconds per parse
-  and per comparison; they only work in the main thread, so off the main thread they are disabled
-  (logged once) and the response is cut to its last `max_chars` characters to bound the work.
-- `compute_rewards(kind, responses, ground_truths) -> np.ndarray[float32]`: `kind` is
-  "exact_match", "marked_answer" or "math_verify".
-- `get_reward_fn(kind)`: the function for a kind.
+One verifier per task kind (`compute_rewards(kind, ...)`, `get_reward_fn(kind)`): "exact_match"
+(arithmetic: the leading integer), "marked_answer" (running sums: the integer after the last
+`<ans>`) and "math_verify" (math data: `math_verify`'s equivalence of final answers). A
+response never makes a reward raise (it scores 0.0); a malformed ground truth is a caller bug
+and raises. Not here: decoding tokens to text and zeroing truncated responses
+(`train/evaluation.py`).
 """
 
 from __future__ import annotations
@@ -45,7 +24,14 @@ _ANSWER_RE = re.compile(r"\s*[+-]?[0-9]+\s*")
 
 
 def parse_int(text: str) -> int | None:
-    """The integer `text` starts with (see module docstring for the exact rules)."""
+    """The integer `text` starts with, or None.
+
+    Leading whitespace is skipped; then an optional sign and at least one ASCII digit must
+    follow; the number ends at the first non-digit and the rest is ignored ("46", " 46",
+    "46 is it", "46." give 46). Anything else first gives None ("x46", "= 46"). Digits that run
+    on belong to the number ("4612" is 4612), so a model that does not stop is wrong. Leading
+    zeros are accepted ("046" is 46); thousands separators are not ("1,000" is 1).
+    """
     if not isinstance(text, str):
         return None
     m = _INT_RE.match(text)
@@ -53,7 +39,7 @@ def parse_int(text: str) -> int | None:
 
 
 def exact_match_reward(response_text: str, answer: str) -> float:
-    """1.0 iff the response's leading integer equals `answer` (module docstring)."""
+    """1.0 iff `parse_int(response_text)` equals the integer string `answer` ("46", "-3")."""
     if not isinstance(answer, str) or not _ANSWER_RE.fullmatch(answer):
         raise ValueError(f"exact_match_reward: answer must be an integer string, got {answer!r}")
     target = int(answer)
@@ -61,7 +47,10 @@ def exact_match_reward(response_text: str, answer: str) -> float:
 
 
 def marked_answer_reward(response_text: str, answer: str) -> float:
-    """1.0 iff the integer after the last answer marker equals `answer` (module docstring)."""
+    """1.0 iff the text after the LAST `<ans>` (`running_sum.ANSWER_MARKER`) is, stripped,
+    exactly one integer equal to `answer`: "... <ans> 97" and "<ans>97" give 97; "<ans> 97 baba",
+    "<ans>", "<ans> 9 7" and no marker give 0. What precedes the last marker is ignored; a sign
+    and leading zeros are accepted as in `parse_int`."""
     if not isinstance(answer, str) or not _ANSWER_RE.fullmatch(answer):
         raise ValueError(f"marked_answer_reward: answer must be an integer string, got {answer!r}")
     if not isinstance(response_text, str):
@@ -78,7 +67,12 @@ def marked_answer_reward(response_text: str, answer: str) -> float:
 def math_verify_reward(
     response_text: str, ground_truth: str, timeout_s: int = 5, max_chars: int = 4000
 ) -> float:
-    """1.0 iff math_verify judges the response's answer equal to `ground_truth` (see above)."""
+    """1.0 iff `math_verify` finds the response's final answer (last `\\boxed{}` or LaTeX /
+    plain expression) equivalent to `ground_truth` ("\\boxed{1/2}" vs "0.5" gives 1.0), which is
+    parsed as `\\boxed{gt}` first, then as is. Every exception scores 0.0 (logged at debug).
+    Timeouts are math_verify's SIGALRM ones, `timeout_s` per parse and per comparison; they work
+    only in the main thread, so off it they are off (logged once) and the response is cut to its
+    last `max_chars` characters to bound the work."""
     try:
         from math_verify import parse, verify
 

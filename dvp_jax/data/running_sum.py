@@ -1,53 +1,15 @@
-"""The running-sum task: long, high-entropy responses with a verifiable answer (issue e004).
+"""The running-sum task: long, high-entropy responses with an exactly verifiable answer.
 
-A problem is a list of operands to add; the reference response walks a running sum, and after
-every step "thinks" a random number of free words drawn from a Zipf distribution, then states the
-total after an answer marker:
+A problem is a list of operands; the reference response walks the running sum, "thinks" a random
+number of free words drawn from a Zipf law after every step, then states the total:
 
     prompt:    sum 12 7 33 =
     response:  + 12 = 12 kobe babe ... + 7 = 19 ludi ... + 33 = 52 baba pefo ... <ans> 52
 
-(EOS follows, appended by the engine and by the warm-up batches). The reward ("marked_answer",
-`dvp_jax.data.rewards`) reads only the integer after the last `<ans>`, so the thought words are
-free: they make the responses long and their per-token entropy high, and the task stays exactly
-verifiable. Text is single-space separated words (numbers are whole-word tokens), which is what
-the word-level tokenizer `load_tokenizer("running_sum:<n_words>")` (`dvp_jax.rollout.tokenizers`)
-splits on.
-
-Public API:
-
-- `RunningSumTask(seed=0, min_operands=4, max_operands=8, min_operand=1, max_operand=99,
-  n_words=2000, zipf_exponent=1.1, min_response_len=150, max_response_len=250,
-  heldout_fraction=0.1)`, a `tasks.GeneratedTask` with ArithmeticTask's interface:
-  `train_example(i, stream=0)`, `train_examples(n, start=0, stream=0)`, `heldout_examples(n)`,
-  `is_heldout(key)`; every example is a pure function of (seed, stream, i) (held-out: (seed, n)).
-  `Example.answer` is the total ("52"), `Example.target` the whole reference response, and
-  `Example.key` the canonical problem ("12+7+33"), whose salted hash alone decides the held-out
-  split (not the seed, the stream or the thoughts), so train and held-out never overlap.
-  Generation, per problem: the operand count uniform in [min_operands, max_operands], operands
-  uniform in [min_operand, max_operand]; then the response length R (tokens, EOS excluded)
-  uniform in [min_response_len, max_response_len]; the R - (4n + 2) thought words are split over
-  the n steps by a uniformly random composition (each step gets >= 0 words), and each word is
-  drawn i.i.d. from the Zipf law p(rank k) ∝ k^-zipf_exponent over the `n_words` thought words.
-  So response lengths are uniform on [min_response_len, max_response_len] exactly, whatever the
-  operand count. `task.tokenizer_spec` is the `load_tokenizer` spec of its vocabulary and
-  `task.max_prompt_tokens` its longest prompt (BOS excluded).
-- `thought_words(n)`: the first `n` thought words, by Zipf rank (rank 1 first): two consonant-vowel
-  syllables ("baba", "babe", ...; 4,900 of them), then three syllables. Lowercase letters only,
-  so a thought word is never a number, a marker or the prompt word.
-- `vocabulary(n_words)`: the non-special tokens in id order: `PROMPT_WORD`, "=", "+",
-  `ANSWER_MARKER`, the numbers "0".."999" (`MAX_NUMBER`), then `thought_words(n_words)`.
-- `tokenizer_spec(n_words)`: "running_sum:<n_words>", the `load_tokenizer` spec of that vocabulary.
-- `zipf_probs(n, exponent)`, `zipf_entropy(n, exponent)` (nats): the thought distribution.
-
-Measured with the defaults over train examples 0..999 of seed 0 (tests/test_running_sum.py
-asserts bounds on them): response length mean 200.6 tokens, p5 156, p95 246 (EOS excluded);
-87% of response tokens are thought words; thought entropy 5.06 nats (plug-in estimate 5.05; rank-1
-word p = 0.169; 27% of thought draws have p < 1e-3); prompts <= 11 tokens with BOS; vocabulary
-3,008 ids. A model that fits the reference distribution has >= 0.87 * 5.06 = 4.4 nats of entropy
-per response token. The thought law's own tail stops at ln(p_min / p_max) = -exponent * ln(n_words)
-(-8.4 here), inside an e^-13 safe set; reaching e^-13 takes e.g. exponent 1.2 over 50,000 words
-(5.4 nats) or exponent 1.5 over 6,000 (3.1 nats).
+The reward ("marked_answer", `rewards`) reads only the integer after the last `<ans>`, so the
+thought words are free. Text is single-space separated whole words, what the word-level
+tokenizer `load_tokenizer("running_sum:<n_words>")` (`dvp_jax.rollout.tokenizers`) splits on;
+`vocabulary(n_words)` is its token list. Not here: the split machinery (`tasks.GeneratedTask`).
 """
 
 from __future__ import annotations
@@ -76,7 +38,9 @@ _END_TOKENS = 2  # "<ans> total"
 
 
 def thought_words(n: int) -> tuple[str, ...]:
-    """The first `n` thought words, by Zipf rank (see module docstring)."""
+    """The first `n` thought words, by Zipf rank: two consonant-vowel syllables ("baba",
+    "babe", ...; 4,900 of them), then three. Lowercase letters only, so a thought word is never a
+    number, a marker or the prompt word."""
     if not 0 <= n <= MAX_N_WORDS:
         raise ValueError(f"thought_words: need 0 <= n <= {MAX_N_WORDS}, got {n}")
     words = []
@@ -89,7 +53,8 @@ def thought_words(n: int) -> tuple[str, ...]:
 
 
 def vocabulary(n_words: int) -> tuple[str, ...]:
-    """The task's non-special tokens in id order (module docstring)."""
+    """The task's non-special tokens in id order: `STRUCTURE_TOKENS`, the numbers "0" ..
+    `MAX_NUMBER`, then `thought_words(n_words)`."""
     numbers = tuple(str(x) for x in range(MAX_NUMBER + 1))
     return STRUCTURE_TOKENS + numbers + thought_words(n_words)
 
@@ -113,7 +78,15 @@ def zipf_entropy(n: int, exponent: float) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class RunningSumTask(GeneratedTask):
-    """Generated running-sum problems with free Zipf "thoughts" (see module docstring)."""
+    """Generated running-sum problems with free Zipf "thoughts".
+
+    Per problem: the operand count uniform in [min_operands, max_operands], operands uniform in
+    [min_operand, max_operand]; the response length R (tokens, EOS excluded) uniform in
+    [min_response_len, max_response_len], exactly, whatever the operand count; the R - (4n + 2)
+    thought words split over the n steps by a uniformly random composition, each word drawn
+    i.i.d. from p(rank k) ~ k^-zipf_exponent over `n_words` words. `Example.answer` is the
+    total, `Example.target` the reference response, `Example.key` the problem ("12+7+33").
+    """
 
     _TRAIN_HINT = _HELDOUT_HINT = "widen the operands"
 

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from dvp_jax.data import rewards, tasks
+from dvp_jax.data import math_data, rewards, tasks
 from dvp_jax.rollout.engine import RolloutEngine
 from dvp_jax.rollout.offline import RolloutBatch, generate_rollouts
 from dvp_jax.rollout.sampling import SamplingParams
@@ -65,7 +65,7 @@ def heldout_examples(data: DataConfig, task, tokenizer, num_prompts: int) -> lis
         return task.heldout_examples(num_prompts)
     if not data.eval_path:
         return []
-    examples, report = tasks.load_math_dataset(
+    examples, report = math_data.load_math_dataset(
         data.eval_path,
         tokenizer,
         max_prompt_tokens=data.max_prompt_len,
