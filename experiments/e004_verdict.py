@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -78,10 +77,6 @@ INITIAL_STEPS = 5  # "initial" grad norm: median of the first INITIAL_STEPS step
 
 def _check(name: str, value, threshold, ok: bool, rule: str) -> dict:
     return {"name": name, "value": value, "threshold": threshold, "rule": rule, "pass": bool(ok)}
-
-
-def _finite(x) -> bool:
-    return x is not None and isinstance(x, int | float) and math.isfinite(x)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -143,12 +138,8 @@ def power_gate(
       {"level", "checks": [...], "pass": True / False / None (incomplete), "missing": [...]}.
     """
     if level not in levels:
-        return {
-            "level": level,
-            "checks": [],
-            "pass": None,
-            "missing": [f"stage 1 sampling at {level}"],
-        }
+        missing = [f"stage 1 sampling at {level}"]
+        return {"level": level, "checks": [], "pass": None, "missing": missing}
     s = levels[level]
     checks = [
         _check("responses", s["responses"], 1000, s["responses"] >= 1000, ">="),
@@ -442,7 +433,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="experiments/results/e004", help="the e004 results folder")
     args = p.parse_args(argv)
-    result = gates_from_results(read_levels(args.out), load_units(args.out))
+    from experiments.e004_reading import reading
+
+    levels, units = read_levels(args.out), load_units(args.out)
+    result = gates_from_results(levels, units)
+    # What the records show, beside the decision (which the gates above made).
+    result["reading"] = reading(levels, units, result["level"])
     with open(os.path.join(args.out, "verdict.json"), "w") as fh:
         json.dump(result, fh, indent=1)
     print(json.dumps({"level": result["level"], "verdict": result["verdict"]}))

@@ -403,3 +403,55 @@ def test_gates_from_unit_records():
     assert power["gain_units_excluded"] == ["00_gain: 512 eval responses (< 2000)"]
     power = v.gates_from_results(levels, [coarse] + units)["power"]  # the precise pilot decides
     assert power["pass"] is True and power["checks"][-1]["value"] == pytest.approx(0.1)
+
+
+def test_reading_recomputes_gains_tests_and_bounds_from_the_records():
+    from experiments import e004_reading as r
+
+    def rec(level, seed, start, evals, ppl=(0.3, 0.2), ent=(2.0, 2.9)):
+        return {
+            "role": "final",
+            "method": "rloo",
+            "level": level,
+            "seed": seed,
+            "start_acc": start,
+            "final_acc": evals[-1],
+            "evals": [[0, start]] + [[100 * (i + 1), a] for i, a in enumerate(evals)],
+            "indicators": {
+                "ppl_first": ppl[0],
+                "ppl_last": ppl[1],
+                "entropy_first": ent[0],
+                "entropy_last": ent[1],
+                "any": False,
+            },
+            "curves": {"grad_norm": [0.01, 0.02, 0.03, 0.04]},
+        }
+
+    units = [rec("M4", s, 0.1, [0.12, 0.14, 0.10 + 0.01 * s]) for s in range(3)]
+    units += [rec("M0", s, 0.1, [0.13, 0.16, 0.20 + 0.01 * s]) for s in range(3)]
+    levels = {
+        "M1": {"seq_log_ratio": -0.02, "response_length": 100.0},
+        "M3": {"seq_log_ratio": -0.04, "response_length": 100.0},
+        "M4": {
+            "seq_log_ratio": -40.0,
+            "response_length": 100.0,
+            "noise_std": 2.0,
+            "seq_log_ratio_outside_share": 0.25,
+        },
+    }
+    out = r.reading(levels, units)
+    assert out["gain_from_common_start"]["M4"] == pytest.approx(0.01)
+    assert out["gain_from_common_start"]["M0"] == pytest.approx(0.11)
+    assert out["share_of_m0_gain_kept"] == pytest.approx(1 / 11)
+    assert out["drop_vs_m0_rloo"] == pytest.approx(0.10)
+    # Equal seed offsets in both arms: the paired differences have no spread, so p -> 0.
+    assert out["paired_one_sided_p"] < 1e-6 and 0 < out["welch_one_sided_p"] < 0.01
+    assert out["mean_acc_by_step"]["M4"]["200"] == pytest.approx(0.14)
+    assert out["ppl_fell_in_every_seed"] is True
+    assert out["entropy_rule_margin_per_seed"][0] == pytest.approx(2.9 / 2.0 / 1.5 - 1)
+    assert out["collapse_probability_upper_bound"] == pytest.approx(1 - 0.05 ** (1 / 3))
+    assert out["abs_E_L_per_token"]["M4"] == pytest.approx(0.4)
+    assert out["per_token_ratio_to_real_rungs"] == pytest.approx([1000.0, 2000.0])
+    assert out["lognormal_factor_mean"] == pytest.approx(math.exp(2.0))
+    assert out["share_of_E_L_inside_safe_set"] == pytest.approx(0.75)
+    assert r.reading(levels, units[:1] + units[3:4])["label"] is None  # one seed: no reading
