@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dvp_jax.dvp import chunked, pruning
+from dvp_jax.dvp import chunked, pruning, vocab_mesh
 from dvp_jax.sharding import TRAIN_RULES
 from tests import reference as ref
 
@@ -311,13 +311,16 @@ def _vp_put(mesh, h, w, y):
 
 def test_mesh_axes_follow_train_rules():
     rules = dict(TRAIN_RULES)
-    assert (rules["vocab"], rules["embed"]) == (chunked.VOCAB_MESH_AXIS, chunked.EMBED_MESH_AXIS)
+    assert (rules["vocab"], rules["embed"]) == (
+        vocab_mesh.VOCAB_MESH_AXIS,
+        vocab_mesh.EMBED_MESH_AXIS,
+    )
     mesh = _vp_mesh((1, 2, 4))
-    assert chunked._mesh_axes(mesh, VP_N, VP_D, VP_V) == (("fsdp",), "tensor", "fsdp", 4)
+    assert vocab_mesh.mesh_axes(mesh, VP_N, VP_D, VP_V) == (("fsdp",), "tensor", "fsdp", 4)
     # V not divisible by tensor: no vocabulary split, tensor joins the row axes.
-    assert chunked._mesh_axes(mesh, VP_N, VP_D, 201) == (("fsdp", "tensor"), None, "fsdp", 1)
+    assert vocab_mesh.mesh_axes(mesh, VP_N, VP_D, 201) == (("fsdp", "tensor"), None, "fsdp", 1)
     # d not divisible by fsdp: W's d is not split on entry.
-    assert chunked._mesh_axes(mesh, VP_N, 7, VP_V) == (("fsdp",), "tensor", None, 4)
+    assert vocab_mesh.mesh_axes(mesh, VP_N, 7, VP_V) == (("fsdp",), "tensor", None, 4)
 
 
 @pytest.mark.parametrize(

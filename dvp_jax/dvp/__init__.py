@@ -1,5 +1,5 @@
-"""DVP-RLOO loss core: pruning (E1-E3; `chunked`, the trainer's vocabulary-chunked form),
-advantages (E8), losses (E5-E9), diagnostics (E10).
+"""DVP-RLOO loss core: pruning (E1-E3; `chunked`, the trainer's vocabulary-chunked form, laid
+out on a mesh by `vocab_mesh`), advantages (E8), losses (E5-E9), diagnostics and the E10 bound.
 
 All functions are pure functions of arrays; the caller jits. Equation numbers refer to
 docs/design.md section 2.

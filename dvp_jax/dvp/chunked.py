@@ -1,22 +1,12 @@
 """The trainer's E1-E3 from final hidden states, in vocabulary chunks (no `[N, V]` array).
 
 `chunked_pruned_logprobs(h, W, y)` computes what `pruning.pruned_token_logprobs` computes from
-logits z = (h W) / tau, without materialising them: the vocabulary is visited in chunks of
-`chunk_size` columns (pass 1: row max; pass 2: masked logsumexp, full logsumexp, target logit)
-and a custom VJP recomputes each chunk's logits in the backward pass. Same sums, chunked. On a
-mesh with W's vocabulary split over `tensor` it runs under `shard_map`, each device on its own
-vocabulary shard: the shards combine through [N]-sized pmax / psum only, and W is never gathered
-along V. Every matmul takes the caller's `precision`.
-
-`chunked_token_stats` returns the same record plus `PositionStats`, diagnostics of the full
-(unpruned) trainer distribution accumulated in the same pass: the entropy H(pi) (streaming:
-with m the row max, s = sum_b exp(z_b - m) and u = sum_b exp(z_b - m) (z_b - m),
-H = log s - u / s, which is -sum_b p_b log p_b with p = softmax(z)) and the target's log-prob
-relative to the argmax, z_y - m (y is in V_S at threshold rho iff it is >= log rho, E1). They
-are diagnostics and carry no gradient.
-
-Numerics as in `pruning`: float32 statistics, exponentials of z - max <= 0 only, `LOGP_FLOOR`
-outside the safe set, the pruned mass from the pruned terms themselves.
+logits z = (h W) / tau, without materialising them: two passes over vocabulary chunks and a
+custom VJP that recomputes each chunk's logits (the math is in `chunked_token_stats` and
+`_chunked_bwd`). `chunked_token_stats` adds `PositionStats`, diagnostics of the full trainer
+distribution (entropy, z_y - max z) from the same pass. On a mesh it runs under `shard_map`,
+laid out by `dvp_jax/dvp/vocab_mesh.py`. It does not build logits for anything else, and the
+in-memory E1-E3 core stays in `pruning` (numerics as there).
 """
 
 from __future__ import annotations
@@ -31,6 +21,17 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from dvp_jax.dvp.pruning import LOGP_FLOOR, TokenLogprobs, _check_static_args, pruning_enabled
+from dvp_jax.dvp.vocab_mesh import (
+    LOCAL,
+    find_mesh,
+    first_column,
+    gather_w,
+    mesh_axes,
+    reduce_dw,
+    reshape_to,
+    vocab_max,
+    vocab_sum,
+)
 
 # Default vocabulary chunk for `chunked_pruned_logprobs` (benchmarks/pruned_logprobs.py).
 DEFAULT_CHUNK_SIZE = 8192
@@ -52,32 +53,6 @@ class PositionStats(NamedTuple):
 
 # ---------------------------------------------------------------------------------------------
 
-# Mesh axes of the vocabulary-parallel path, as `dvp_jax.sharding.TRAIN_RULES` lays out the
-# unembedding W [d, V] ("embed" -> fsdp, "vocab" -> tensor).
-VOCAB_MESH_AXIS = "tensor"
-EMBED_MESH_AXIS = "fsdp"
-
-
-class _Axes(NamedTuple):
-    """Static partitioning of one `_chunked` call, inside `shard_map` (all empty outside).
-
-    Attributes:
-      rows: mesh axes the rows of h, y and the outputs are split over.
-      vocab: the mesh axis W's V is split over (each device holds V / n_vocab columns), or None.
-      embed: the mesh axis W's d is split over on entry (one of `rows`), or None; the local W
-        shard is all-gathered over it in the forward and again in the backward pass, and dW is
-        reduce-scattered back over it.
-      n_vocab: number of vocabulary shards (1 without `vocab`).
-    """
-
-    rows: tuple[str, ...] = ()
-    vocab: str | None = None
-    embed: str | None = None
-    n_vocab: int = 1
-
-
-_LOCAL = _Axes()
-
 
 def _zeros(shape, h, w, y) -> jax.Array:
     """float32 zeros of `shape` typed like the chunk logits: varying over every mesh axis that
@@ -85,27 +60,6 @@ def _zeros(shape, h, w, y) -> jax.Array:
     requires of scan carries. Plain zeros elsewhere."""
     tag = sum(jnp.zeros_like(x, jnp.float32, shape=()) for x in (h, w, y))
     return jnp.zeros(shape, jnp.float32) + tag
-
-
-def _vocab_max(x, axes: _Axes):
-    return jax.lax.pmax(x, axes.vocab) if axes.vocab else x
-
-
-def _vocab_sum(x, axes: _Axes):
-    return jax.lax.psum(x, axes.vocab) if axes.vocab else x
-
-
-def _gather_w(w, axes: _Axes):
-    """The local W `[d / n_embed, V / n_vocab]` -> `[d, V / n_vocab]` (never gathers V)."""
-    return jax.lax.all_gather(w, axes.embed, axis=0, tiled=True) if axes.embed else w
-
-
-def _reduce_dw(dw, axes: _Axes):
-    """Sums per-row-shard dW `[d, V / n_vocab]` over the row axes, back in W's local layout."""
-    if axes.embed:
-        dw = jax.lax.psum_scatter(dw, axes.embed, scatter_dimension=0, tiled=True)
-    rest = tuple(a for a in axes.rows if a != axes.embed)
-    return jax.lax.psum(dw, rest) if rest else dw
 
 
 def _chunk_geometry(vocab: int, chunk_size: int) -> tuple[int, int]:
@@ -130,19 +84,14 @@ def _chunk_logits(h, w, i, chunk, inv_tau, precision, col0):
     return z * inv_tau, col0 + local, local >= first_new, start, w_c
 
 
-def _first_column(w, axes: _Axes):
-    """Global id of the local vocabulary shard's first column."""
-    return jax.lax.axis_index(axes.vocab) * w.shape[1] if axes.vocab else 0
-
-
 def _forward(h, w, y, log_rho, temperature, chunk_size, precision, axes):
     """Both passes on the local vocabulary shard, combined across shards. Returns
     `((TokenLogprobs, PositionStats), residuals)`."""
     w_local = w
-    w = _gather_w(w, axes)
+    w = gather_w(w, axes)
     chunk, n_chunks = _chunk_geometry(w.shape[1], chunk_size)
     inv_tau = 1.0 / temperature
-    col0 = _first_column(w, axes)
+    col0 = first_column(w, axes)
     n = h.shape[0]
     idx = jnp.arange(n_chunks)
     zeros = _zeros((n,), h, w, y)
@@ -159,7 +108,7 @@ def _forward(h, w, y, log_rho, temperature, chunk_size, precision, axes):
             z, _, valid, _, _ = logits(i)
             return jnp.maximum(m, jnp.max(jnp.where(valid, z, -jnp.inf), axis=-1)), None
 
-        m = _vocab_max(jax.lax.scan(max_body, neg_inf, idx)[0], axes)
+        m = vocab_max(jax.lax.scan(max_body, neg_inf, idx)[0], axes)
         thr = m + log_rho
 
         # Pass 2: sums of exp(z - m) (each term <= 1) inside and outside V_S, |V_S| and the
@@ -182,7 +131,7 @@ def _forward(h, w, y, log_rho, temperature, chunk_size, precision, axes):
         init = (zeros, zeros, zeros.astype(jnp.int32), zeros, zeros)
         # Each shard's partial sums share the global m, so they add; z_y is nonzero on the one
         # shard holding column y. One [N]-sized psum per quantity.
-        s_safe, s_out, size, z_y, u = _vocab_sum(jax.lax.scan(sum_body, init, idx)[0], axes)
+        s_safe, s_out, size, z_y, u = vocab_sum(jax.lax.scan(sum_body, init, idx)[0], axes)
         s_full = s_safe + s_out
         pruned_mass = s_out / s_full
         in_safe = z_y >= thr
@@ -202,9 +151,9 @@ def _forward(h, w, y, log_rho, temperature, chunk_size, precision, axes):
 
         init = (neg_inf, zeros, zeros, zeros)
         (m_local, s_local, z_y, u_local), _ = jax.lax.scan(online_body, init, idx)
-        m = _vocab_max(m_local, axes)
+        m = vocab_max(m_local, axes)
         u_local = _rescale_u(u_local, s_local, m_local, m)
-        s_full, z_y, u = _vocab_sum((s_local * jnp.exp(m_local - m), z_y, u_local), axes)
+        s_full, z_y, u = vocab_sum((s_local * jnp.exp(m_local - m), z_y, u_local), axes)
         s_safe = s_full
         pruned_mass = jnp.zeros_like(s_full)
         size = jnp.full((n,), w.shape[1] * axes.n_vocab, jnp.int32)
@@ -257,10 +206,10 @@ def _chunked_bwd(log_rho, temperature, chunk_size, precision, axes, residuals, a
     """
     cts = all_cts[0]
     h, w_local, y, m, lse_safe, lse_full, in_safe, pruned_mass = residuals
-    w = _gather_w(w_local, axes)
+    w = gather_w(w_local, axes)
     chunk, n_chunks = _chunk_geometry(w.shape[1], chunk_size)
     inv_tau = 1.0 / temperature
-    col0 = _first_column(w, axes)
+    col0 = first_column(w, axes)
     thr = m + (log_rho if pruning_enabled(log_rho) else -jnp.inf)
     g_logp = jnp.where(in_safe, cts.logp.astype(jnp.float32), 0.0)
     g_full = cts.logp_full.astype(jnp.float32)
@@ -293,8 +242,8 @@ def _chunked_bwd(log_rho, temperature, chunk_size, precision, axes, residuals, a
 
     init = (_zeros(h.shape, h, w, y), _zeros(w.shape, h, w, y))
     (dh, dw), _ = jax.lax.scan(body, init, jnp.arange(n_chunks))
-    dh = _vocab_sum(dh, axes)
-    dw = _reduce_dw(dw, axes)
+    dh = vocab_sum(dh, axes)
+    dw = reduce_dw(dw, axes)
     return dh.astype(h.dtype), dw.astype(w_local.dtype), None
 
 
@@ -341,15 +290,15 @@ def chunked_token_stats(
     `jax.set_mesh`) the computation runs under `jax.shard_map`, laid out as
     `dvp_jax.sharding.TRAIN_RULES` lays out the unembedding:
 
-    * vocabulary-parallel over `VOCAB_MESH_AXIS` ("tensor") when it divides V: each device runs
-      the chunk loop over its own V / n_tensor columns, and the shards combine through [N]-sized
-      collectives only (pmax of the row max, psum of the safe and full sums, |V_S| and the target
-      logit; in the backward pass, psum of dh over tensor). W is never gathered along V, and dW
-      stays vocabulary-sharded;
+    * vocabulary-parallel over "tensor" (`vocab_mesh.VOCAB_MESH_AXIS`) when it divides V: each
+      device runs the chunk loop over its own V / n_tensor columns, and the shards combine
+      through [N]-sized collectives only (pmax of the row max, psum of the safe and full sums,
+      |V_S| and the target logit; backward, psum of dh over tensor). W is never gathered along
+      V, and dW stays vocabulary-sharded;
     * rows of h, y and the outputs split over the other mesh axes (those that divide N, in mesh
       order; e.g. ("data", "fsdp"));
-    * W's d split over `EMBED_MESH_AXIS` ("fsdp") on entry when fsdp is one of the row axes and
-      divides d: the local shard `[d / n_fsdp, V / n_tensor]` is all-gathered over fsdp to
+    * W's d split over "fsdp" (`vocab_mesh.EMBED_MESH_AXIS`) on entry when fsdp is a row axis
+      and divides d: the local shard `[d / n_fsdp, V / n_tensor]` is all-gathered over fsdp to
       `[d, V / n_tensor]` once in the forward and once in the backward pass (ZeRO-3), and dW is
       reduce-scattered back over fsdp and psum'd over the remaining row axes.
 
@@ -386,8 +335,8 @@ def chunked_token_stats(
         raise ValueError(f"y must have shape h.shape[:-1] = {h.shape[:-1]}, got {y.shape}.")
     precision = _as_precision(precision)
     n = math.prod(h.shape[:-1])
-    mesh = _find_mesh(h, w, mesh)
-    axes = _LOCAL if mesh is None else _mesh_axes(mesh, n, *w.shape)
+    mesh = find_mesh(h, w, mesh)
+    axes = LOCAL if mesh is None else mesh_axes(mesh, n, *w.shape)
 
     def run(h, w, y):
         return _chunked(h, w, y, log_rho, float(temperature), int(chunk_size), precision, axes)
@@ -421,13 +370,13 @@ def chunked_token_stats(
         )
 
     with jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh)):
-        h = _reshape(h, (n, h.shape[-1]), placed(h_spec))
-        y = _reshape(y, (n,), placed(y_spec))
+        h = reshape_to(h, (n, h.shape[-1]), placed(h_spec))
+        y = reshape_to(y, (n,), placed(y_spec))
         w = jax.sharding.reshard(w, placed(w_spec)) if explicit else w
         out = jax.shard_map(run, mesh=mesh, in_specs=(h_spec, w_spec, y_spec), out_specs=y_spec)(
             h, w, y
         )
-        return _outputs(out, lambda x: _reshape(x, lead, placed(lead_spec)))
+        return _outputs(out, lambda x: reshape_to(x, lead, placed(lead_spec)))
 
 
 def _outputs(out, reshape) -> tuple[TokenLogprobs, PositionStats]:
@@ -435,16 +384,6 @@ def _outputs(out, reshape) -> tuple[TokenLogprobs, PositionStats]:
     logprobs, stats = out
     stats = jax.lax.stop_gradient(stats)
     return TokenLogprobs(*map(reshape, logprobs)), PositionStats(*map(reshape, stats))
-
-
-def _reshape(x, shape, sharding):
-    """`x.reshape(shape)`, resharded to `sharding` unless it is None (Explicit axes; under
-    `auto_axes`, so merging or splitting sharded leading dims needs no typed intermediate)."""
-    if sharding is None:
-        return x.reshape(shape)
-    if x.shape == tuple(shape):
-        return jax.sharding.reshard(x, sharding)
-    return jax.sharding.auto_axes(lambda a: a.reshape(shape), out_sharding=sharding)(x)
 
 
 def _as_precision(precision) -> jax.lax.Precision | jax.lax.DotAlgorithmPreset | None:
@@ -458,38 +397,3 @@ def _as_precision(precision) -> jax.lax.Precision | jax.lax.DotAlgorithmPreset |
             f"precision must be None, a jax.lax.Precision, a jax.lax.DotAlgorithmPreset or one "
             f"of {names}; got {precision!r}."
         ) from None
-
-
-def _find_mesh(h, w, mesh):
-    """The mesh to partition over: `mesh`, else the mesh of Explicit-typed h / w, else the
-    context mesh; None for a single device, no mesh, or a mesh whose axes are already Manual
-    (inside someone else's shard_map)."""
-    if mesh is None:
-        for x in (h, w):
-            m = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-            if m is not None and not m.empty and jax.sharding.AxisType.Explicit in m.axis_types:
-                # Outside jit, the array's concrete mesh (shard_map needs its devices there).
-                concrete = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
-                mesh = getattr(concrete, "mesh", m)
-                break
-    if mesh is None:
-        mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty or mesh.size == 1:
-        return None
-    if jax.sharding.AxisType.Manual in mesh.axis_types:
-        return None
-    return mesh
-
-
-def _mesh_axes(mesh, n: int, d: int, vocab: int) -> _Axes:
-    """How `chunked_pruned_logprobs` splits `[N, d] x [d, V]` over `mesh` (see its docstring)."""
-    sizes = dict(mesh.shape)
-    n_vocab = sizes.get(VOCAB_MESH_AXIS, 1)
-    vocab_axis = VOCAB_MESH_AXIS if n_vocab > 1 and vocab % n_vocab == 0 else None
-    rows, size = [], 1
-    for name in mesh.axis_names:  # like `Sharder.spec`: keep the axes that divide N
-        if name != vocab_axis and sizes[name] > 1 and n % (size * sizes[name]) == 0:
-            rows.append(name)
-            size *= sizes[name]
-    embed = EMBED_MESH_AXIS if EMBED_MESH_AXIS in rows and d % sizes[EMBED_MESH_AXIS] == 0 else None
-    return _Axes(tuple(rows), vocab_axis, embed, n_vocab if vocab_axis else 1)
