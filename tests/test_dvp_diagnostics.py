@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dvp_jax.dvp import diagnostics, pruning
+from dvp_jax.dvp import bound, diagnostics, pruning
 from tests import reference as ref
 
 B, T, V = 6, 7, 40
@@ -140,7 +140,7 @@ def test_bound_holds_for_random_perturbations(eps):
     z = (3.0 * rng.normal(size=(64, V))).astype(np.float32)
     z[:8, 0] += 25.0  # some positions with p close to 1 (1 - p ~ 1e-10): the hard end of E10
     d = rng.uniform(-eps, eps, size=z.shape).astype(np.float32)
-    report = jax.jit(diagnostics.mismatch_bound)(z + d, z)
+    report = jax.jit(bound.mismatch_bound)(z + d, z)
     assert report.frac_within == 1.0
     np.testing.assert_allclose(report.eps, np.abs((z + d) - z).max(-1), rtol=1e-6)
     diff = np.abs(ref.log_softmax(z + d) - ref.log_softmax(z))
@@ -148,7 +148,7 @@ def test_bound_holds_for_random_perturbations(eps):
     # Gathered at sampled tokens: the same numbers (another program: float32 rounding of
     # values of size eps, 1e-6 relative).
     y = rng.integers(0, V, size=64)
-    at_y = diagnostics.mismatch_bound(z + d, z, y)
+    at_y = bound.mismatch_bound(z + d, z, y)
     np.testing.assert_allclose(
         at_y.abs_logp_diff, report.abs_logp_diff[np.arange(64), y], rtol=1e-6, atol=1e-7 * eps
     )
@@ -161,7 +161,7 @@ def test_bound_from_bf16_forward():
     w = rng.normal(size=(16, V)).astype(np.float32)
     z = h @ w
     z_bf16 = jnp.einsum("nd,dv->nv", jnp.asarray(h, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16))
-    report = diagnostics.mismatch_bound(z_bf16.astype(jnp.float32), z, temperature=0.7)
+    report = bound.mismatch_bound(z_bf16.astype(jnp.float32), z, temperature=0.7)
     assert report.frac_within == 1.0 and float(report.eps.max()) > 0
 
 
@@ -173,8 +173,8 @@ def test_a_wrong_one_x_bound_is_caught():
     eps = 0.05
     d = np.full(z.shape, -eps, np.float32)
     d[:, 3] = eps
-    assert diagnostics.mismatch_bound(z + d, z).frac_within == 1.0
-    wrong = diagnostics.mismatch_bound(z + d, z, factor=1.0)
+    assert bound.mismatch_bound(z + d, z).frac_within == 1.0
+    wrong = bound.mismatch_bound(z + d, z, factor=1.0)
     assert not np.asarray(wrong.within)[:, 3].any()
     assert wrong.frac_within < 1.0
 

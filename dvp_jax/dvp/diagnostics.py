@@ -1,37 +1,28 @@
-"""Mismatch diagnostics (docs/design.md section 2, "Diagnostics") and the E10 bound check.
+"""Mismatch diagnostics (docs/design.md section 2, "Diagnostics"): flat dicts of scalars.
 
-Pure functions of arrays returning flat dicts of scalars (plus `BoundReport` for E10). Where the
-metric names are listed:
-
-* `mismatch_metrics`: rollout_ppl, training_ppl, ppl_gap, log_ppl_diff, kl_k1, kl_k3,
-  chi2_token, chi2_seq (verl's definitions; see the function).
-* `pruning_metrics`: pruned_mass_{train,rollout}_{mean,max}, safe_size_{train,rollout}_{mean,max},
-  frac_tokens_outside_train_safe (the one place it is computed; `losses.dvp_loss` does not).
-* `exclusion_metrics` (called by `losses.dvp_loss`): frac_responses_excluded,
-  frac_responses_masked, frac_tokens_masked.
-* `is_weight_stats` (called by `losses.dvp_loss`): is_weight_mean, is_weight_max, is_weight_ess.
-* `lt_by_p_bins`: lt_bin{k}_mean_signed, lt_bin{k}_mean_abs, lt_bin{k}_count (the (1-p)
-  evidence, k = 0 .. num_bins-1 over 1 - p in [k/K, (k+1)/K)).
-* `mismatch_diagnostics`: all of the above that do not depend on the loss config.
-* `tail_metrics` (issue 14): entropy, frac_tokens_tail, seq_log_ratio, seq_log_ratio_pruned,
-  seq_log_ratio_outside, seq_log_ratio_outside_share.
-* `mismatch_bound`: E10.
-
-Shapes: `[B, T]` per-token arrays (B responses, T response positions) with a `[B, T]` response
-mask; masked positions may hold anything (including -inf/NaN) and never reach arithmetic.
+Pure functions of `[B, T]` per-token arrays (B responses, T positions) and a `[B, T]` response
+mask; masked positions may hold anything (-inf, NaN) and never reach arithmetic. Each function
+lists its keys: `mismatch_metrics` (verl's perplexity, KL and chi^2 definitions),
+`pruning_metrics` (the one home of frac_tokens_outside_train_safe), `exclusion_metrics` and
+`is_weight_stats` (called by `losses.dvp_loss`), `lt_by_p_bins` (the (1 - p) evidence),
+`mismatch_diagnostics` (all config-independent ones) and `tail_metrics` (entropy, tail tokens,
+the sequence log-ratio's share from outside the safe set). The E10 bound check is
+`dvp_jax/dvp/bound.py` (`mismatch_bound` is re-exported here); nothing here enters a loss.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from dvp_jax.dvp.bound import BoundReport, mismatch_bound  # noqa: F401 (re-exported)
+
 # Clamp on log-ratios before exponentiating for chi^2 (as verl's SAFETY_BOUND): exp(2 * 20) is
 # finite in float32.
 LOG_RATIO_BOUND = 20.0
+
 
 # `frac_tokens_tail`: a sampled token is in the tail when its trainer probability is below this.
 TAIL_P = 1e-3
@@ -375,95 +366,3 @@ def tail_metrics(
     if entropy is not None:
         out["entropy"] = masked_mean(entropy, mask)
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# E10: the (1 - p) bound on the log-probability mismatch.
-# ---------------------------------------------------------------------------------------------
-
-
-class BoundReport(NamedTuple):
-    """Result of `mismatch_bound` (E10).
-
-    Attributes:
-      eps: `[...]` max_b |z'_b - z_b| per position.
-      abs_logp_diff: `[..., V]` |log p'_a - log p_a| (or `[...]` for the given tokens).
-      bound: same shape, factor * eps * (1 - min(p_a, p'_a)).
-      within: same shape, bool, abs_logp_diff <= bound (+ a rounding allowance).
-      frac_within: scalar float32, fraction of entries within the bound.
-    """
-
-    eps: jax.Array
-    abs_logp_diff: jax.Array
-    bound: jax.Array
-    within: jax.Array
-    frac_within: jax.Array
-
-
-def _one_minus_softmax(z: jax.Array) -> jax.Array:
-    """1 - softmax(z) `[..., V]`, accurate also for p close to 1 (no 1 - p cancellation).
-
-    With e_b = exp(z_b - max z) and R = sum of e_b over all b except the argmax:
-    1 - p_argmax = R / (1 + R) and 1 - p_a = ((1 - e_a) + R) / (1 + R) otherwise.
-    """
-    m = jnp.max(z, axis=-1, keepdims=True)
-    e = jnp.exp(z - m)
-    is_max = jax.nn.one_hot(jnp.argmax(z, axis=-1), z.shape[-1], dtype=bool)
-    rest = jnp.sum(jnp.where(is_max, 0.0, e), axis=-1, keepdims=True)
-    return jnp.where(is_max, rest, (1.0 - e) + rest) / (1.0 + rest)
-
-
-def mismatch_bound(
-    behaviour_logits: jax.Array,
-    logits: jax.Array,
-    y: jax.Array | None = None,
-    *,
-    temperature: float = 1.0,
-    factor: float = 2.0,
-    rel_tol: float = 1e-5,
-) -> BoundReport:
-    """Checks E10: |log p'_a - log p_a| <= 2 eps (1 - min(p_a, p'_a)), eps = max_b |z'_b - z_b|.
-
-    Exact, not only first order: along z(s) = z + s (z' - z), d/ds log q_a(s) =
-    sum_b q_b (d_a - d_b) with d = z' - z, so its size is at most 2 eps (1 - q_a(s)); and log q_a
-    is concave in s (z_a is linear, logsumexp convex), so q_a(s) >= min(p_a, p'_a) on the segment.
-    Here p = softmax(z / tau) (trainer), p' = softmax(z' / tau) (rollout), eps on the scaled
-    logits. The difference is computed as d_a - log(sum_b p_b exp(d_b)) (log1p/expm1), so its
-    float32 rounding is relative to eps, not to the size of the logits; `within` allows
-    `rel_tol * eps` for that rounding.
-
-    Args:
-      behaviour_logits: `[..., V]` z' (e.g. the bf16 forward, upcast to float32).
-      logits: `[..., V]` z (e.g. the fp32 forward).
-      y: optional `[...]` token ids; when given, per-token arrays are for those tokens only.
-      temperature: tau > 0.
-      factor: the bound's constant; 2 is E10 (tests pass 1 to check a wrong bound is caught).
-      rel_tol: rounding allowance, as a fraction of eps.
-
-    Returns:
-      `BoundReport`.
-    """
-    z = _f32(logits) / temperature
-    zr = _f32(behaviour_logits) / temperature
-    d = zr - z  # [..., V]
-    eps = jnp.max(jnp.abs(d), axis=-1)  # [...]
-    p = jax.nn.softmax(z, axis=-1)
-    # log p'_a - log p_a = d_a - log sum_b p_b exp(d_b)
-    shift = jnp.log1p(jnp.sum(p * jnp.expm1(d), axis=-1, keepdims=True))
-    diff = jnp.abs(d - shift)
-    one_minus_min_p = jnp.maximum(_one_minus_softmax(z), _one_minus_softmax(zr))
-    bound = factor * eps[..., None] * one_minus_min_p
-    if y is not None:
-        take = lambda a: jnp.take_along_axis(a, y[..., None].astype(jnp.int32), axis=-1)[..., 0]
-        diff, bound = take(diff), take(bound)
-        eps_b = eps
-    else:
-        eps_b = eps[..., None]
-    within = diff <= bound + rel_tol * eps_b
-    return BoundReport(
-        eps=eps,
-        abs_logp_diff=diff,
-        bound=bound,
-        within=within,
-        frac_within=jnp.mean(within.astype(jnp.float32)),
-    )
