@@ -35,8 +35,9 @@ def get_config(method: str = "dvp"):
     c.rollout.max_concurrent_decodes = 1024  # the whole rollout batch (64 prompts x G=16) at once
 
     # "999+999-999=" plus BOS is 13 characters: the default max_prompt_len 16 holds it.
-    c.data.num_operands = 3
-    c.data.max_operand = 999
+    c.data.arithmetic.num_operands = 3
+    c.data.arithmetic.min_operands = 2
+    c.data.arithmetic.max_operand = 999
 
     c.train.steps = 200
     c.train.prompts_per_step = 64

@@ -13,6 +13,7 @@ from dvp_jax.data.tasks import ArithmeticTask, GeneratedTask
 from dvp_jax.rollout import tokenizers
 from dvp_jax.rollout.tokenizers import WordTokenizer, load_tokenizer
 from dvp_jax.train import config as config_lib
+from dvp_jax.train import resume
 from dvp_jax.train.config import DataConfig, ExperimentConfig
 
 N = 1000  # examples for the length and entropy figures
@@ -170,36 +171,43 @@ def test_task_validation_names_the_field(kwargs, field):
 RS = {"task": "running_sum", "tokenizer": "running_sum"}
 
 
+def _rs(**knobs):
+    return {**RS, "running_sum": knobs}
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        ({**RS, "sum_max_operands": 3}, "data.sum_max_operands"),  # < sum_min_operands=4
-        ({**RS, "sum_max_operand": 150}, "data.sum_max_operand"),  # 8 * 150 > 999
-        ({**RS, "sum_min_operand": -1}, "data.sum_min_operand"),
-        ({**RS, "thought_words": 0}, "data.thought_words"),
-        ({**RS, "thought_zipf": -1.0}, "data.thought_zipf"),
-        ({**RS, "min_response_len": 30}, "data.min_response_len"),
-        ({**RS, "max_response_len": 100}, "data.max_response_len"),
-        ({**RS, "max_prompt_len": 10}, "data.max_prompt_len"),
-        ({**RS, "tokenizer": "char"}, "data.tokenizer"),
-        ({**RS, "thought_words": 4000}, "data.tokenizer"),  # needs 'running_sum:4000'
-        ({"task": "arithmetic", "tokenizer": "running_sum"}, "data.tokenizer"),
-        ({"task": "sum"}, "data.task"),
+        # The task's own checks, reported under the section that set the knob.
+        (_rs(max_operands=3), "data.running_sum: .*min_operands <= max_operands"),
+        (_rs(max_operand=150), "data.running_sum: .*max_operand"),  # 8 * 150 > 999
+        (_rs(min_operand=-1), "data.running_sum: .*min_operand"),
+        (_rs(n_words=0), "data.running_sum: .*n_words"),
+        (_rs(zipf_exponent=-1.0), "data.running_sum: .*zipf_exponent"),
+        (_rs(min_response_len=30), "data.running_sum: .*min_response_len"),
+        (_rs(max_response_len=100), "data.running_sum: .*max_response_len"),
+        (_rs(thought_words=10), "data.running_sum has unknown fields \\['thought_words'\\]"),
+        ({"arithmetic": {"num_operands": 1}}, "data.arithmetic: .*min_operands"),
+        # The data config's own cross-field checks.
+        ({**RS, "max_prompt_len": 10}, "data.max_prompt_len must be"),
+        ({**RS, "tokenizer": "char"}, "data.tokenizer must be"),
+        (_rs(n_words=4000), "data.tokenizer must be"),  # needs 'running_sum:4000'
+        ({"task": "arithmetic", "tokenizer": "running_sum"}, "data.tokenizer must be"),
+        ({"task": "sum"}, "data.task must be"),
     ],
 )
 def test_config_validation_names_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=f"config.{field} must be"):
+    with pytest.raises(ValueError, match=f"config.{field}"):
         DataConfig(**kwargs)
 
 
 def test_config_makes_the_task_and_checks_decode_length():
-    data = DataConfig(task="running_sum", thought_words=4000, tokenizer="running_sum:4000", seed=2)
+    data = DataConfig(**{**_rs(n_words=4000), "tokenizer": "running_sum:4000", "seed": 2})
     task = data.make_task()
     assert task == RunningSumTask(seed=2, n_words=4000)
+    assert data.running_sum == {**config_lib.task_knobs(RunningSumTask), "n_words": 4000}
     assert load_tokenizer(data.tokenizer).vocab_size == 5008 and data.reward_kind == "marked_answer"
-    assert (
-        DataConfig().make_task() == DataConfig().arithmetic_task() == ArithmeticTask(min_operands=2)
-    )
+    assert DataConfig().make_task() == ArithmeticTask()
     assert DataConfig(task="math", path="x.jsonl").make_task() is None
     assert [DataConfig(task=t, path="p").reward_kind for t in ("arithmetic", "math")] == [
         "exact_match",
@@ -208,22 +216,32 @@ def test_config_makes_the_task_and_checks_decode_length():
 
     cd = config_lib.default_config("rloo")
     cd.data.task, cd.data.tokenizer = "running_sum", "running_sum"
-    with pytest.raises(ValueError, match="config.rollout.max_decode_length must be >= .* 251"):
+    assert cd.data.running_sum.to_dict() == config_lib.task_knobs(RunningSumTask)
+    with pytest.raises(
+        ValueError, match="config.rollout.max_decode_length must be >= .*max_response_len .* 251"
+    ):
         ExperimentConfig.from_config_dict(cd, 3008)
     cd.rollout.max_decode_length = 251
+    cd.data.running_sum.max_operands = 6
     cfg = ExperimentConfig.from_config_dict(cd, 3008)
-    assert cfg.data.make_task() == RunningSumTask()
+    assert cfg.data.make_task() == RunningSumTask(max_operands=6)
+    cd.lock()
+    with pytest.raises(AttributeError):  # a misspelt knob fails where it is set
+        cd.data.running_sum.max_operandz = 3
 
 
 def test_resume_ignores_new_fields_at_their_default():
-    """A workdir made before the running-sum fields existed resumes; a changed value does not."""
+    """A workdir made before a task knob existed resumes; a changed value does not."""
     cfg = ExperimentConfig.from_config_dict(config_lib.default_config("rloo"), 59)
-    new = [f"data.{f.name}" for f in dataclasses.fields(DataConfig) if f.name.startswith("sum_")]
-    saved = {k: v for k, v in config_lib.flat_fields(cfg).items() if k not in new}
-    assert config_lib.resume_mismatch(saved, cfg) == []
-    changed = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, sum_max_operands=6))
-    assert config_lib.resume_mismatch(saved, changed) == [
-        "data.sum_max_operands: workdir '<absent>', now 6"
+    saved = {k: v for k, v in resume.flat_fields(cfg).items() if not k.startswith("data.running")}
+    assert "data.arithmetic.num_operands" in saved
+    assert resume.resume_mismatch(saved, cfg) == []
+    knobs = {**cfg.data.running_sum, "max_operands": 6}
+    changed = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, running_sum=knobs))
+    assert resume.resume_mismatch(saved, changed) == [
+        "data.running_sum.max_operands: workdir '<absent>', now 6"
     ]
-    saved["data.sum_max_operands"] = 8
-    assert config_lib.resume_mismatch(saved, changed) == ["data.sum_max_operands: workdir 8, now 6"]
+    saved["data.running_sum.max_operands"] = 8
+    assert resume.resume_mismatch(saved, changed) == [
+        "data.running_sum.max_operands: workdir 8, now 6"
+    ]

@@ -18,7 +18,7 @@ from dvp_jax.model import DTypePolicy, ModelConfig, Transformer
 from dvp_jax.model.hf_import import load_hf, load_hf_config
 from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
 from dvp_jax.sharding import MeshConfig, Sharder, init_sharded, make_mesh
-from dvp_jax.train import config as config_lib
+from dvp_jax.train import resume
 from dvp_jax.train.config import ExperimentConfig
 from dvp_jax.workdir import as_path
 
@@ -229,12 +229,12 @@ class WorkdirMismatchError(ValueError, UserError):
 
 def check_workdir(cfg: ExperimentConfig, workdir: str) -> None:
     """Raises `WorkdirMismatchError` (one line naming the fields) if `workdir`'s config.json
-    differs from `cfg` in a field a resumed run may not change (`config.RESUMABLE_FIELDS`)."""
+    differs from `cfg` in a field a resumed run may not change (`resume.RESUMABLE_FIELDS`)."""
     path = as_path(workdir) / "config.json"
     if not path.exists():
         return
     saved = json.loads(path.read_text())
-    diff = config_lib.resume_mismatch(saved, cfg)
+    diff = resume.resume_mismatch(saved, cfg)
     if diff:
         raise WorkdirMismatchError(
             f"{workdir} holds a run with a different config ({'; '.join(diff)}); rerun with "

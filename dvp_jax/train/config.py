@@ -15,6 +15,9 @@ from typing import Any
 
 import ml_collections
 
+from dvp_jax.data import running_sum
+from dvp_jax.data.running_sum import RunningSumTask
+from dvp_jax.data.tasks import ArithmeticTask, GeneratedTask
 from dvp_jax.dvp.losses import PRESETS as LOSS_PRESETS
 from dvp_jax.dvp.losses import LossConfig
 from dvp_jax.model.config import (
@@ -28,9 +31,16 @@ from dvp_jax.model.config import (
 from dvp_jax.model.config import PRESETS as MODEL_PRESETS
 from dvp_jax.sharding import MeshConfig
 
-TASKS = ("arithmetic", "running_sum", "math")
+# The generated tasks by `data.task` name; "math" reads a file instead.
+GENERATED_TASKS = {"arithmetic": ArithmeticTask, "running_sum": RunningSumTask}
+TASKS = (*GENERATED_TASKS, "math")
 # The verifier of each task (`dvp_jax.data.rewards` kinds).
 TASK_REWARDS = {"arithmetic": "exact_match", "running_sum": "marked_answer", "math": "math_verify"}
+
+
+def task_knobs(cls) -> dict[str, Any]:
+    """A generated task's knobs and their defaults: its dataclass fields but `seed`."""
+    return {f.name: _default(f) for f in dataclasses.fields(cls) if f.name != "seed"}
 
 
 def _check(cond: bool, field: str, allowed: str, value: Any) -> None:
@@ -41,13 +51,6 @@ def _check(cond: bool, field: str, allowed: str, value: Any) -> None:
 def _int(field: str, value: Any, lo: int | None = None) -> None:
     ok = isinstance(value, int) and not isinstance(value, bool) and (lo is None or value >= lo)
     _check(ok, field, f"an int >= {lo}" if lo is not None else "an int", value)
-
-
-def _int_range(lo_field: str, lo: Any, hi_field: str, hi: Any, floor: int) -> None:
-    """Both ints >= `floor` and lo <= hi (the error names the field at fault)."""
-    _int(lo_field, lo, floor)
-    _int(hi_field, hi, floor)
-    _check(lo <= hi, hi_field, f">= {lo_field}={lo}", hi)
 
 
 def _pos_float(field: str, value: Any, allow_zero: bool = False) -> None:
@@ -93,33 +96,24 @@ class RolloutConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """The prompts and their verifier: a generated task ("arithmetic", "running_sum") or a math
-    file ("math"). Each generated task reads only its own knobs below."""
+    """The prompts and their verifier: a generated task (`GENERATED_TASKS`) or a math file.
+
+    `arithmetic` and `running_sum` hold each generated task's knobs under the task's own field
+    names (`ArithmeticTask`, `RunningSumTask`; their seed is `data.seed`); the task owns their
+    defaults and checks. Unset knobs take the task's defaults; both tasks are built (checked)
+    whichever `task` runs, and `make_task()` returns the one that does.
+    """
 
     task: str = "arithmetic"  # one of TASKS; the reward kind follows (TASK_REWARDS)
     path: str = ""  # jsonl / parquet in the DAPO-Math layout, for task="math"
     eval_path: str = ""  # held-out math file (e.g. AIME25) for avg@k; generated tasks have a split
-    # "char", "running_sum:<thought_words>" (task="running_sum") or a path to a tokenizer.json
+    # "char", "running_sum:<n_words>" (task="running_sum") or a path to a tokenizer.json
     tokenizer: str = "char"
     chat_format: str = "chatml"
     max_prompt_len: int = 16
     seed: int = 0
-    # arithmetic difficulty knobs (dvp_jax.data.tasks.ArithmeticTask)
-    num_operands: int = 2
-    min_operands: int = 2
-    max_operand: int = 49
-    ops: str = "+-"
-    style: str = "symbolic"
-    # running-sum knobs (dvp_jax.data.running_sum.RunningSumTask): operand count and range,
-    # the thought vocabulary and its Zipf exponent, the response length band (tokens, no EOS)
-    sum_min_operands: int = 4
-    sum_max_operands: int = 8
-    sum_min_operand: int = 1
-    sum_max_operand: int = 99
-    thought_words: int = 2000
-    thought_zipf: float = 1.1
-    min_response_len: int = 150
-    max_response_len: int = 250
+    arithmetic: dict = dataclasses.field(default_factory=dict)
+    running_sum: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         _check(self.task in TASKS, "data.task", f"one of {TASKS}", self.task)
@@ -129,85 +123,29 @@ class DataConfig:
             )
         _int("data.max_prompt_len", self.max_prompt_len, 1)
         _int("data.seed", self.seed, 0)
-        _int("data.num_operands", self.num_operands, 1)
-        _int("data.min_operands", self.min_operands, 1)
-        _int("data.max_operand", self.max_operand, 1)
-        _check(
-            bool(self.ops) and set(self.ops) <= set("+-*"),
-            "data.ops",
-            "a non-empty string of '+', '-', '*'",
-            self.ops,
-        )
-        self._check_running_sum()
+        built = {name: self._build_task(name, cls) for name, cls in GENERATED_TASKS.items()}
+        object.__setattr__(self, "_tasks", built)  # not a field: derived from the knobs
+        self._check_tokenizer(built["running_sum"])
 
-    def _check_running_sum(self) -> None:
-        from dvp_jax.data import running_sum as rs
+    def _build_task(self, name: str, cls):
+        """The task of `data.<name>`'s knobs; the knob dict is completed with its defaults."""
+        knobs, allowed = dict(getattr(self, name)), task_knobs(cls)
+        unknown = sorted(set(knobs) - set(allowed))
+        if unknown:
+            raise ValueError(
+                f"config.data.{name} has unknown fields {unknown}; allowed: {sorted(allowed)}"
+            )
+        try:
+            task = cls(seed=self.seed, **knobs)
+        except (TypeError, ValueError) as e:  # the task's own message names its field
+            raise ValueError(f"config.data.{name}: {e}") from None
+        object.__setattr__(self, name, {k: getattr(task, k) for k in allowed})
+        return task
 
-        _int_range(
-            "data.sum_min_operands",
-            self.sum_min_operands,
-            "data.sum_max_operands",
-            self.sum_max_operands,
-            1,
-        )
-        _int_range(
-            "data.sum_min_operand",
-            self.sum_min_operand,
-            "data.sum_max_operand",
-            self.sum_max_operand,
-            0,
-        )
-        _check(
-            self.sum_max_operands * self.sum_max_operand <= rs.MAX_NUMBER,
-            "data.sum_max_operand",
-            f"<= {rs.MAX_NUMBER // self.sum_max_operands} so that sum_max_operands * "
-            f"sum_max_operand stays within the number tokens 0..{rs.MAX_NUMBER}",
-            self.sum_max_operand,
-        )
-        _int("data.thought_words", self.thought_words, 1)
-        _check(
-            self.thought_words <= rs.MAX_N_WORDS,
-            "data.thought_words",
-            f"<= {rs.MAX_N_WORDS}",
-            self.thought_words,
-        )
-        _pos_float("data.thought_zipf", self.thought_zipf, allow_zero=True)
-        _int_range(
-            "data.min_response_len",
-            self.min_response_len,
-            "data.max_response_len",
-            self.max_response_len,
-            1,
-        )
-        least = 4 * self.sum_max_operands + 2
-        _check(
-            self.min_response_len >= least,
-            "data.min_response_len",
-            f">= {least} (4 * data.sum_max_operands + 2: the longest problem's steps and "
-            "answer without any thought word)",
-            self.min_response_len,
-        )
-        spec = rs.tokenizer_spec(self.thought_words)
-        word_tokenizer = self.tokenizer.split(":")[0] == rs.TOKENIZER_NAME
-        if self.task == "running_sum":
-            ok = self.tokenizer == spec or (
-                self.tokenizer == rs.TOKENIZER_NAME and self.thought_words == rs.DEFAULT_N_WORDS
-            )
-            _check(
-                ok,
-                "data.tokenizer",
-                f"{spec!r} for task='running_sum' (the word vocabulary of "
-                f"data.thought_words={self.thought_words})",
-                self.tokenizer,
-            )
-            _check(
-                self.max_prompt_len >= self.sum_max_operands + 3,
-                "data.max_prompt_len",
-                f">= {self.sum_max_operands + 3} (BOS, 'sum', data.sum_max_operands="
-                f"{self.sum_max_operands} operands, '=')",
-                self.max_prompt_len,
-            )
-        else:
+    def _check_tokenizer(self, rs_task: RunningSumTask) -> None:
+        """The running-sum task needs its word tokenizer, and the word tokenizer nothing else."""
+        if self.task != "running_sum":
+            word_tokenizer = self.tokenizer.split(":")[0] == running_sum.TOKENIZER_NAME
             _check(
                 not word_tokenizer,
                 "data.tokenizer",
@@ -215,47 +153,34 @@ class DataConfig:
                 "tokenizer cannot encode its prompts)",
                 self.tokenizer,
             )
+            return
+        spec = rs_task.tokenizer_spec
+        default_words = rs_task.n_words == running_sum.DEFAULT_N_WORDS
+        _check(
+            self.tokenizer == spec
+            or (self.tokenizer == running_sum.TOKENIZER_NAME and default_words),
+            "data.tokenizer",
+            f"{spec!r} for task='running_sum' (the word vocabulary of "
+            f"data.running_sum.n_words={rs_task.n_words})",
+            self.tokenizer,
+        )
+        least = rs_task.max_prompt_tokens + 1
+        _check(
+            self.max_prompt_len >= least,
+            "data.max_prompt_len",
+            f">= {least} (BOS and the longest prompt of data.running_sum)",
+            self.max_prompt_len,
+        )
 
     @property
     def reward_kind(self) -> str:
         """The verifier of the task (TASK_REWARDS)."""
         return TASK_REWARDS[self.task]
 
-    def make_task(self):
-        """The generated task these knobs describe (`tasks.GeneratedTask`), or None for "math".
-
-        The same problems and held-out split everywhere: trainer, experiments, evaluation.
-        """
-        if self.task == "arithmetic":
-            return self.arithmetic_task()
-        if self.task == "running_sum":
-            from dvp_jax.data.running_sum import RunningSumTask
-
-            return RunningSumTask(
-                seed=self.seed,
-                min_operands=self.sum_min_operands,
-                max_operands=self.sum_max_operands,
-                min_operand=self.sum_min_operand,
-                max_operand=self.sum_max_operand,
-                n_words=self.thought_words,
-                zipf_exponent=self.thought_zipf,
-                min_response_len=self.min_response_len,
-                max_response_len=self.max_response_len,
-            )
-        return None
-
-    def arithmetic_task(self):
-        """The arithmetic task of the arithmetic knobs (whatever `task` is; see `make_task`)."""
-        from dvp_jax.data.tasks import ArithmeticTask
-
-        return ArithmeticTask(
-            seed=self.seed,
-            num_operands=self.num_operands,
-            min_operands=self.min_operands,
-            max_operand=self.max_operand,
-            ops=tuple(self.ops),
-            style=self.style,
-        )
+    def make_task(self) -> GeneratedTask | None:
+        """The generated task `task` names, or None for "math": the same problems and held-out
+        split everywhere (trainer, experiments, evaluation)."""
+        return self._tasks.get(self.task)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -447,13 +372,14 @@ class ExperimentConfig:
         if train.updates_per_batch == 1 and loss.ppo_clip_eps is not None:
             raise ValueError("config.loss.ppo_clip_eps needs config.train.updates_per_batch > 1")
         data = _build("data", DataConfig, d.get("data", {}))
-        if data.task == "running_sum" and rollout.max_decode_length <= data.max_response_len:
+        longest = data.running_sum["max_response_len"]
+        if data.task == "running_sum" and rollout.max_decode_length <= longest:
             # The reference responses run to max_response_len tokens plus EOS; a shorter decode
             # budget truncates them, and a truncated response scores 0.
             raise ValueError(
-                f"config.rollout.max_decode_length must be >= data.max_response_len + 1 = "
-                f"{data.max_response_len + 1} for task='running_sum', got "
-                f"{rollout.max_decode_length}"
+                "config.rollout.max_decode_length must be >= "
+                f"data.running_sum.max_response_len + 1 = {longest + 1} for task='running_sum', "
+                f"got {rollout.max_decode_length}"
             )
         cfg = cls(
             model=model,
@@ -504,14 +430,9 @@ def default_config(method: str = "dvp") -> ml_collections.ConfigDict:
     from_preset = {"model": {f.name for f in dataclasses.fields(ModelConfig)}}
     from_preset["loss"] = {"prune", "correction", "temperature"}
     for section, cls in _SECTIONS.items():
-        sub = ml_collections.ConfigDict()
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            default = None if f.name in from_preset.get(section, ()) else _default(f)
-            if default is None:
-                default = ml_collections.config_dict.placeholder(_base_type(hints[f.name]))
-            sub[f.name] = default
-        c[section] = sub
+        c[section] = _fields_dict(cls, from_preset.get(section, ()))
+    for name, cls in GENERATED_TASKS.items():  # each task's knobs under its own names
+        c.data[name] = _fields_dict(cls, skip=("seed",))
     c.model.preset = "tiny"  # a ModelConfig preset name; the fields above override it
     c.model.vocab_size = -1  # -1: the tokenizer's vocabulary rounded up to a multiple of 8
     c.model.hf_path = ""  # a local Hugging Face Qwen3 directory to start from ("" = random init)
@@ -528,10 +449,20 @@ def _default(field: dataclasses.Field):
     return None
 
 
-def _base_type(hint) -> type:
-    """`float | None` -> float (the type a placeholder accepts)."""
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if args else hint
+def _fields_dict(cls, from_preset=(), skip=()) -> ml_collections.ConfigDict:
+    """Dataclass `cls`'s fields with their defaults; a None default (or one `from_preset`) is a
+    placeholder of the field's type (`float | None` -> float)."""
+    sub = ml_collections.ConfigDict()
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        default = None if f.name in from_preset else _default(f)
+        if default is None:
+            args = [a for a in typing.get_args(hints[f.name]) if a is not type(None)]
+            default = ml_collections.config_dict.placeholder(args[0] if args else hints[f.name])
+        sub[f.name] = default
+    return sub
 
 
 def _build(section: str, cls, values: dict[str, Any], base=None):
@@ -547,65 +478,3 @@ def _build(section: str, cls, values: dict[str, Any], base=None):
             raise
         # Dataclass validators name their own class (`LossConfig.cap`); say where it was set.
         raise ValueError(f"config.{section}: {msg}") from None
-
-
-# What a rerun on an existing workdir may change: how long it runs, how often it evaluates,
-# saves and logs, where it runs (mesh, engine slots) and where the initial weights were read
-# from. Every other field decides the results and must equal the workdir's config.json.
-RESUMABLE_FIELDS = (
-    "train.steps",
-    "eval.",
-    "checkpoint.",
-    "log_every",
-    "plots",
-    "mesh.",
-    "rollout.max_concurrent_decodes",
-    "rollout.tensor_parallel",
-    "init_hf_path",
-)
-
-
-def flat_fields(cfg: ExperimentConfig) -> dict[str, Any]:
-    """{"section.field": value} of every field of a validated config (JSON-serialisable)."""
-    out = {}
-    for name, value in dataclasses.asdict(cfg).items():
-        if isinstance(value, dict):
-            out |= {f"{name}.{k}": v for k, v in value.items()}
-        else:
-            out[name] = value
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
-
-
-def _flat_defaults() -> dict[str, Any]:
-    """{"section.field": dataclass default} for every section field that has one."""
-    out = {}
-    for section, cls in _SECTIONS.items():
-        for f in dataclasses.fields(cls):
-            default = _default(f)
-            if default is not None:
-                out[f"{section}.{f.name}"] = (
-                    list(default) if isinstance(default, tuple) else default
-                )
-    return out
-
-
-def resume_mismatch(saved: dict[str, Any], current: ExperimentConfig) -> list[str]:
-    """The fields (other than `RESUMABLE_FIELDS`) whose value differs from a saved config.
-
-    A field missing from `saved` (added to the config after the workdir was made) counts only
-    when its value is not its default. Returns lines like "model.d_ff: workdir 64, now 128",
-    sorted by field.
-    """
-    now = flat_fields(current)
-    defaults = _flat_defaults()
-    diff = []
-    for key in sorted(set(saved) | set(now)):
-        if key.startswith(RESUMABLE_FIELDS):
-            continue
-        if key not in saved and key in defaults and now[key] == defaults[key]:
-            continue  # A field added after the workdir was made, at its default: no change.
-        if saved.get(key, "<absent>") != now.get(key, "<absent>"):
-            diff.append(
-                f"{key}: workdir {saved.get(key, '<absent>')!r}, now {now.get(key, '<absent>')!r}"
-            )
-    return diff

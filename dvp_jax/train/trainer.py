@@ -29,7 +29,7 @@ from dvp_jax.errors import ConfigError, DataError
 from dvp_jax.rollout.offline import RolloutInterrupted, generate_rollouts
 from dvp_jax.sharding import TRAIN_RULES, Sharder, make_mesh
 from dvp_jax.train import batch as batch_lib
-from dvp_jax.train import config as config_lib
+from dvp_jax.train import resume
 from dvp_jax.train import evaluation, report, sft
 from dvp_jax.train import step as step_lib
 from dvp_jax.train.builders import (
@@ -187,7 +187,7 @@ class Trainer:
         fresh start), record the config and architecture, open the event-file writer."""
         self.metrics_log.truncate_after(resumed_step)
         if self.is_lead:
-            flat = config_lib.flat_fields(self.cfg)
+            flat = resume.flat_fields(self.cfg)
             write_atomic(self.workdir / "config.json", json.dumps(flat, indent=2))
             # The architecture as a Hugging Face config.json, for the server.
             write_atomic(
