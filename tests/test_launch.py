@@ -1,5 +1,7 @@
-"""Experiment infrastructure: sweep expansion, the local and TPU launchers, the scale plan, and
-the paper / GPU configs. Fast (no trainer runs: a stand-in process plays the trainer)."""
+"""The launcher (dvp_jax.launch): sweep expansion, the local runner, the Cloud TPU commands and
+the README's TPU commands. Fast: no trainer runs (a stand-in plays the trainer), no network; the
+remote scripts run in a real shell with fake `gcloud`, `curl` and `uv` (sh scripts on PATH).
+One test starts a fresh interpreter, for the `python -m dvp_jax.launch` entry point."""
 
 from __future__ import annotations
 
@@ -15,13 +17,10 @@ from unittest import mock
 
 import pytest
 
-from dvp_jax.pyfile import load_file
-from dvp_jax.rollout.tokenizers import CharTokenizer
-from dvp_jax.train.config import ExperimentConfig
-from experiments import launch
+from dvp_jax.launch import cli, sweep, xm
+from experiments import launch as old_launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HF_VOCAB = 151_936
 E000 = os.path.join(REPO, "experiments", "e000_smoke.py")
 
 
@@ -48,7 +47,7 @@ def tricky_experiment(tmp_path):
 # Sweeps.
 # ------------------------------------------------------------------------------------------------
 def test_expand_sweep_names_units_by_varying_overrides():
-    units = launch.expand_sweep(
+    units = sweep.expand_sweep(
         [
             {"method": "rloo", "train.seed": 0, "train.steps": 2},
             {"method": "dvp", "train.seed": 1, "train.steps": 2},
@@ -58,11 +57,11 @@ def test_expand_sweep_names_units_by_varying_overrides():
     assert [u.name for u in units] == ["00_method=rloo,seed=0", "01_method=dvp,seed=1", "02_custom"]
     assert units[2].overrides == (("method", "dvp"), ("train.seed", 2), ("train.steps", 2))
     # Clashing last components keep the full key.
-    units = launch.expand_sweep(
+    units = sweep.expand_sweep(
         [{"train.seed": 0, "data.seed": 0}, {"train.seed": 1, "data.seed": 1}]
     )
     assert units[1].name == "01_train.seed=1,data.seed=1"
-    assert launch.expand_sweep([{}])[0].name == "00_base"
+    assert sweep.expand_sweep([{}])[0].name == "00_base"
 
 
 @pytest.mark.parametrize(
@@ -76,49 +75,49 @@ def test_expand_sweep_names_units_by_varying_overrides():
 )
 def test_expand_sweep_rejects_bad_sweeps(bad, match):
     if match is None:
-        assert len({u.name for u in launch.expand_sweep(bad)}) == 2
+        assert len({u.name for u in sweep.expand_sweep(bad)}) == 2
         return
     with pytest.raises(ValueError, match=match):
-        launch.expand_sweep(bad)
+        sweep.expand_sweep(bad)
 
 
 def test_format_value_round_trips_through_config_flags_syntax():
-    assert launch.format_value(True) == "true"
-    assert launch.format_value(-13.0) == "-13.0"
-    assert launch.format_value(-math.inf) == "-inf"
-    assert launch.format_value(1e-6) == "1e-06"
-    assert launch.format_value([1, 2]) == "(1, 2)"
+    assert sweep.format_value(True) == "true"
+    assert sweep.format_value(-13.0) == "-13.0"
+    assert sweep.format_value(-math.inf) == "-inf"
+    assert sweep.format_value(1e-6) == "1e-06"
+    assert sweep.format_value([1, 2]) == "(1, 2)"
     with pytest.raises(ValueError):
-        launch.format_value(None)
+        sweep.format_value(None)
 
 
 def test_parse_assignments_reads_python_literals_else_strings():
-    got = launch.parse_assignments(["seeds=3", "noise=0.5", "smoke=True", "init_hf=/a b/c"])
+    got = sweep.parse_assignments(["seeds=3", "noise=0.5", "smoke=True", "init_hf=/a b/c"])
     assert got == {"seeds": 3, "noise": 0.5, "smoke": True, "init_hf": "/a b/c"}
-    assert launch.parse_assignments(["methods=('rloo', 'dvp')"]) == {"methods": ("rloo", "dvp")}
+    assert sweep.parse_assignments(["methods=('rloo', 'dvp')"]) == {"methods": ("rloo", "dvp")}
     with pytest.raises(ValueError, match="NAME=VALUE"):
-        launch.parse_assignments(["seeds"])
+        sweep.parse_assignments(["seeds"])
 
 
 def test_sweep_arguments_reach_get_sweep_and_unknown_ones_fail(tricky_experiment, capsys):
-    exp = launch.load_experiment(tricky_experiment, {"plots": True})
+    exp = sweep.load_experiment(tricky_experiment, {"plots": True})
     assert exp.sweep_call == "get_sweep(plots=True)"
     assert all(dict(u.overrides)["plots"] is True for u in exp.units)
     with pytest.raises(ValueError, match="unexpected keyword argument 'seeds'"):
-        launch.load_experiment(tricky_experiment, {"seeds": 3})
+        sweep.load_experiment(tricky_experiment, {"seeds": 3})
     # From the command line: the dry run shows the call and its overrides.
-    assert launch.main([tricky_experiment, "--dry_run", "--sweep", "plots=True"]) == 0
+    assert cli.main(["local", tricky_experiment, "--dry_run", "--sweep", "plots=True"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("# e999_quoting.get_sweep(plots=True): 2 work units")
     assert out.count("--config.plots=true") == 2
     with pytest.raises(SystemExit, match="get_sweep"):
-        launch.main([tricky_experiment, "--dry_run", "--sweep", "seeds=3"])
+        cli.main(["local", tricky_experiment, "--dry_run", "--sweep", "seeds=3"])
     with pytest.raises(SystemExit, match="no such work units"):
-        launch.main([tricky_experiment, "--dry_run", "--only", "7"])
+        cli.main(["local", tricky_experiment, "--dry_run", "--only", "7"])
 
 
 def test_e000_smoke_has_two_tiny_units():
-    exp = launch.load_experiment(E000)
+    exp = sweep.load_experiment(E000)
     assert exp.config_flag == "configs/tiny_cpu.py:dvp"
     assert [dict(u.overrides)["method"] for u in exp.units] == ["rloo", "dvp"]
     for u in exp.units:
@@ -126,13 +125,31 @@ def test_e000_smoke_has_two_tiny_units():
         assert ov["train.steps"] == 2 and ov["sft.steps"] == 2 and ov["eval.num_prompts"] == 8
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["local"], "give an experiment file"),
+        (["local", E000, "--config", "configs/tiny_cpu.py"], "give an experiment file"),
+        (["local", "--config", "configs/nope.py"], "config 'configs/nope.py' does not exist"),
+        (["local", "--config", "configs/tiny_cpu.py", "--sweep", "a=1"], "--sweep needs an"),
+        (["local", E000, "--only", "x"], "--only 'x': want comma-separated"),
+    ],
+)
+def test_the_experiment_or_config_is_checked(argv, message):
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        cli.main(argv)
+
+
 # ------------------------------------------------------------------------------------------------
 # Local mode.
 # ------------------------------------------------------------------------------------------------
+def _commands(out: str) -> list[list[str]]:
+    return [shlex.split(line) for line in out.splitlines() if not line.startswith("#")]
+
+
 def test_local_dry_run_prints_one_command_per_unit(tmp_path, capsys):
-    assert launch.main([E000, "--dry_run", "--root", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    commands = [shlex.split(line) for line in out.splitlines() if not line.startswith("#")]
+    assert cli.main(["local", E000, "--dry_run", "--root", str(tmp_path)]) == 0
+    commands = _commands(capsys.readouterr().out)
     assert len(commands) == 2
     for argv, method in zip(commands, ("rloo", "dvp"), strict=True):
         assert argv[1:5] == ["-m", "dvp_jax.main", "--config", "configs/tiny_cpu.py:dvp"]
@@ -142,21 +159,35 @@ def test_local_dry_run_prints_one_command_per_unit(tmp_path, capsys):
     assert not os.listdir(tmp_path)  # a dry run creates nothing
 
 
+def test_flags_after_the_separator_reach_every_trainer_last(tmp_path, capsys):
+    """The launcher forwards trainer flags verbatim, after the sweep's (absl keeps the last)."""
+    forwarded = ["--config.train.steps=5", "--config.data.path=/a b/c.jsonl", "--verbose"]
+    assert cli.main(["local", E000, "--dry_run", "--root", str(tmp_path), "--", *forwarded]) == 0
+    for argv in _commands(capsys.readouterr().out):
+        assert argv[-3:] == forwarded and "--config.train.steps=2" in argv[:-3]
+    # --config instead of an experiment file: one unit, named after the config.
+    assert cli.main(["local", "--config", "configs/tiny_cpu.py:rloo", "--dry_run", "--", "-x"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# tiny_cpu.--config configs/tiny_cpu.py:rloo: 1 work units")
+    [argv] = _commands(out)
+    assert argv[1:5] == ["-m", "dvp_jax.main", "--config", "configs/tiny_cpu.py:rloo"]
+    assert argv[argv.index("--workdir") + 1] == f"{sweep.DEFAULT_ROOT}/tiny_cpu/00_base"
+    assert argv[-1] == "-x"
+    with pytest.raises(SystemExit, match="flags after `--` go to local or run"):
+        cli.main(["status", "--tpu", "t", "--zone", "us-east5-a", "--", "--config.a=1"])
+
+
 def test_local_run_collects_summaries_and_fails_on_a_failed_unit(tmp_path, monkeypatch, capsys):
     """The real runner, with a stand-in trainer: unit `rloo` succeeds, unit `dvp` crashes."""
 
     def fake_argv(config_flag, overrides, workdir, python, extra_flags=()):
         method = dict(overrides)["method"]
-        code = (
-            "import json, os, sys\n"
-            f"if {method!r} == 'dvp': sys.exit(3)\n"
-            f"json.dump({{'eval_accuracy': 0.5, 'final_ppl_gap': 0.01, 'wall_time_s': 1.0}}, "
-            f"open(os.path.join({workdir!r}, 'summary.json'), 'w'))\n"
-        )
-        return [python, "-c", code]
+        summary = '{"eval_accuracy": 0.5, "final_ppl_gap": 0.01, "wall_time_s": 1.0}'
+        write = f"printf '%s' '{summary}' > {shlex.quote(os.path.join(workdir, 'summary.json'))}"
+        return ["sh", "-c", "exit 3" if method == "dvp" else write]
 
-    monkeypatch.setattr(launch, "unit_argv", fake_argv)
-    rc = launch.main([E000, "--root", str(tmp_path), "--parallel", "2"])
+    monkeypatch.setattr(sweep, "unit_argv", fake_argv)
+    rc = cli.main(["local", E000, "--root", str(tmp_path), "--parallel", "2"])
     out = capsys.readouterr().out
     assert rc == 1
     table = out[out.index("unit ") :].splitlines()
@@ -165,13 +196,36 @@ def test_local_run_collects_summaries_and_fails_on_a_failed_unit(tmp_path, monke
     assert table[2].split()[:2] == ["01_method=dvp", "fail(3)"]
     results = json.loads((tmp_path / "e000_smoke" / "results.json").read_text())
     assert [r["returncode"] for r in results] == [0, 3]
-    assert (tmp_path / "e000_smoke" / "01_method=dvp" / "launch.log").exists()
+    log = (tmp_path / "e000_smoke" / "01_method=dvp" / "launch.log").read_text()
+    assert log.startswith("$ sh -c 'exit 3'\n")
     # --only reruns a subset.
-    assert launch.main([E000, "--root", str(tmp_path), "--only", "0"]) == 0
+    assert cli.main(["local", E000, "--root", str(tmp_path), "--only", "0"]) == 0
+
+
+def test_the_old_import_path_runs_the_local_launcher(tmp_path, capsys):
+    """`experiments.launch` (still imported by experiment files) is the local runner."""
+    assert old_launch.load_experiment is sweep.load_experiment
+    assert old_launch.main([E000, "--dry_run", "--root", str(tmp_path)]) == 0
+    assert len(_commands(capsys.readouterr().out)) == 2
+
+
+def test_the_module_entry_point_runs(tmp_path):
+    """The one fresh interpreter: `python -m dvp_jax.launch` parses its flags and prints."""
+    argv = [sys.executable, "-m", "dvp_jax.launch", "local", E000, "--dry_run", "--root"]
+    out = subprocess.run(
+        [*argv, str(tmp_path), "--", "--config.train.steps=1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert [a[-1] for a in _commands(out.stdout)] == ["--config.train.steps=1"] * 2
 
 
 # ------------------------------------------------------------------------------------------------
-# Cloud TPU VM slices (experiments/tpu.py, through `launch.py ACTION ...`).
+# Cloud TPU VM slices.
 # ------------------------------------------------------------------------------------------------
 SLICE = ["--tpu", "dvp-v5p", "--zone", "us-east5-a", "--project", "my-proj"]
 GCLOUD = ["gcloud", "compute", "tpus"]
@@ -186,41 +240,36 @@ STAGE_QWEN = (
     "mv /data/Qwen3-14B-Base.partial/Qwen3-14B-Base /data/Qwen3-14B-Base && "
     "rmdir /data/Qwen3-14B-Base.partial; fi"
 )
-# Plays `gcloud storage cp [-r] SRC DST` with gs://BUCKET/PATH kept under $FAKE_GCS/BUCKET/PATH,
-# and records every call; exits 1 without copying when $GCLOUD_FAIL is set.
-FAKE_GCLOUD = """
-import json, os, shutil, sys
-args = sys.argv[1:]
-with open(os.environ["GCLOUD_CALLS"], "a") as f:
-    f.write(json.dumps(args) + "\\n")
-if os.environ.get("GCLOUD_FAIL"):
-    sys.exit(1)
-assert args[:2] == ["storage", "cp"], args
-local = lambda p: os.path.join(os.environ["FAKE_GCS"], p[5:]) if p.startswith("gs://") else p
-src, dst = local(args[-2]), local(args[-1])
-dst = os.path.join(dst, os.path.basename(src)) if dst.endswith("/") else dst
-os.makedirs(os.path.dirname(dst), exist_ok=True)
-(shutil.copytree if os.path.isdir(src) else shutil.copyfile)(src, dst)
+# The fakes are sh scripts (no interpreter start per call). Each records its arguments as one
+# tab-separated line. gcloud plays `gcloud storage cp [-r] SRC DST`, with gs://BUCKET/PATH kept
+# under $FAKE_GCS/BUCKET/PATH, and exits 1 without copying when $GCLOUD_FAIL is set.
+RECORD = 'printf \'%s\\t\' "$@" >> "$CALLS"; echo >> "$CALLS"\n'
+FAKE_GCLOUD = f"""#!/bin/sh
+CALLS=$GCLOUD_CALLS; {RECORD}test -z "$GCLOUD_FAIL" || exit 1
+test "$1 $2" = "storage cp" || exit 2
+shift 2; test "$1" != -r || shift
+src=$1; dst=$2
+case $src in gs://*) src=$FAKE_GCS/${{src#gs://}};; esac
+case $dst in gs://*) dst=$FAKE_GCS/${{dst#gs://}};; esac
+case $dst in */) dst=$dst$(basename "$src");; esac
+mkdir -p "$(dirname "$dst")" && cp -R "$src" "$dst"
 """
-# Plays uv: records its arguments; `uv venv ... DIR` makes DIR/bin/python, which exits 0 (the
-# version check passes).
-FAKE_UV = """
-import json, os, sys
-with open(os.environ["UV_CALLS"], "a") as f:
-    f.write(json.dumps(sys.argv[1:]) + "\\n")
-if sys.argv[1] == "venv":
-    os.makedirs(sys.argv[-1] + "/bin")
-    with open(sys.argv[-1] + "/bin/python", "w") as f:
-        f.write("#!/bin/sh\\nexit 0\\n")
-    os.chmod(sys.argv[-1] + "/bin/python", 0o755)
+# uv: `uv venv ... DIR` makes DIR/bin/python, which exits 0 (the version check passes).
+FAKE_UV = f"""#!/bin/sh
+CALLS=$UV_CALLS; {RECORD}if test "$1" = venv; then
+  for dir; do :; done
+  mkdir -p "$dir/bin" && printf '#!/bin/sh\\nexit 0\\n' > "$dir/bin/python"
+  chmod 755 "$dir/bin/python"
+fi
 """
-# Plays the trainer: prints its arguments (JSON) and a line on stderr, exits with $TRAIN_RC.
-FAKE_TRAINER = """
-import json, os, sys
-print(json.dumps(sys.argv[1:]))
-print("a line on stderr", file=sys.stderr)
-sys.exit(int(os.environ["TRAIN_RC"]))
+# The trainer: prints its arguments on one line, each in [], then a line on stderr; exits $TRAIN_RC.
+FAKE_TRAINER = """#!/bin/sh
+printf '[%s]' "$@"; echo; echo "a line on stderr" >&2; exit "$TRAIN_RC"
 """
+
+
+def _calls(path) -> list[list[str]]:
+    return [line.rstrip("\n").split("\t")[:-1] for line in open(path)]
 
 
 @pytest.fixture
@@ -235,10 +284,10 @@ def tpu_experiment(tmp_path):
 
 
 def _printed(argv: list[str], capsys) -> list[str]:
-    """`launch.main(argv)`'s printed commands (each after a `# [i/n] description` line); any
+    """`cli.main(argv)`'s printed commands (each after a `# [i/n] description` line); any
     attempt to execute one fails the test (gcloud may be installed where the tests run)."""
     with mock.patch.object(subprocess, "run", side_effect=AssertionError("executed")):
-        assert launch.main(argv) == 0
+        assert cli.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     assert all(re.fullmatch(r"# \[\d+/\d+\] .+", h) for h in lines[0::2]), lines
     return lines[1::2]
@@ -255,7 +304,7 @@ def _remote(argv: list[str]) -> str:
 
 def _executable(path, body: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"#!{sys.executable}\n{body}")
+    path.write_text(body)
     path.chmod(0o755)
 
 
@@ -267,7 +316,7 @@ def _fake_worker(tmp_path) -> dict[str, str]:
         HOME=str(tmp_path / "home"),
         PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}",
         FAKE_GCS=str(tmp_path / "gcs"),
-        GCLOUD_CALLS=str(tmp_path / "gcloud_calls.jsonl"),
+        GCLOUD_CALLS=str(tmp_path / "gcloud_calls.tsv"),
     )
 
 
@@ -401,7 +450,7 @@ def test_tpu_unit_command_runs_the_exact_trainer_argv_and_keeps_its_log(
         + ["--venv", "dvp venv"],
         capsys,
     )
-    unit = launch.load_experiment(tricky_experiment).units[0]
+    unit = sweep.load_experiment(tricky_experiment).units[0]
     env = _fake_worker(tmp_path)
     _executable(tmp_path / "home" / "dvp venv" / "bin" / "python", FAKE_TRAINER)
     (tmp_path / "home" / "dvp jax").mkdir()
@@ -410,15 +459,16 @@ def test_tpu_unit_command_runs_the_exact_trainer_argv_and_keeps_its_log(
     out = _sh(shell, _remote(shlex.split(cmds[0])), env)
     assert out.returncode == expected_rc, out.stderr
     workdir = f"{root}/e999_quoting/{unit.name}"
-    argv = launch.unit_argv(
+    argv = sweep.unit_argv(
         "configs/tiny_cpu.py:mis_dvp", unit.overrides, workdir, "python", ("--distributed",)
     )
-    assert json.loads(out.stdout.splitlines()[0]) == argv[1:]  # tee shows the output as well
+    shown = "".join(f"[{a}]" for a in argv[1:])
+    assert out.stdout.splitlines()[0] == shown  # tee shows the output as well
     host = os.uname().nodename  # `uname -n` (POSIX); the worker's hostname on a TPU VM
     log = f"logs/e999_quoting/{unit.name}.{host}.log"
     text = (tmp_path / "home" / "dvp jax" / log).read_text()
     assert text.splitlines()[0] == out.stdout.splitlines()[0] and "a line on stderr" in text
-    [call] = [json.loads(line) for line in open(env["GCLOUD_CALLS"])]
+    [call] = _calls(env["GCLOUD_CALLS"])
     assert call == ["storage", "cp", log, f"{workdir}/logs/{host}.log"]
     copied = tmp_path / "gcs" / "my-bucket" / "my runs" / "e999_quoting" / unit.name / "logs"
     assert (copied / f"{host}.log").exists() != copy_fails
@@ -430,7 +480,7 @@ def test_tpu_python_step_installs_uv_once_and_keeps_a_venv_of_the_right_version(
     another version (its `python -c "...sys.exit(version != 3.11)"` fails)."""
     script = _remote(shlex.split(_printed(["setup", *SLICE], capsys)[3]))
     env = _fake_worker(tmp_path)
-    env.update(UV_CALLS=str(tmp_path / "uv_calls.jsonl"), CURL_CALLS=str(tmp_path / "curl"))
+    env.update(UV_CALLS=str(tmp_path / "uv_calls.tsv"), CURL_CALLS=str(tmp_path / "curl"))
     _executable(tmp_path / "fake_uv", FAKE_UV)
     (tmp_path / "bin" / "curl").write_text(  # prints an "installer" that copies the fake uv
         f'#!/bin/sh\necho "$@" >> "$CURL_CALLS"\necho \'mkdir -p "$UV_UNMANAGED_INSTALL" && '
@@ -441,7 +491,7 @@ def test_tpu_python_step_installs_uv_once_and_keeps_a_venv_of_the_right_version(
 
     def run_step() -> list[list[str]]:
         assert _sh("sh", script, env).returncode == 0
-        calls = [json.loads(line) for line in open(env["UV_CALLS"])]
+        calls = _calls(env["UV_CALLS"])
         os.remove(env["UV_CALLS"])
         return calls
 
@@ -504,11 +554,19 @@ def test_tpu_stage_copies_an_object_and_a_folder_once(tmp_path, capsys):
         (["setup", *SLICE, "--python_version", "3.10"], "'3.10': want 3.N with N >= 11"),
         (["setup", *SLICE, "--remote_dir", "../x"], "--remote_dir '../x': want"),
         (["run", E000, *SLICE, "--root", "s3://b/r"], "--root 's3://b/r': want gs://"),
+        (["run", E000, "--tpu", "t"], "--zone is required"),
+        (["run", *SLICE, "--root", "gs://my-bucket/r"], "give an experiment file"),
+        (  # a placeholder typed as written is named
+            ["status", *SLICE[:4], "--project", "MY_PROJECT"],
+            "want a project ID (6-30 lowercase letters, digits and '-', from a letter) "
+            "(MY_PROJECT is a placeholder: put yours there)",
+        ),
+        (["run", E000, *SLICE, "--root", "gs://MY_BUCKET/runs"], "MY_BUCKET is a placeholder"),
     ],
 )
 def test_tpu_bad_input_is_named(argv, message):
     with pytest.raises(SystemExit, match=re.escape(message)):
-        launch.main(argv)
+        cli.main(argv)
 
 
 def test_tpu_nothing_is_executed_without_run(tpu_experiment, monkeypatch, capsys):
@@ -525,12 +583,11 @@ def test_tpu_nothing_is_executed_without_run(tpu_experiment, monkeypatch, capsys
         ["run", tpu_experiment, *SLICE, *gs, "--detach"],
         ["status", *SLICE],
         ["delete", *SLICE, "--queued"],
-        [tpu_experiment, *SLICE, *gs],  # the older form: setup + run
     ):
-        assert launch.main(argv) == 0
+        assert cli.main(argv) == 0
     out, err = capsys.readouterr()
-    assert out.count("gcloud compute tpus") == 1 + 5 + 2 + 1 + 1 + 1 + 6
-    assert err.count("add --run to execute") == 7
+    assert out.count("gcloud compute tpus") == 1 + 5 + 2 + 1 + 1 + 1
+    assert err.count("add --run to execute") == 6
 
 
 def test_tpu_run_flag_executes_in_order_and_stops_at_the_first_failure(
@@ -543,30 +600,30 @@ def test_tpu_run_flag_executes_in_order_and_stops_at_the_first_failure(
         return subprocess.CompletedProcess(cmd, 255 if len(calls) == fail_at[0] else 0)
 
     monkeypatch.setattr(subprocess, "run", fake_run)
-    assert launch.main(["setup", *SLICE, "--stage", "gs://my-bucket/m=/data/m", "--run"]) == 255
+    assert cli.main(["setup", *SLICE, "--stage", "gs://my-bucket/m=/data/m", "--run"]) == 255
     out, err = capsys.readouterr()
     printed = out.splitlines()[1::2]
     assert [c for c, _, _ in calls] == [printed[0], *map(shlex.split, printed[1:])]
-    assert len(calls) == 3 and calls[0][1:] == (True, launch.REPO)  # the local pack: a pipeline
+    assert len(calls) == 3 and calls[0][1:] == (True, sweep.REPO)  # the local pack: a pipeline
     assert "step 3/6 failed with exit status 255: unpack" in err
     assert "steps 4-6 were not run" in err
     # A failed work unit stops the sweep and names the units to resume.
     calls.clear()
     fail_at[0] = 1
     gs = ["--root", "gs://my-bucket/runs"]
-    assert launch.main(["run", tpu_experiment, *SLICE, *gs, "--run"]) == 255
+    assert cli.main(["run", tpu_experiment, *SLICE, *gs, "--run"]) == 255
     assert len(calls) == 1 and "resume with --only 0,1" in capsys.readouterr().err
 
 
-def test_tpu_older_form_is_setup_then_run(tricky_experiment, capsys):
-    """`launch.py EXPERIMENT --tpu NAME --zone Z` (no action): setup, then every unit."""
+def test_tpu_run_forwards_every_override_intact(tricky_experiment, capsys):
+    """Each unit is one ssh to every worker; quotes, `$` and `;` in overrides and the flags after
+    `--` reach the worker's trainer command as they were."""
     root = "gs://bucket/runs"
-    commands = _printed([tricky_experiment, *SLICE, "--root", root], capsys)
-    pack, scp, unpack, python, install, *units = [shlex.split(c) for c in commands]
-    assert pack[:2] == ["git", "ls-files"] and scp[3:5] == ["tpu-vm", "scp"]
-    assert "tar -xzf" in _remote(unpack) and "python install 3.11" in _remote(python)
-    assert '"jax[tpu]"' in _remote(install)
-    exp = launch.load_experiment(tricky_experiment)
+    commands = _printed(
+        ["run", tricky_experiment, *SLICE, "--root", root, "--", "--config.plots=true"], capsys
+    )
+    units = [shlex.split(c) for c in commands]
+    exp = sweep.load_experiment(tricky_experiment)
     assert len(units) == len(exp.units) == 2
     for argv, unit in zip(units, exp.units, strict=True):
         assert argv[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "dvp-v5p"]
@@ -575,78 +632,80 @@ def test_tpu_older_form_is_setup_then_run(tricky_experiment, capsys):
         main_argv = remote[remote.index("{") + 1 : remote.index(";")]
         assert main_argv[:4] == ["$HOME/dvp_jax_venv/bin/python", "-m", "dvp_jax.main", "--config"]
         assert main_argv[main_argv.index("--workdir") + 1] == f"{root}/e999_quoting/{unit.name}"
-        assert "--distributed" in main_argv
+        assert "--distributed" in main_argv and main_argv[-1] == "--config.plots=true"
         path = dict(unit.overrides)["data.path"]
         assert f"--config.data.path={path}" in main_argv  # quotes, $ and ; survive intact
     assert "--config.loss.log_rho=-inf" in shlex.split(_remote(units[1]))
 
 
-def test_tpu_detach_starts_all_units_in_one_background_ssh(tricky_experiment, capsys):
-    fetch, start = _printed(
-        [tricky_experiment, "--tpu", "t", "--zone", "us-central2-b", "--root", "gs://bkt/r"]
-        + ["--detach", "--sync", "git", "--git_remote", "https://example.com/r.git"]
+def test_tpu_git_sync_and_detach_starts_all_units_in_one_background_ssh(tricky_experiment, capsys):
+    slice_ = ["--tpu", "t", "--zone", "us-central2-b"]
+    [fetch] = _printed(
+        ["setup", *slice_, "--sync", "git", "--git_remote", "https://example.com/r.git"]
         + ["--git_ref", "abc123", "--skip_install"],
         capsys,
     )
     assert "git fetch https://example.com/r.git abc123" in _remote(shlex.split(fetch))
+    [start] = _printed(
+        ["run", tricky_experiment, *slice_, "--root", "gs://bkt/r", "--detach"], capsys
+    )
     remote = shlex.split(_remote(shlex.split(start)))
     assert "nohup" in remote and remote[-1] == "&"
     script = remote[remote.index("-c") + 1]
-    for unit in launch.load_experiment(tricky_experiment).units:
+    for unit in sweep.load_experiment(tricky_experiment).units:
         assert f"gs://bkt/r/e999_quoting/{unit.name}" in script
         assert f"gs://bkt/r/e999_quoting/{unit.name}/logs/" in script
     assert script.count("dvp_jax.main") == 2
     assert subprocess.run(["sh", "-n", "-c", script], check=False).returncode == 0
 
 
-def test_xm_launch_needs_xmanager_only_when_run():
-    """xm_launch imports xmanager lazily: without it, a clear usage error (not an ImportError)."""
-    # sys.modules[name] = None makes `import name` fail whether or not it is installed.
-    code = (
-        "import runpy, sys; sys.modules['xmanager'] = None; "
-        f"sys.argv = ['xm_launch', '--experiment', {E000!r}]; "
-        "runpy.run_module('experiments.xm_launch', run_name='__main__')"
+def test_tpu_single_config_run_needs_no_experiment_file(capsys):
+    """`run --config FILE:ARG -- FLAGS`: one unit, ROOT/CONFIG_STEM/00_base, flags forwarded."""
+    [cmd] = _printed(
+        ["run", "--config", "configs/paper_qwen3_14b.py:mis_dvp", *SLICE]
+        + ["--root", "gs://my-bucket/runs", "--", "--config.train.steps=10"],
+        capsys,
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert out.returncode != 0
-    assert "xmanager is not installed" in out.stderr + out.stdout
+    remote = shlex.split(_remote(shlex.split(cmd)))
+    main_argv = remote[remote.index("{") + 1 : remote.index(";")]
+    assert main_argv[1:] == [
+        "-m", "dvp_jax.main", "--config", "configs/paper_qwen3_14b.py:mis_dvp",
+        "--workdir", "gs://my-bucket/runs/paper_qwen3_14b/00_base", "--distributed",
+        "--config.train.steps=10",
+    ]  # fmt: skip
 
 
-def test_tpu_mode_needs_a_zone(capsys):
-    with pytest.raises(SystemExit):
-        launch.main([E000, "--tpu", "t"])
+def _readme_tpu_commands() -> list[str]:
+    """The README's Cloud TPU slice commands (its first bash block with `S=`), `$S` expanded."""
+    text = open(os.path.join(REPO, "README.md")).read()
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.DOTALL)
+    [block] = [b for b in blocks if b.startswith("S=")]
+    lines = block.replace("\\\n", " ").splitlines()
+    s = shlex.split(lines[0])[0].removeprefix("S=")
+    return [line.split("#")[0].replace("$S", s) for line in lines[1:]]
 
 
-# ------------------------------------------------------------------------------------------------
-# Configs.
-# ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("method", ["rloo", "tis", "mis", "dvp", "mis_dvp"])
-def test_paper_config_validates_with_the_papers_settings(method):
-    module = load_file(os.path.join(REPO, "configs/paper_qwen3_14b.py"))
-    cfg = ExperimentConfig.from_config_dict(module.get_config(method), HF_VOCAB)
-    assert cfg.method == method
-    assert (
-        cfg.model.n_layers == 40 and cfg.model.d_model == 5120 and cfg.model.vocab_size == HF_VOCAB
-    )
-    assert cfg.train.prompts_per_step == 32 and cfg.train.group_size == 16
-    assert cfg.train.updates_per_batch == 1 and cfg.loss.ppo_clip_eps is None
-    assert cfg.rollout.max_decode_length == 16_384 and cfg.loss.log_rho == -13.0
-    assert cfg.eval.k == 16 and cfg.data.task == "math" and cfg.data.path
-    assert cfg.mesh.shape(32) == (1, 8, 4)
-    assert ExperimentConfig.from_config_dict(module.get_config(), HF_VOCAB).method == "mis_dvp"
+def test_readme_tpu_commands_run_as_typed_in_print_mode(capsys):
+    """Every README command passes the launcher's checks as typed; without `--run` it prints
+    the gcloud commands and executes nothing; with it, exactly those commands run."""
+    commands = _readme_tpu_commands()
+    actions = [shlex.split(c)[3] for c in commands]
+    assert actions == ["create", "setup", "run", "status", "delete"]
+    for command in commands:
+        words = shlex.split(command)
+        assert words[:3] == ["python", "-m", "dvp_jax.launch"] and "--run" in words
+        printed = _printed([w for w in words[3:] if w != "--run"], capsys)
+        assert printed and all(p.startswith(("gcloud ", "git ls-files")) for p in printed)
+        ok = subprocess.CompletedProcess([], 0)
+        with mock.patch.object(subprocess, "run", return_value=ok) as run:
+            assert cli.main(words[3:]) == 0
+        ran = [c.args[0] for c in run.call_args_list]
+        assert [c if isinstance(c, str) else shlex.join(c) for c in ran] == printed
+        capsys.readouterr()
 
 
-def test_gpu_mid_config_validates():
-    module = load_file(os.path.join(REPO, "configs/gpu_mid.py"))
-    for method in ("rloo", "mis_dvp"):
-        cfg = ExperimentConfig.from_config_dict(
-            module.get_config(method), CharTokenizer().vocab_size
-        )
-        assert cfg.method == method and cfg.mesh.shape(1) == (1, 1, 1)
+def test_xm_needs_xmanager_only_when_run(monkeypatch):
+    """The XManager launcher imports xmanager when it runs: without it, a clear usage error."""
+    monkeypatch.setitem(sys.modules, "xmanager", None)  # makes `import xmanager` fail
+    with pytest.raises(SystemExit, match="xmanager is not installed"):
+        xm.main([E000])

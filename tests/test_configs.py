@@ -1,0 +1,39 @@
+"""The full-size configs validate with their stated settings (no model is built)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from dvp_jax.pyfile import load_file
+from dvp_jax.rollout.tokenizers import CharTokenizer
+from dvp_jax.train.config import ExperimentConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HF_VOCAB = 151_936
+
+
+@pytest.mark.parametrize("method", ["rloo", "tis", "mis", "dvp", "mis_dvp"])
+def test_paper_config_validates_with_the_papers_settings(method):
+    module = load_file(os.path.join(REPO, "configs/paper_qwen3_14b.py"))
+    cfg = ExperimentConfig.from_config_dict(module.get_config(method), HF_VOCAB)
+    assert cfg.method == method
+    assert (
+        cfg.model.n_layers == 40 and cfg.model.d_model == 5120 and cfg.model.vocab_size == HF_VOCAB
+    )
+    assert cfg.train.prompts_per_step == 32 and cfg.train.group_size == 16
+    assert cfg.train.updates_per_batch == 1 and cfg.loss.ppo_clip_eps is None
+    assert cfg.rollout.max_decode_length == 16_384 and cfg.loss.log_rho == -13.0
+    assert cfg.eval.k == 16 and cfg.data.task == "math" and cfg.data.path
+    assert cfg.mesh.shape(32) == (1, 8, 4)
+    assert ExperimentConfig.from_config_dict(module.get_config(), HF_VOCAB).method == "mis_dvp"
+
+
+def test_gpu_mid_config_validates():
+    module = load_file(os.path.join(REPO, "configs/gpu_mid.py"))
+    for method in ("rloo", "mis_dvp"):
+        cfg = ExperimentConfig.from_config_dict(
+            module.get_config(method), CharTokenizer().vocab_size
+        )
+        assert cfg.method == method and cfg.mesh.shape(1) == (1, 1, 1)
