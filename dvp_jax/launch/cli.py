@@ -18,8 +18,6 @@ from collections.abc import Sequence
 
 from dvp_jax.launch import local, sweep, tpu, workers
 
-TPU_ACTIONS = ("create", "setup", "run", "status", "delete")
-
 
 def _slice_args(p: argparse.ArgumentParser, queued: bool) -> None:
     p.add_argument("--tpu", default=None, help="the slice's name, e.g. dvp-v5p")
@@ -53,7 +51,7 @@ def _experiment_args(p: argparse.ArgumentParser, root_help: str) -> None:
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m dvp_jax.launch",
-        description=__doc__.split("\n\n")[0],
+        description=__doc__,
         epilog="Trainer flags after `--` are forwarded to every unit: -- --config.train.steps=2",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
