@@ -4,40 +4,33 @@
       [--config.train.precision=mixed_bf16 ...] [--all_buckets] [--json_out PATH]
 
 Same config handling and overrides as `dvp_jax.main`. The programs are the ones a run jits,
-built by the same code with the same shardings and the shapes the config implies: the trainer's
-RL update (the accumulated step and one micro-batch of it), the SFT step when the config has a
-warm-up, the weight sync (trainer params -> rollout dtype), and on one host's engine the batched
-prefill, insert and decode loop at the largest bucket (every bucket with `--all_buckets`). JAX
-compiles each for the topology with the real TPU compiler (libtpu, installed by `make install`;
-no TPU is needed: "deviceless" compilation) and the table gives per chip: argument, output,
-temporary and aliased (donated) bytes, the program's peak (args + outputs + temps - aliases +
-code) plus what the other phase keeps resident on the chip meanwhile (the trainer state during
-rollout, the engine's weights during the update), against the chip's HBM; the dot FLOPs of one
-call with every loop counted by its trip count (the compiler's `cost_analysis` counts a loop body
-once); compile seconds. One JSON line follows. Exit status 1, with one line naming the program
-and the reason, when a program does not compile or its peak exceeds `--hbm_fraction` of HBM;
-2 for a mistake in the input.
+built by the same code with the same shardings and the shapes the config implies: the RL update
+(the accumulated step and one micro-batch of it), the SFT step when the config has a warm-up,
+the weight sync, and one host's engine programs (`RolloutEngine.programs`: batched prefill,
+insert and decode loop at the largest bucket; every bucket with `--all_buckets`). The real TPU
+compiler (libtpu; no TPU needed) compiles each for the topology; `aot_report` turns the results
+into a table of per-chip bytes against HBM, FLOPs and compile seconds, then one JSON line. Exit
+status 1, with one line naming the program and the reason, when a program does not compile or
+its peak exceeds `--hbm_fraction` of HBM; 2 for a mistake in the input.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import re
 import sys
-import time
 from typing import Any
 
 from absl import app, flags
 from ml_collections import config_flags
 
+from dvp_jax.aot_report import Program, Spec, compile_spec, failures, per_chip_bytes, table
 from dvp_jax.cli import USAGE_EXIT_CODE, fail, flag_error, parse_flags
 
 # Usable HBM per JAX device in GiB, as the TPU compiler reports it ("exceeds available HBM")
 # for libtpu 0.0.42.1. A v4 chip is two devices (16 GiB each); v5p, v5e, v6e one per chip.
 CHIP_HBM_GIB = {"v4": 15.25, "v5e": 15.75, "v5p": 95.74, "v6e": 31.25}
-_GIB = 1024**3
 
 # The command line's flags, defined when the module runs as a program (`_define_flags`): the
 # library functions here are imported by tests next to other absl programs' flags.
@@ -72,146 +65,8 @@ def chip_of(topology: str) -> str:
 
 
 # ==============================================================================================
-# FLOPs with loop trip counts
+# Programs of a run
 # ==============================================================================================
-def dot_flops(closed_jaxpr, while_trips: int = 1) -> float:
-    """Multiply-add FLOPs (2 per MAC) of every dot in a jaxpr, loops counted by trip count.
-
-    Scans count `length` times; a `while` (trip count known only at run time) counts
-    `while_trips` times; `shard_map` bodies count once per shard; Pallas kernels count their
-    own cost estimate, and one without (the splash kernel gives none) counts 0: see
-    `uncounted_kernels`. Elementwise work is not counted (small beside a transformer's
-    matmuls).
-    """
-    return _flops(closed_jaxpr.jaxpr, while_trips)
-
-
-def uncounted_kernels(closed_jaxpr) -> int:
-    """Pallas kernel calls in a jaxpr that give no cost estimate (their FLOPs are not in
-    `dot_flops`)."""
-    counts = []
-    _flops(closed_jaxpr.jaxpr, 1, counts)
-    return len(counts)
-
-
-def _flops(jaxpr, while_trips: int, uncounted: list | None = None) -> float:
-    total = 0.0
-    recurse = lambda inner: _flops(inner, while_trips, uncounted)
-    for eqn in jaxpr.eqns:
-        name, params = eqn.primitive.name, eqn.params
-        if name == "dot_general":
-            (lhs_contract, _), _ = params["dimension_numbers"]
-            lhs = eqn.invars[0].aval.shape
-            out = eqn.outvars[0].aval.shape
-            total += 2.0 * math.prod(out) * math.prod(lhs[i] for i in lhs_contract)
-        elif name == "scan":
-            total += params["length"] * recurse(params["jaxpr"].jaxpr)
-        elif name == "while":
-            total += while_trips * recurse(params["body_jaxpr"].jaxpr)
-        elif name == "cond":
-            total += max(recurse(b.jaxpr) for b in params["branches"])
-        elif name == "shard_map":
-            total += params["mesh"].size * recurse(_inner(params["jaxpr"]))
-        elif name == "pallas_call":
-            estimate = params.get("cost_estimate")
-            if estimate is None and uncounted is not None:
-                uncounted.append(eqn)
-            total += float(getattr(estimate, "flops", 0) or 0)
-        else:
-            for value in params.values():
-                inner = _inner(value)
-                if inner is not None:
-                    total += recurse(inner)
-    return total
-
-
-def _inner(value):
-    """The Jaxpr of a ClosedJaxpr / Jaxpr parameter, else None."""
-    from jax.extend import core
-
-    if isinstance(value, core.ClosedJaxpr):
-        return value.jaxpr
-    if isinstance(value, core.Jaxpr):
-        return value
-    return None
-
-
-# ==============================================================================================
-# Programs
-# ==============================================================================================
-@dataclasses.dataclass
-class Program:
-    """One compiled program's per-chip bytes (or why it did not compile)."""
-
-    name: str
-    argument: int = 0
-    output: int = 0
-    temp: int = 0
-    alias: int = 0
-    code: int = 0
-    resident: int = 0  # bytes the other phase keeps on the chip while this one runs
-    moved: int = 0  # weight sync: bytes a chip (on device) or a host (via host) receives
-    flops: float = 0.0  # per chip, per call, loops by trip count
-    compile_s: float = 0.0
-    mosaic_kernels: int = 0  # Pallas (Mosaic) kernel calls in the program, e.g. splash
-    uncounted_kernels: int = 0  # of those, the ones whose FLOPs `flops` leaves out
-    warning: str = ""  # what explains a number the config makes worse than it needs to be
-    error: str = ""
-
-    @property
-    def peak(self) -> int:
-        return self.argument + self.output + self.temp - self.alias + self.code + self.resident
-
-    def row(self, hbm: float) -> dict[str, Any]:
-        gib = lambda b: round(b / _GIB, 3)
-        return {
-            "program": self.name,
-            "argument_gib": gib(self.argument),
-            "output_gib": gib(self.output),
-            "temp_gib": gib(self.temp),
-            "alias_gib": gib(self.alias),
-            "resident_gib": gib(self.resident),
-            "moved_gib": gib(self.moved),
-            "peak_gib": gib(self.peak),
-            "hbm_fraction": round(self.peak / (hbm * _GIB), 4),
-            "tflop_per_call": round(self.flops / 1e12, 6),
-            "compile_s": round(self.compile_s, 2),
-            "warning": self.warning,
-            "mosaic_kernels": self.mosaic_kernels,
-            "uncounted_kernels": self.uncounted_kernels,
-            "error": self.error,
-        }
-
-
-@dataclasses.dataclass
-class Spec:
-    """A program to build: the jitted function a run calls and its (abstract) arguments;
-    `while_trips` counts the trips of its while loops for the FLOPs; `resident` is bytes per
-    chip the other phase keeps meanwhile."""
-
-    name: str
-    jitted: Any
-    args: tuple
-    chips: int
-    while_trips: int = 1
-    resident: int = 0
-    moved: int = 0  # weight sync: bytes a chip (on device) or a host (via host) receives
-    warning: str = ""
-
-
-def per_chip_bytes(tree) -> int:
-    """Largest per-device bytes of a tree of sharded ShapeDtypeStructs / arrays."""
-    import jax
-
-    per_device: dict[Any, int] = {}
-    for x in jax.tree.leaves(tree):
-        sharding = x.sharding
-        shard = math.prod(sharding.shard_shape(x.shape)) * x.dtype.itemsize
-        for d in sharding.device_set:
-            per_device[d] = per_device.get(d, 0) + shard
-    return max(per_device.values(), default=0)
-
-
 def _structs(tree, shardings):
     import jax
 
@@ -315,8 +170,8 @@ def engine_specs(
     engines keep meanwhile."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec
 
+    from dvp_jax.rollout.decode import raw_key_shape
     from dvp_jax.rollout.engine import RolloutEngine
     from dvp_jax.rollout.offline import STEPS_PER_SYNC
     from dvp_jax.train.builders import engine_config, engine_mesh
@@ -327,63 +182,48 @@ def engine_specs(
     engine = RolloutEngine(
         cfg.model, engine_config(cfg), tokenizer="char", mesh=mesh, abstract=True
     )
-    rep = NamedSharding(mesh, PartitionSpec())
-    struct = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
-    ec = engine.config
-    params = engine.params
+    programs, ec, params = engine.programs, engine.config, engine.params
     trainer_state = per_chip_bytes(trainer["state"])
-    sampling = jax.tree.map(lambda x: struct(x.shape, x.dtype), ec.sampling_params())
-    state = _structs(jax.eval_shape(engine._init_state_impl, sampling), engine._state_shardings)
-    key_shape = engine._base_key.shape
+    sampling = engine.replicated_structs(ec.sampling_params())
+    state = engine.abstract_decode_state()
     specs = []
 
     def spec(name, jitted, *args, while_trips=1):
         specs.append(Spec(name, jitted, args, mesh.size, while_trips, trainer_state))
 
-    spec("engine/init_state", engine._init_state_jit, sampling)
+    spec("engine/init_state", programs.init_state, sampling)
     # Prompts per prefill call: a refill of the free slots takes ceil(slots / G) new prompts,
     # at most this host's share of the step's prompts (`offline.generate_rollouts`).
     b = ec.max_concurrent_decodes
     prompts = min(-(-cfg.train.prompts_per_step // hosts), -(-b // cfg.train.group_size), b)
     rows = min(n for n in ec.row_buckets if n >= prompts)
     for bucket in ec.buckets if all_buckets else ec.buckets[-1:]:
-        args = (
-            params,
-            struct((rows, bucket), jnp.int32),
-            struct((rows,), jnp.int32),
-            struct((rows,) + key_shape, jnp.uint32),
+        args = engine.replicated_structs(
+            (
+                jax.ShapeDtypeStruct((rows, bucket), jnp.int32),
+                jax.ShapeDtypeStruct((rows,), jnp.int32),
+                jax.ShapeDtypeStruct((rows,) + raw_key_shape(), jnp.uint32),
+            )
         )
-        spec(f"engine/prefill[{rows}x{bucket}]", engine._prefill_batch_jit, *args)
-    # The prefix of the largest bucket as insert receives it: its cache sharded like the
-    # decode state's, the rest replicated.
-    prefix = jax.tree.map(
-        lambda x: struct(x.shape, x.dtype), jax.eval_shape(engine._prefill_batch_impl, *args)
-    )
-    prefix = prefix.replace(cache=jax.tree.map(lambda x: _cache_struct(x, engine), prefix.cache))
-    slots = struct((b,), jnp.int32)
-    spec("engine/insert_batch", engine._insert_batch_jit, prefix, state, slots, slots, slots)
+        spec(f"engine/prefill[{rows}x{bucket}]", programs.prefill, params, *args)
+    # The prefix of the largest bucket as insert receives it.
+    prefix = engine.abstract_prefix(rows, ec.buckets[-1])
+    slots = engine.replicated_structs(jax.ShapeDtypeStruct((b,), jnp.int32))
+    spec("engine/insert_batch", programs.insert, prefix, state, slots, slots, slots)
     k = STEPS_PER_SYNC
+    flag = engine.replicated_structs(jax.ShapeDtypeStruct((), jnp.bool_))
     for kv in ec.kv_buckets if all_buckets else ec.kv_buckets[-1:]:
-        spec(
-            f"engine/decode_loop[k={k},kv={kv}]",
-            engine._generate_steps_jit,
-            params,
-            state,
-            k,
-            kv,
-            struct((), jnp.bool_),
-            while_trips=k,
-        )
+        name = f"engine/decode_loop[k={k},kv={kv}]"
+        spec(name, programs.loop, params, state, k, kv, flag, while_trips=k)
     # Weight sync: the trainer's params (on the trainer mesh) cast to the rollout dtype, on the
     # devices into the rollout layout when the engine is a tensor row of the trainer's mesh
     # (`RolloutEngine.trainer_row_mesh`), else cast in place and copied through the host.
     trainer_params = jax.tree.leaves(trainer["params"])
     row_mesh = engine.trainer_row_mesh(trainer_params)
     if row_mesh is not None:
-        layout = engine._sync_shardings(row_mesh)
-        cast = jax.jit(engine._cast, out_shardings=layout)
+        cast = engine.sync_program(row_mesh)
         sync = Spec("weight_sync/on_device", cast, (trainer_params,), trainer["mesh"].size)
-        out = _structs(jax.eval_shape(cast, trainer_params), layout)
+        out = _structs(jax.eval_shape(cast, trainer_params), engine.sync_shardings(row_mesh))
         own = [
             jax.ShapeDtypeStruct(x.shape, y.dtype, sharding=x.sharding)
             for x, y in zip(trainer_params, out, strict=True)
@@ -391,7 +231,7 @@ def engine_specs(
         sync.moved = per_chip_bytes(out) - per_chip_bytes(own)
     else:
         chips = trainer["mesh"].size
-        sync = Spec("weight_sync/via_host", engine._cast_jit, (trainer_params,), chips)
+        sync = Spec("weight_sync/via_host", programs.cast, (trainer_params,), chips)
         sync.moved = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
     # Meanwhile: the engine's current weights and the rest of the trainer state.
     sync.resident = per_chip_bytes(params) + trainer_state - per_chip_bytes(trainer_params)
@@ -409,52 +249,6 @@ def engine_specs(
         )
         weights += per_chip_bytes(evaluation.params)
     return specs, weights
-
-
-def _cache_struct(x, engine):
-    import jax
-
-    from dvp_jax.model.attention import seq_axis
-
-    length = x.shape[seq_axis(engine.cache_layout)]
-    return jax.ShapeDtypeStruct(
-        x.shape, x.dtype, sharding=engine._cache_sharding(x.shape[1], length)
-    )
-
-
-def compile_spec(spec: Spec) -> Program:
-    """Lowers and compiles one program; errors become the program's `error`."""
-    program = Program(spec.name, resident=spec.resident, moved=spec.moved, warning=spec.warning)
-    start = time.time()
-    try:
-        traced = spec.jitted.trace(*spec.args)
-        lowered = traced.lower()
-        program.mosaic_kernels = lowered.as_text().count("@tpu_custom_call(")
-        compiled = lowered.compile()
-    except Exception as e:  # the compiler's reason, first line
-        program.error = _reason(e)
-        program.compile_s = time.time() - start
-        return program
-    program.compile_s = time.time() - start
-    m = compiled.memory_analysis()
-    program.argument = m.argument_size_in_bytes
-    program.output = m.output_size_in_bytes
-    program.temp = m.temp_size_in_bytes
-    program.alias = m.alias_size_in_bytes
-    program.code = m.generated_code_size_in_bytes
-    program.flops = dot_flops(traced.jaxpr, spec.while_trips) / spec.chips
-    program.uncounted_kernels = uncounted_kernels(traced.jaxpr)
-    return program
-
-
-def _reason(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    text = lines[0] if lines else type(error).__name__
-    for line in lines:  # the compiler's own diagnosis beats the wrapper's first line
-        if any(key in line for key in ("RESOURCE_EXHAUSTED", "RET_CHECK", "NotImplemented")):
-            text = line
-            break
-    return f"{type(error).__name__}: {text}"[:400]
 
 
 # ==============================================================================================
@@ -478,50 +272,6 @@ def compile_config(
         log(f"compiling {spec.name} ...")
         out.append(compile_spec(spec))
     return out
-
-
-def failures(programs: list[Program], hbm: float, fraction: float) -> list[str]:
-    lines = []
-    for p in programs:
-        if p.error:
-            lines.append(f"{p.name} does not compile: {p.error}")
-        elif p.peak > fraction * hbm * _GIB:
-            lines.append(
-                f"{p.name} does not fit: peak {p.peak / _GIB:.1f} GiB per chip (resident "
-                f"{p.resident / _GIB:.1f}) > {fraction:.0%} of {hbm} GiB"
-            )
-    return lines
-
-
-def table(programs: list[Program], hbm: float) -> str:
-    head = (
-        f"{'program':<34} {'args':>7} {'out':>7} {'temp':>7} {'alias':>7} {'resid':>7} "
-        f"{'peak':>7} {'%HBM':>6} {'TFLOP':>9} {'compile':>8}"
-    )
-    lines = [head, "-" * len(head)]
-    for p in programs:
-        if p.error:
-            lines.append(f"{p.name:<34} FAILED  {p.error[:120]}")
-            continue
-        g = lambda b: f"{b / _GIB:7.2f}"
-        mark = "*" if p.uncounted_kernels else " "
-        lines.append(
-            f"{p.name:<34} {g(p.argument)} {g(p.output)} {g(p.temp)} {g(p.alias)} "
-            f"{g(p.resident)} {g(p.peak)} {100 * p.peak / (hbm * _GIB):5.1f}% "
-            f"{p.flops / 1e12:8.3f}{mark} {p.compile_s:7.1f}s"
-        )
-    for p in programs:
-        if p.warning:
-            lines.append(f"warning: {p.name}: {p.warning}")
-        if p.moved:
-            where = "per chip, over the devices' links" if "on_device" in p.name else "per host"
-            lines.append(f"{p.name}: {p.moved / _GIB:.2f} GiB received {where} per sync")
-    lines.append(
-        f"(GiB per chip; HBM {hbm} GiB; resid: the other phase's arrays on the chip; TFLOP per "
-        "chip per call, loops by trip count; * leaves out Mosaic kernels without a cost "
-        "estimate, e.g. splash attention)"
-    )
-    return "\n".join(lines)
 
 
 def main(argv):

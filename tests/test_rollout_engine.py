@@ -1,4 +1,4 @@
-"""RolloutEngine (JetStream Engine API) and RL rollouts (`offline.generate_rollouts`).
+"""RolloutEngine, its JetStream adapter and RL rollouts (`offline.generate_rollouts`).
 
 One tiny model (init_std 0.5, so next-token distributions are peaked and `log_rho = -3` prunes
 ~10% of the mass) is shared by all tests; engines are module fixtures so each compiles once.
@@ -21,6 +21,7 @@ from jetstream.engine import engine_api
 from dvp_jax.dvp.pruning import pruned_token_logprobs
 from dvp_jax.model import TRAIN_POLICY, ModelConfig, Transformer
 from dvp_jax.rollout.engine import EngineConfig, Prefix, RolloutEngine
+from dvp_jax.rollout.jetstream import JetStreamEngine
 from dvp_jax.rollout.offline import RolloutBatch, generate_rollouts
 from dvp_jax.sharding import TRAIN_RULES, MeshConfig, Sharder, init_sharded, make_mesh
 
@@ -82,30 +83,37 @@ def teacher_forced(model, b: RolloutBatch, log_rho=LOG_RHO):
 # ----------------------------------------------------------------------------------------------
 # Engine API.
 # ----------------------------------------------------------------------------------------------
-def test_engine_implements_every_abstract_method(bf16):
-    assert isinstance(bf16, engine_api.Engine)
-    assert not RolloutEngine.__abstractmethods__
+def test_jetstream_adapter_implements_every_abstract_method(bf16):
+    served = JetStreamEngine(bf16, tokenizer_path="char")
+    assert isinstance(served, engine_api.Engine)
+    assert not JetStreamEngine.__abstractmethods__
     for name in engine_api.Engine.__abstractmethods__:
-        assert getattr(RolloutEngine, name) is not getattr(engine_api.Engine, name), name
-    assert bf16.build_tokenizer(bf16.get_tokenizer()) is bf16.tokenizer
-    assert bf16.max_concurrent_decodes == 4 and bf16.max_prefill_length == 16
-    assert bf16.samples_per_slot == 1
-    assert bf16.colocated_cpus is None and bf16.mesh.size == 1
-    prefix = bf16.prefill(
-        params=bf16.load_params(), padded_tokens=np.array(PROMPTS[0]), true_length=5
+        assert getattr(JetStreamEngine, name) is not getattr(engine_api.Engine, name), name
+    assert served.get_tokenizer().path == "char"
+    assert served.build_tokenizer(served.get_tokenizer()) is bf16.tokenizer
+    assert served.max_concurrent_decodes == 4 and served.max_prefill_length == 16
+    assert served.samples_per_slot == 1
+    assert served.colocated_cpus is None and served.mesh.size == 1
+    prefix = served.prefill(
+        params=served.load_params(), padded_tokens=np.array(PROMPTS[0]), true_length=5
     )
-    moved = jax.device_put(prefix, bf16.get_prefix_destination_sharding())
+    moved = jax.device_put(prefix, served.get_prefix_destination_sharding())
     assert isinstance(moved, Prefix) and moved.cache.k.dtype == jnp.bfloat16
+    assert moved.logits.shape == (1, CFG.vocab_size)  # a request is a one-row prefix
     with pytest.raises(ValueError, match="max_prefill_length"):
-        bf16.prefill(params=bf16.params, padded_tokens=np.ones(17), true_length=17)
+        served.prefill(params=served.params, padded_tokens=np.ones(17), true_length=17)
     with pytest.raises(ValueError, match="slot"):
-        bf16.insert(prefix, bf16.init_decode_state(), 4)
-
-
-def test_prefill_compiles_once_per_bucket(bf16):
+        served.insert(prefix, served.init_decode_state(), 4)
+    # Single requests run the batched programs with one row: one prefill per bucket.
+    before = bf16.compile_cache_sizes()["prefill"]
     for n in range(1, 17):
-        bf16.prefill(params=bf16.params, padded_tokens=np.arange(n) % 50 + 1, true_length=n)
-    assert bf16.compile_cache_sizes()["prefill"] == len(ENGINE.buckets) == 2
+        served.prefill(params=served.params, padded_tokens=np.arange(n) % 50 + 1, true_length=n)
+    assert bf16.compile_cache_sizes()["prefill"] - before <= len(ENGINE.buckets) == 2
+    # The n-th request without a key gets fold_in(seed key, n) (the refused one counts not).
+    seed = jax.random.key(ENGINE.seed)
+    expect = np.asarray(jax.random.key_data(jax.random.fold_in(seed, 17)))[None]
+    nth = served.prefill(params=served.params, padded_tokens=PROMPTS[2], true_length=2)
+    np.testing.assert_array_equal(nth.key, expect)
 
 
 def test_behaviour_logprobs_equal_teacher_forced_bf16(bf16, batch):
@@ -282,7 +290,7 @@ def test_weight_sync_into_a_tensor_row_of_the_trainer_mesh_stays_on_the_devices(
     assert other.trainer_row_mesh(leaves) is None
     reference = other.update_params(nnx.state(trainer, nnx.Param))
     for x, ref, sharding in zip(
-        jax.tree.leaves(params), jax.tree.leaves(reference), engine._param_shardings, strict=True
+        jax.tree.leaves(params), jax.tree.leaves(reference), engine.param_shardings, strict=True
     ):
         assert x.sharding == sharding and x.sharding.device_set == set(mesh.devices.flat)
         np.testing.assert_allclose(
@@ -424,9 +432,10 @@ def test_the_tpu_cache_layout_gives_the_same_rollouts(fp32, master, monkeypatch)
     np.testing.assert_allclose(a.behaviour_logp, b.behaviour_logp, rtol=0, atol=1e-5)
     np.testing.assert_allclose(a.behaviour_logp_full, b.behaviour_logp_full, rtol=0, atol=1e-5)
     # JetStream's one-request path in the same layout.
-    prefix = tpu.prefill(params=tpu.params, padded_tokens=PROMPTS[0], true_length=5)
-    state = tpu.insert(prefix, state, 1)
-    state, result = tpu.generate(tpu.params, state)
+    served = JetStreamEngine(tpu)
+    prefix = served.prefill(params=tpu.params, padded_tokens=PROMPTS[0], true_length=5)
+    state = served.insert(prefix, state, 1)
+    state, result = served.generate(tpu.params, state)
     assert int(result.data[1, 1]) == 1  # slot 1 produced a valid token
 
 
@@ -446,13 +455,13 @@ def test_batched_prefill_and_insert_equal_per_prompt(fp32):
     differ: observed |d| <= 1e-6, bound 1e-5); the next generated tokens are identical. The
     second part inserts one prompt's G = 4 samples into 4 slots in one call."""
     keys = _raw_keys(3, len(PROMPTS))
-    params = fp32.params
+    params, served = fp32.params, JetStreamEngine(fp32)
     single = fp32.init_decode_state()
     for i, prompt in enumerate(PROMPTS):
-        prefix = fp32.prefill(
+        prefix = served.prefill(
             params=params, padded_tokens=prompt, true_length=len(prompt), rng=keys[i]
         )
-        single = fp32.insert(prefix, single, slot=3 - i, sample_index=i)
+        single = served.insert(prefix, single, slot=3 - i, sample_index=i)
     batch = fp32.prefill_batch(params, PROMPTS, keys)
     assert batch.cache.k.shape[1] == 4  # 3 prompts padded to the row bucket 4
     batched = fp32.insert_batch(batch, fp32.init_decode_state(), [3, 2, 1], [0, 1, 2], [0, 1, 2])
@@ -463,15 +472,15 @@ def test_batched_prefill_and_insert_equal_per_prompt(fp32):
         for i, prompt in enumerate(PROMPTS):
             live = np.s_[:, 3 - i, :, : len(prompt)]  # [L, slot, k, S, h]
             np.testing.assert_allclose(np.asarray(a)[live], np.asarray(b)[live], atol=1e-5)
-    single, _ = fp32.generate(params, single)
-    batched, _ = fp32.generate(params, batched)
+    single, _ = served.generate(params, single)
+    batched, _ = served.generate(params, batched)
     np.testing.assert_array_equal(single.tokens, batched.tokens)
 
     # One prompt's 4 samples into 4 slots in one call == 4 single inserts.
-    prefix = fp32.prefill(params=params, padded_tokens=PROMPTS[1], true_length=11, rng=keys[1])
+    prefix = served.prefill(params=params, padded_tokens=PROMPTS[1], true_length=11, rng=keys[1])
     single = fp32.init_decode_state()
     for g in range(4):
-        single = fp32.insert(prefix, single, slot=g, sample_index=g)
+        single = served.insert(prefix, single, slot=g, sample_index=g)
     group = fp32.insert_batch(batch, fp32.init_decode_state(), [0, 1, 2, 3], [1] * 4, range(4))
     np.testing.assert_array_equal(single.key, group.key)
     assert len({tuple(k) for k in np.asarray(group.key)}) == 4
@@ -492,7 +501,7 @@ def test_length_buckets_equal_the_whole_cache_and_bound_the_compiles(master):
     key = jax.random.key(11)
     bucketed = generate_rollouts(engine, PROMPTS, 1, key, steps_per_sync=4)
     sizes = engine.compile_cache_sizes()
-    assert sizes["generate_steps"] == len(config.kv_buckets), sizes
+    assert sizes["loop"] == len(config.kv_buckets), sizes
     generate_rollouts(engine, PROMPTS, 1, jax.random.key(12), steps_per_sync=4)
     assert engine.compile_cache_sizes() == sizes
     with pytest.MonkeyPatch.context() as m:  # every dispatch over the whole cache
@@ -513,7 +522,7 @@ def test_the_decode_loop_updates_the_cache_in_place(bf16):
 
     state = bf16.init_decode_state()
     assert state.cache.k.dtype == jnp.uint16
-    hlo = bf16._generate_steps_jit.lower(bf16.params, state, 2, ENGINE.cache_length, True)
+    hlo = bf16.programs.loop.lower(bf16.params, state, 2, ENGINE.cache_length, True)
     assert _cache_passes(hlo.compile().as_text(), state.cache.k.shape) == []
 
 

@@ -205,6 +205,6 @@ def test_engine_weight_sync_quantizes_the_block_kernels_without_recompiling(trai
         else:  # embedding and norms: a plain bf16 cast
             want = jnp.asarray(src[path]).astype(jnp.bfloat16)
         np.testing.assert_array_equal(np.asarray(value), np.asarray(want), err_msg=str(path))
-    casts = engine._cast_jit._cache_size()
+    casts = engine.programs.cast._cache_size()
     engine.update_params(model)
-    assert engine._cast_jit._cache_size() == casts  # weight sync compiles nothing new
+    assert engine.programs.cast._cache_size() == casts  # weight sync compiles nothing new

@@ -1,8 +1,9 @@
-"""`python -m dvp_jax.rollout.server` end to end: a subprocess on a free loopback port.
+"""`python -m dvp_jax.rollout.server`: end to end in one subprocess on a free loopback port.
 
 64 concurrent Decode requests complete; malformed requests get INVALID_ARGUMENT and the server
-keeps serving; SIGTERM shuts it down cleanly (exit code 0); a port that is already in use
-stops the server at once with one line naming the address (exit code 1), never a hang.
+keeps serving; SIGTERM shuts it down cleanly (exit code 0). In this process: a port that is
+already in use stops the server at once with one line naming the address (exit code 2), and
+`serve` never leaves a driver thread running; every checkpoint flag loads the same weights.
 """
 
 import asyncio
@@ -225,24 +226,24 @@ def _held_port():
     return held, held.getsockname()[1]
 
 
-def test_server_on_a_busy_port_exits_with_one_line():
-    """Issue 13: with grpcio 1.85 `add_insecure_port` raised past the driver cleanup and the
-    driver's non-daemon thread kept the process alive until killed. The 120 s bound only
-    turns that old hang into a failure; the fixed server stops before it loads the model."""
+def test_server_on_a_busy_port_exits_with_one_line(capsys):
+    """`main` on a port another socket holds stops before it loads the model: exit status 2
+    and one line naming the address, no traceback (in this process; that no driver thread is
+    left to keep a process alive is `test_serve_stops_the_driver_on_every_failure`)."""
+    from dvp_jax.rollout import server
+
     held, port = _held_port()
     with held:
-        proc = subprocess.run(
-            _server_command(port),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=_server_env(),
-            text=True,
-            timeout=120,
-        )
-    output = proc.stdout
-    assert proc.returncode == 2, output[-3000:]
+        server.FLAGS(["server", "--random_init_preset=tiny", f"--port={port}"])
+        try:
+            with pytest.raises(SystemExit) as exit_info:
+                server.main(["server"])
+        finally:
+            server.FLAGS.unparse_flags()
+    output = capsys.readouterr().err
+    assert exit_info.value.code == 2, output[-3000:]
     line = f"cannot bind 127.0.0.1:{port}: address already in use; pick another --port"
-    assert line in output, output[-3000:]
+    assert output.strip().splitlines() == [f"error: {line} or stop the process that holds it"]
     assert "Traceback" not in output, output[-3000:]
 
 

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from dvp_jax import aot
+from dvp_jax import aot, aot_report
 from dvp_jax.train.config import ExperimentConfig, default_config
 
 _GIB = 1024**3
@@ -66,16 +66,16 @@ def _config(
     return ExperimentConfig.from_config_dict(c, 512)
 
 
-def _compile(cfg, topology: str) -> dict[str, aot.Program]:
+def _compile(cfg, topology: str) -> dict[str, aot_report.Program]:
     programs = aot.compile_config(cfg, topology, log=lambda line: None)
     by_name = {p.name: p for p in programs}
-    bad = aot.failures(programs, aot.CHIP_HBM_GIB[aot.chip_of(topology)], 0.9)
-    print(aot.table(programs, aot.CHIP_HBM_GIB[aot.chip_of(topology)]))
+    bad = aot_report.failures(programs, aot.CHIP_HBM_GIB[aot.chip_of(topology)], 0.9)
+    print(aot_report.table(programs, aot.CHIP_HBM_GIB[aot.chip_of(topology)]))
     assert bad == [], bad
     return by_name
 
 
-def _one(programs: dict[str, aot.Program], prefix: str) -> aot.Program:
+def _one(programs: dict[str, aot_report.Program], prefix: str) -> aot_report.Program:
     found = [p for name, p in programs.items() if name.startswith(prefix)]
     assert len(found) == 1, (prefix, sorted(programs))
     return found[0]
@@ -198,38 +198,38 @@ def test_dot_flops_count_loops_by_their_trip_count():
     def body(c, _):
         return c @ w, None
 
-    one = aot.dot_flops(jax.make_jaxpr(lambda x: x @ w)(x))
+    one = aot_report.dot_flops(jax.make_jaxpr(lambda x: x @ w)(x))
     assert one == 2 * 4 * 8 * 8
     scanned = jax.make_jaxpr(lambda x: jax.lax.scan(body, x, None, length=5)[0])(x)
-    assert aot.dot_flops(scanned) == 5 * one
+    assert aot_report.dot_flops(scanned) == 5 * one
     looped = jax.make_jaxpr(lambda x: jax.lax.while_loop(lambda c: c[0, 0] < 9, lambda c: c @ w, x))
-    assert aot.dot_flops(looped(x), while_trips=3) == 3 * one
+    assert aot_report.dot_flops(looped(x), while_trips=3) == 3 * one
 
 
 def test_failures_name_the_program_and_the_reason():
-    fits = aot.Program("a", argument=2 * _GIB, temp=5 * _GIB)
-    too_big = aot.Program("rl_update", argument=2 * _GIB, temp=14 * _GIB, resident=_GIB)
-    broken = aot.Program("engine/prefill[1x128]", error="NotImplementedError: Mosaic kernels")
-    lines = aot.failures([fits, too_big, broken], hbm=16.0, fraction=0.9)
+    fits = aot_report.Program("a", argument=2 * _GIB, temp=5 * _GIB)
+    too_big = aot_report.Program("rl_update", argument=2 * _GIB, temp=14 * _GIB, resident=_GIB)
+    broken = aot_report.Program(
+        "engine/prefill[1x128]", error="NotImplementedError: Mosaic kernels"
+    )
+    lines = aot_report.failures([fits, too_big, broken], hbm=16.0, fraction=0.9)
     assert lines == [
         "rl_update does not fit: peak 17.0 GiB per chip (resident 1.0) > 90% of 16.0 GiB",
         "engine/prefill[1x128] does not compile: NotImplementedError: Mosaic kernels",
     ]
 
 
-def _aot(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "dvp_jax.aot", *args],
+def test_aot_command_on_the_tiny_config():
+    """The command (the one fresh interpreter of this file) on the embedded tiny config (char
+    tokenizer, SFT warm-up, bf16 engine): every program compiles for one v5p host, the table
+    and one JSON line on stdout, exit 0."""
+    out = subprocess.run(
+        [sys.executable, "-m", "dvp_jax.aot", "--config=configs/tiny_cpu.py"]
+        + ["--topology=v5p:2x2x1"],
         capture_output=True,
         text=True,
         timeout=600,
     )
-
-
-def test_aot_command_on_the_tiny_config():
-    """The command on the embedded tiny config (char tokenizer, SFT warm-up, bf16 engine):
-    every program compiles for one v5p host, the table and one JSON line on stdout, exit 0."""
-    out = _aot("--config", "configs/tiny_cpu.py", "--topology", "v5p:2x2x1")
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     names = [p["program"] for p in result["programs"]]
@@ -241,16 +241,33 @@ def test_aot_command_on_the_tiny_config():
 
 
 @pytest.mark.parametrize(
-    "args, message",
+    "override, message",
     [
-        (["--topology", "v9:2x2"], "--topology 'v9:2x2' is not <chip>:<dims>"),
-        (["--topology", "v5p:2x2x1", "--config.mesh.tensor=3"], "config.mesh"),
+        ({"topology": "v9:2x2"}, "--topology 'v9:2x2' is not <chip>:<dims>"),
+        ({"config.mesh.tensor": 3}, "config.mesh"),
     ],
 )
-def test_aot_command_refuses_bad_input_in_one_line(args, message):
-    out = _aot("--config", "configs/tiny_cpu.py", *args)
-    assert out.returncode == 2, out.stderr[-2000:]
-    lines = out.stderr.strip().splitlines()
+def test_aot_command_refuses_bad_input_in_one_line(override, message, monkeypatch, capsys):
+    """`aot.main` on the flags' values (in this process: no compile is reached): a bad
+    topology or a mesh the topology cannot hold ends with exit status 2 and one line."""
+    import types
+
+    from configs import tiny_cpu
+
+    config = tiny_cpu.get_config()
+    values = {"topology": "v5p:2x2x1", "all_buckets": False, "programs": "", "json_out": ""}
+    values.update(hbm_fraction=0.9, verbose=False, config=config)
+    for name, value in override.items():
+        if name.startswith("config."):
+            config.mesh.tensor = value
+        else:
+            values[name] = value
+    flags = {name: types.SimpleNamespace(value=value) for name, value in values.items()}
+    monkeypatch.setattr(aot, "_FLAGS", flags)
+    with pytest.raises(SystemExit) as exit_info:
+        aot.main(["aot"])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
     assert lines[-1].startswith("error: ") and message in lines[-1], lines[-3:]
 
 

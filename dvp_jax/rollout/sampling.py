@@ -118,17 +118,22 @@ class SamplingParams:
 
 
 def check_sampling_values(
-    temperature: float, log_rho: float, noise_std: float, noise_tail_gap: float = 0.0
+    temperature: float,
+    log_rho: float,
+    noise_std: float,
+    noise_tail_gap: float = 0.0,
+    owner: str = "SamplingParams",
 ) -> None:
-    """Raises ValueError naming the field and its allowed range."""
+    """Raises ValueError naming the field (`owner.name`: the class the value was given to)
+    and its allowed range."""
     if not (temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"SamplingParams.temperature must be finite and > 0, got {temperature}")
-    pruning.check_log_rho(log_rho, "SamplingParams.log_rho")
+        raise ValueError(f"{owner}.temperature must be finite and > 0, got {temperature}")
+    pruning.check_log_rho(log_rho, f"{owner}.log_rho")
     if not (noise_std >= 0 and math.isfinite(noise_std)):
-        raise ValueError(f"SamplingParams.noise_std must be finite and >= 0, got {noise_std}")
+        raise ValueError(f"{owner}.noise_std must be finite and >= 0, got {noise_std}")
     if not (noise_tail_gap >= 0 and math.isfinite(noise_tail_gap)):
         raise ValueError(
-            f"SamplingParams.noise_tail_gap must be finite and >= 0 (0: uniform noise), got "
+            f"{owner}.noise_tail_gap must be finite and >= 0 (0: uniform noise), got "
             f"{noise_tail_gap}"
         )
 

@@ -3,42 +3,16 @@ r"""Serve a model with JetStream's own orchestrator over gRPC (evaluation, inter
   python -m dvp_jax.rollout.server --random_init_preset=tiny --port=9000
   python -m dvp_jax.rollout.server --hf_checkpoint=/models/qwen3-0.6b \
       --tokenizer=/models/qwen3-0.6b --max_prefill_length=1024 --max_decode_length=1024
-  python -m dvp_jax.rollout.server --orbax_checkpoint=/ckpt/params --model_preset=qwen3_0_6b ...
 
-JetStream's `Driver` runs our `RolloutEngine` as both its prefill and its generate engine
-(interleaved mode) and JetStream's `LLMOrchestrator` answers the `Decode` and `HealthCheck` RPCs.
-We do not use `jetstream.core.server_lib.run`, which binds every interface (`[::]`) with no
-option: the servicer is served on a gRPC server bound to `--host` (127.0.0.1 by default).
-
-Requests are validated before they reach the orchestrator, whose threads SIGKILL the process on
-any exception: a request with no content, an empty prompt, a prompt longer than
-`--max_prefill_length` (BOS included), token ids outside the model vocabulary, text the tokenizer
-cannot encode, text that is not UTF-8, or `max_tokens <= 0` gets `INVALID_ARGUMENT`, and the
-server keeps serving. SIGTERM / SIGINT stop the gRPC server (2 s grace) and the driver's threads,
-and the process exits 0.
-
-A `--host:--port` that cannot be bound (in use, privileged, not an address of this machine)
-stops the process before the model is loaded, with one line on stderr naming the address and
-why (e.g. `cannot bind 127.0.0.1:9000: address already in use; pick another --port or stop the
-process that holds it`) and exit status 2. `serve` binds the gRPC port before it starts
-JetStream's driver (whose detokenize thread is not a daemon and would keep the process alive),
-and stops the driver and the gRPC server on every path out, failures included. Compiled
-programs (one per prefill bucket and the generate step) are kept in JAX's persistent cache, as
-`dvp_jax.main` keeps them (`--compilation_cache`; empty to turn it off).
-
-Checkpoints (exactly one of):
-* `--hf_checkpoint DIR`: a Hugging Face Qwen3 directory (config.json + safetensors), loaded by
-  `dvp_jax.model.hf_import.load_hf` straight into the rollout dtype and layout.
-* `--orbax_checkpoint DIR` with `--model_preset NAME` or `--model_config config.json`: a directory
-  written by `orbax.checkpoint.StandardCheckpointer().save(DIR, nnx.state(model))` for a
-  `Transformer` of that config, i.e. the parameter `nnx.State` alone, any float dtype (the
-  trainer's fp32 master weights); it is restored directly into the rollout dtype and shardings.
-  A trainer `CheckpointManager` directory stores that item at `<root>/<step>/<item name>`.
-* `--trainer_checkpoint DIR`: a `dvp_jax.main` run directory (or its `checkpoints/` or one
-  step's dir): only the policy params of the latest step are read, cast to the rollout dtype;
-  the architecture comes from the run's `model_config.json` unless `--model_preset` or
-  `--model_config` is given.
-* `--random_init_preset NAME`: random weights (tests, demos).
+JetStream's `Driver` runs a `jetstream.JetStreamEngine` as both its prefill and generate engine
+(interleaved) and its `LLMOrchestrator` answers `Decode` and `HealthCheck`, on a gRPC server
+bound to `--host` (127.0.0.1 by default; JetStream's `server_lib.run` binds every interface).
+Malformed requests get INVALID_ARGUMENT before they reach the orchestrator, whose threads
+SIGKILL the process on any exception (`validation_error`). A `--host:--port` that cannot be
+bound stops the process before the model loads: one line on stderr naming the address and why,
+exit status 2. SIGTERM / SIGINT stop the server and the driver (exit 0). Weights come from
+exactly one of the checkpoint flags (`build_engine`); engine flags take `EngineConfig`'s names
+and defaults.
 """
 
 from __future__ import annotations
@@ -64,19 +38,19 @@ from dvp_jax.cli import (
     parse_flags,
     use_compilation_cache,
 )
+from dvp_jax.dvp.pruning import DEFAULT_LOG_RHO
 from dvp_jax.errors import UserError, one_line
 from dvp_jax.model.config import PRECISIONS, DTypePolicy, ModelConfig
-from dvp_jax.model.transformer import Transformer
+from dvp_jax.rollout import loading
 from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
+from dvp_jax.rollout.jetstream import JetStreamEngine
 from dvp_jax.rollout.tokenizers import DEFAULT_PREFILL_LENGTHS
 from dvp_jax.sharding import (
     ROLLOUT_RULES,
     MeshConfig,
     Sharder,
     make_mesh,
-    state_shardings,
 )
-from dvp_jax.workdir import as_path
 
 _log = logging.getLogger(__name__)
 
@@ -100,6 +74,7 @@ def _orchestrator():
 
 
 FLAGS = flags.FLAGS
+_ENGINE = EngineConfig()  # the engine flags' defaults
 flags.DEFINE_string("host", "127.0.0.1", "Interface to bind (e.g. 0.0.0.0 for all IPv4).")
 flags.DEFINE_integer("port", 9000, "gRPC port.")
 flags.DEFINE_string("hf_checkpoint", None, "Hugging Face Qwen3 model directory.")
@@ -109,15 +84,33 @@ flags.DEFINE_string("model_preset", None, "ModelConfig preset for --orbax_checkp
 flags.DEFINE_string("model_config", None, "HF config.json for --orbax_checkpoint.")
 flags.DEFINE_string("random_init_preset", None, "Random weights of this ModelConfig preset.")
 flags.DEFINE_string("tokenizer", "char", "'char' or a local tokenizer.json file/directory.")
-flags.DEFINE_enum("dtype", "bfloat16", list(PRECISIONS), "Rollout precision (EngineConfig.dtype).")
-flags.DEFINE_float("noise_std", 0.0, "Gaussian logit noise before pruning (0: off).")
-flags.DEFINE_integer("max_concurrent_decodes", 8, "Decode slots.")
-flags.DEFINE_integer("max_prefill_length", 64, "Longest prompt (BOS included); a power of 2 >= 16.")
-flags.DEFINE_integer("max_decode_length", 64, "Most generated tokens per request.")
-flags.DEFINE_float("temperature", 1.0, "Sampling temperature.")
-flags.DEFINE_float("log_rho", -13.0, "log min-p threshold; -inf: no pruning.")
-flags.DEFINE_bool("greedy", False, "Greedy decoding.")
-flags.DEFINE_integer("seed", 0, "Base seed of the per-request keys.")
+flags.DEFINE_enum("dtype", _ENGINE.dtype, list(PRECISIONS), "Rollout precision.")
+flags.DEFINE_float("noise_std", _ENGINE.noise_std, "Gaussian logit noise before pruning (0: off).")
+flags.DEFINE_integer("max_concurrent_decodes", _ENGINE.max_concurrent_decodes, "Decode slots.")
+flags.DEFINE_integer(
+    "max_prefill_length",
+    _ENGINE.max_prefill_length,
+    "Longest prompt (BOS included); a power of 2 >= 16.",
+)
+flags.DEFINE_integer(
+    "max_decode_length", _ENGINE.max_decode_length, "Most generated tokens per request."
+)
+flags.DEFINE_float("temperature", _ENGINE.temperature, "Sampling temperature.")
+flags.DEFINE_float("log_rho", DEFAULT_LOG_RHO, "log min-p threshold; -inf: no pruning.")
+flags.DEFINE_bool("greedy", _ENGINE.greedy, "Greedy decoding.")
+flags.DEFINE_integer("seed", _ENGINE.seed, "Base seed of the per-request keys.")
+# The flags above that are `EngineConfig` fields of the same name (`EngineConfig.take`).
+_ENGINE_FLAGS = (
+    "dtype",
+    "noise_std",
+    "max_concurrent_decodes",
+    "max_prefill_length",
+    "max_decode_length",
+    "temperature",
+    "log_rho",
+    "greedy",
+    "seed",
+)
 flags.DEFINE_integer("tensor_parallel", 1, "Devices on the mesh's tensor axis.")
 flags.DEFINE_bool(
     "verbose", False, "JetStream's per-step DEBUG logging; tracebacks for every error."
@@ -142,7 +135,7 @@ def _parse_decode_request(data: bytes):
         return _Unparsable(f"malformed DecodeRequest ({e}); text must be valid UTF-8")
 
 
-def validation_error(request, engine: RolloutEngine) -> str | None:
+def validation_error(request, engine: JetStreamEngine) -> str | None:
     """Why `request` must not reach the orchestrator, or None if it is fine."""
     if isinstance(request, _Unparsable):
         return request.reason
@@ -164,7 +157,7 @@ def validation_error(request, engine: RolloutEngine) -> str | None:
         ids = list(request.token_content.token_ids)
         if not ids:
             return "empty prompt: token_content.token_ids is empty"
-        vocab = engine.model_cfg.vocab_size
+        vocab = engine.engine.model_cfg.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             return f"token ids {bad[:5]} outside the vocabulary [0, {vocab})"
@@ -183,7 +176,7 @@ def validation_error(request, engine: RolloutEngine) -> str | None:
 class ValidatingOrchestrator(jetstream_pb2_grpc.OrchestratorServicer):
     """Rejects malformed requests with INVALID_ARGUMENT, forwards the rest to JetStream."""
 
-    def __init__(self, inner, engine: RolloutEngine):
+    def __init__(self, inner, engine: JetStreamEngine):
         """`inner`: JetStream's `LLMOrchestrator` for the engine's driver."""
         self._inner = inner
         self._engine = engine
@@ -220,87 +213,16 @@ def add_servicer(servicer: ValidatingOrchestrator, server: grpc.aio.Server) -> N
 
 
 # ----------------------------------------------------------------------------------------------
-# Model loading.
+# The engine.
 # ----------------------------------------------------------------------------------------------
-def load_orbax_params(path: str, cfg: ModelConfig, policy: DTypePolicy, sharder: Sharder):
-    """Restores a StandardCheckpointer save of `nnx.state(Transformer(cfg, ...))` directly into
-    the rollout dtype and shardings (orbax casts while reading)."""
-    import orbax.checkpoint as ocp  # Local import: only this path needs orbax.
-
-    make = lambda: Transformer(cfg, policy, sharder, rngs=nnx.Rngs(0))
-    abstract = nnx.state(nnx.eval_shape(make))
-    shardings = state_shardings(abstract, sharder)
-    target = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
-    )
-    with ocp.StandardCheckpointer() as checkpointer:
-        return checkpointer.restore(as_path(path), target)
-
-
-def load_trainer_params(path: str, cfg: ModelConfig, policy: DTypePolicy, sharder: Sharder):
-    """The policy params of a trainer checkpoint, read straight into the rollout dtype/layout."""
-    from dvp_jax.checkpoint import restore_params
-
-    make = lambda: Transformer(cfg, policy, sharder, rngs=nnx.Rngs(0))
-    graphdef, abstract = nnx.split(nnx.eval_shape(make))
-    shardings = nnx.to_pure_dict(state_shardings(abstract, sharder))
-    target = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        nnx.to_pure_dict(abstract),
-        shardings,
-    )
-    return nnx.state(nnx.merge(graphdef, restore_params(path, target)))
-
-
-def _trainer_model_config(path: str) -> ModelConfig:
-    root = as_path(path)
-    if not root.exists():
-        raise UserError(f"--trainer_checkpoint {path!r}: no such directory")
-    if FLAGS.model_preset or FLAGS.model_config:
-        return _model_config_from_flags()
-    for candidate in (root / "model_config.json", root.parent / "model_config.json"):
-        if candidate.exists():
-            import json
-
-            return ModelConfig.from_hf(json.loads(candidate.read_text()))
-    raise UserError(
-        f"--trainer_checkpoint {path!r}: no model_config.json found there; pass --model_preset "
-        "or --model_config"
-    )
-
-
-def _hf_model_config(path: str) -> ModelConfig:
-    from dvp_jax.model import hf_import
-
-    root = as_path(path)
-    if not (root / "config.json").exists():
-        raise UserError(
-            f"--hf_checkpoint {path!r}: no config.json there (a Hugging Face model "
-            "directory has config.json and *.safetensors)"
-        )
-    if (root / "model_config.json").exists() and (root / "checkpoints").exists():
-        raise UserError(
-            f"--hf_checkpoint {path!r} is a dvp_jax.main workdir (its config.json is "
-            "the experiment config): pass it as --trainer_checkpoint"
-        )
-    return hf_import.load_hf_config(path)
-
-
-def _model_config_from_flags() -> ModelConfig:
-    if FLAGS.model_preset and FLAGS.model_config:
-        raise UserError("give one of --model_preset and --model_config")
-    if FLAGS.model_preset:
-        return ModelConfig.preset(FLAGS.model_preset)
-    if FLAGS.model_config:
-        import json
-
-        with open(FLAGS.model_config) as f:
-            return ModelConfig.from_hf(json.load(f))
-    raise UserError("--orbax_checkpoint needs --model_preset or --model_config")
-
-
-def build_engine() -> RolloutEngine:
-    """The engine described by the flags (see the module docstring)."""
+def build_engine() -> JetStreamEngine:
+    """The engine the flags describe, its weights from exactly one of: `--hf_checkpoint` (a
+    Hugging Face Qwen3 directory), `--orbax_checkpoint` with `--model_preset` or
+    `--model_config` (a StandardCheckpointer save of a `Transformer`'s `nnx.state`, any float
+    dtype), `--trainer_checkpoint` (a `dvp_jax.main` workdir, its `checkpoints/` or one step's
+    dir: the latest step's policy params; the architecture from its `model_config.json` unless
+    `--model_preset` / `--model_config` say otherwise) or `--random_init_preset`. Every path
+    reads straight into the rollout dtype and layout."""
     sources = [
         FLAGS.hf_checkpoint,
         FLAGS.orbax_checkpoint,
@@ -318,17 +240,7 @@ def build_engine() -> RolloutEngine:
             f"--max_prefill_length must be one of {DEFAULT_PREFILL_LENGTHS}, got "
             f"{FLAGS.max_prefill_length}"
         )
-    config = EngineConfig(
-        dtype=FLAGS.dtype,
-        noise_std=FLAGS.noise_std,
-        max_concurrent_decodes=FLAGS.max_concurrent_decodes,
-        max_prefill_length=FLAGS.max_prefill_length,
-        max_decode_length=FLAGS.max_decode_length,
-        temperature=FLAGS.temperature,
-        log_rho=FLAGS.log_rho,
-        greedy=FLAGS.greedy,
-        seed=FLAGS.seed,
-    )
+    config = EngineConfig.take({name: FLAGS[name].value for name in _ENGINE_FLAGS})
     tp = FLAGS.tensor_parallel
     mesh = make_mesh(MeshConfig(1, 1, tp), jax.devices()[:tp])
     sharder = Sharder(mesh, ROLLOUT_RULES)
@@ -339,21 +251,23 @@ def build_engine() -> RolloutEngine:
     elif FLAGS.hf_checkpoint:
         from dvp_jax.model import hf_import
 
-        cfg = _hf_model_config(FLAGS.hf_checkpoint)
+        cfg = loading.hf_model_config(FLAGS.hf_checkpoint)
         params = nnx.state(hf_import.load_hf(FLAGS.hf_checkpoint, policy, sharder, cfg))
     elif FLAGS.trainer_checkpoint:
-        cfg = _trainer_model_config(FLAGS.trainer_checkpoint)
-        params = load_trainer_params(FLAGS.trainer_checkpoint, cfg, policy, sharder)
+        path = FLAGS.trainer_checkpoint
+        cfg = loading.trainer_model_config(path, FLAGS.model_preset, FLAGS.model_config)
+        params = loading.load_trainer_params(path, cfg, policy, sharder)
     else:
-        cfg = _model_config_from_flags()
-        params = load_orbax_params(FLAGS.orbax_checkpoint, cfg, policy, sharder)
-    return RolloutEngine(cfg, config, tokenizer=FLAGS.tokenizer, params=params, mesh=mesh)
+        cfg = loading.model_config(FLAGS.model_preset, FLAGS.model_config)
+        params = loading.load_orbax_params(FLAGS.orbax_checkpoint, cfg, policy, sharder)
+    engine = RolloutEngine(cfg, config, tokenizer=FLAGS.tokenizer, params=params, mesh=mesh)
+    return JetStreamEngine(engine, tokenizer_path=FLAGS.tokenizer)
 
 
-def warm_up(engine: RolloutEngine) -> None:
+def warm_up(engine: JetStreamEngine) -> None:
     """Compiles prefill (every bucket), insert and generate before the port opens."""
     state = engine.init_decode_state()
-    for bucket in engine.config.buckets:
+    for bucket in engine.engine.config.buckets:
         tokens = [0] * bucket
         prefix = engine.prefill(params=engine.params, padded_tokens=tokens, true_length=bucket)
         state = engine.insert(prefix, state, 0)
@@ -408,7 +322,7 @@ def bind_problem(host: str, port: int) -> str | None:
     return f"cannot bind {_address(host, port)}: {reason}"
 
 
-async def serve(engine: RolloutEngine, host: str, port: int) -> None:
+async def serve(engine: JetStreamEngine, host: str, port: int) -> None:
     """Runs JetStream's driver + our validating servicer until SIGTERM / SIGINT.
 
     Raises:

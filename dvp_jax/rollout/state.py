@@ -1,11 +1,13 @@
 """The rollout engine's settings and state: `EngineConfig`, `Prefix`, `DecodeState`.
 
-Data types only (`RolloutEngine` in `engine.py` computes with them); `engine.py` re-exports them.
+Data types only: `decode.py` computes with them, `engine.py` jits that and re-exports them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 from flax import struct
@@ -67,8 +69,20 @@ class EngineConfig:
                 f"EngineConfig.prefill_buckets must be positive ints, got {self.prefill_buckets}"
             )
         sampling.check_sampling_values(
-            self.temperature, self.log_rho, self.noise_std, self.noise_tail_gap
+            self.temperature, self.log_rho, self.noise_std, self.noise_tail_gap, "EngineConfig"
         )
+
+    @classmethod
+    def take(cls, source: Any, **overrides) -> EngineConfig:
+        """The config with every field `source` (an object or a mapping) has under the same
+        name, then `overrides`; other fields keep their defaults. The one way a run's config
+        (`builders.engine_config`) and the server's flags become an `EngineConfig`."""
+        get = (
+            source.get if isinstance(source, Mapping) else lambda name: getattr(source, name, None)
+        )
+        values = {f.name: get(f.name) for f in dataclasses.fields(cls)}
+        values = {name: value for name, value in values.items() if value is not None}
+        return cls(**{**values, **overrides})
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -113,15 +127,15 @@ class EngineConfig:
 
 @struct.dataclass
 class Prefix:
-    """A prefilled request (JetStream's `Prefix`).
+    """Prefilled prompts, one per row (JetStream's `Prefix`: one row per request).
 
     Attributes:
-      cache: KVCache with k, v `[L, 1, k, bucket, h]` in the cache dtype (`[L, 1, bucket, k, h]`
-        in a TPU engine: `attention.cache_layout`).
-      logits: `[v]` float32 logits for the first generated token.
-      length: `[]` int32 true prompt length (BOS included).
-      key: `[2]` uint32 raw PRNG key of the request.
-      context: `[]` uint32 `sampling.context_hash` of the prompt (its logit noise).
+      cache: KVCache with k, v `[L, rows, k, bucket, h]` in the cache dtype (`[L, rows, bucket,
+        k, h]` in a TPU engine: `attention.cache_layout`).
+      logits: `[rows, v]` float32 logits for the first generated token.
+      length: `[rows]` int32 true prompt lengths (BOS included).
+      key: `[rows, 2]` uint32 raw PRNG keys of the requests.
+      context: `[rows]` uint32 `sampling.context_hash` of each prompt (its logit noise).
     """
 
     cache: KVCache

@@ -173,18 +173,14 @@ def rollout_weights(params: nnx.State, dtype, engines=()) -> nnx.State:
 
 def engine_config(cfg: ExperimentConfig, dtype: str = "") -> EngineConfig:
     """The rollout engine's settings for a run (precision `dtype`, default `rollout.dtype`)."""
-    r = cfg.rollout
-    return EngineConfig(
-        dtype=dtype or r.dtype,
-        noise_std=r.noise_std,
-        noise_tail_gap=r.noise_tail_gap,
-        max_concurrent_decodes=r.max_concurrent_decodes,
-        # Prompts are padded to the smallest of EngineConfig's default buckets (16 ... 8192,
-        # and max_prompt_len) that holds the longest prompt of a prefill call, not to
-        # max_prompt_len: 2,048 for ~200-token prompts was 10x the prefill work.
+    # `rollout.*` fields carry EngineConfig's names. Prompts are padded to the smallest of
+    # EngineConfig's default buckets (16 ... 8192, and max_prompt_len) that holds the longest
+    # prompt of a prefill call, not to max_prompt_len: 2,048 for ~200-token prompts was 10x
+    # the prefill work.
+    return EngineConfig.take(
+        cfg.rollout,
+        dtype=dtype or cfg.rollout.dtype,
         max_prefill_length=cfg.data.max_prompt_len,
-        max_decode_length=r.max_decode_length,
-        temperature=r.temperature,
         log_rho=cfg.rollout_log_rho,
         seed=cfg.train.seed,
     )

@@ -1,0 +1,184 @@
+"""The rollout's device programs as pure functions: empty state, prefill, insert, step, loop.
+
+Each takes the model (or its settings), the state and the static sizes as arguments and returns
+new arrays; nothing here holds state or calls `jax.jit`: `engine.RolloutEngine` jits each once
+with its shardings, and `dvp_jax.aot` compiles those jitted programs for a TPU topology. The
+sampling step itself (E1-E4) is `sampling.sample`; the state's fields are documented on
+`state.DecodeState` and `state.Prefix`. Keys depend only on (request key, sample index, step),
+never on the slot or the schedule, so a fixed seed reproduces a rollout exactly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dvp_jax.model.attention import KVCache, cache_storage, seq_axis, to_storage
+from dvp_jax.model.config import ModelConfig
+from dvp_jax.model.transformer import Transformer
+from dvp_jax.rollout import sampling
+from dvp_jax.rollout.state import RECORD_FIELDS, DecodeState, Prefix
+
+
+def raw_key_shape() -> tuple[int, ...]:
+    """The shape of one raw PRNG key (`[2]` for JAX's default threefry keys)."""
+    return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
+
+
+def key_data(key: jax.Array) -> jax.Array:
+    """Raw uint32 key data of a typed key or of raw key data."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(key)
+    return jnp.asarray(key, jnp.uint32)
+
+
+def _fold(raw_key: jax.Array, value: jax.Array) -> jax.Array:
+    """Raw key data of `fold_in(raw_key, value)`."""
+    return jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(raw_key), value))
+
+
+def empty_state(
+    model_cfg: ModelConfig,
+    slots: int,
+    max_decode_length: int,
+    cache_length: int,
+    cache_dtype,
+    layout: str,
+    params: sampling.SamplingParams,
+) -> DecodeState:
+    """`slots` empty (done) slots with a zero cache of `cache_length` positions."""
+    b, m = slots, max_decode_length
+    return DecodeState(
+        cache=KVCache.zeros(model_cfg, b, cache_length, cache_storage(cache_dtype), layout),
+        logits=jnp.zeros((b, model_cfg.vocab_size), jnp.float32),
+        pos=jnp.zeros((b,), jnp.int32),
+        step=jnp.zeros((b,), jnp.int32),
+        done=jnp.ones((b,), bool),
+        key=jnp.zeros((b,) + raw_key_shape(), jnp.uint32),
+        context=jnp.zeros((b,), jnp.uint32),
+        tokens=jnp.zeros((b, m), jnp.int32),
+        behaviour_logp=jnp.zeros((b, m), jnp.float32),
+        behaviour_logp_full=jnp.zeros((b, m), jnp.float32),
+        behaviour_pruned_mass=jnp.zeros((b, m), jnp.float32),
+        behaviour_safe_size=jnp.zeros((b, m), jnp.int32),
+        sampling=params,
+    )
+
+
+def prefill(model: Transformer, tokens: jax.Array, lengths: jax.Array, keys: jax.Array) -> Prefix:
+    """Runs right-padded prompts `tokens` [rows, bucket] of true `lengths` [rows] (raw `keys`
+    [rows, 2]); the prefix's cache holds `bucket` positions."""
+    logits, cache = model.prefill(tokens, lengths, cache_len=tokens.shape[1])
+    context = sampling.context_hash(tokens, lengths)  # fixes the logit noise (sampling.py)
+    return Prefix(cache=cache, logits=logits, length=lengths, key=keys, context=context)
+
+
+def insert(
+    prefix: Prefix,
+    state: DecodeState,
+    slots: jax.Array,
+    rows: jax.Array,
+    sample_index: jax.Array,
+    cache_dtype,
+    layout: str,
+) -> DecodeState:
+    """Puts prefix row `rows[i]` into slot `slots[i]` with the key `fold_in(prefix key,
+    sample_index[i])`; a slot index past the last slot (padding) is dropped."""
+    bucket = prefix.cache.k.shape[seq_axis(layout)]
+    # [:, slots, :, :bucket] heads first, [:, slots, :bucket] positions first.
+    index = (slice(None), slots) + (slice(None),) * (seq_axis(layout) - 2)
+
+    def put(buf, value):  # buf in the cache storage dtype (`attention.cache_storage`)
+        value = to_storage(value[:, rows], cache_dtype)
+        return buf.at[index + (slice(None, bucket),)].set(value, mode="drop")
+
+    set_rows = lambda a, v: a.at[slots].set(v, mode="drop")
+    keys = jax.vmap(_fold)(prefix.key[rows], sample_index)
+    return state.replace(
+        cache=KVCache(put(state.cache.k, prefix.cache.k), put(state.cache.v, prefix.cache.v)),
+        logits=set_rows(state.logits, prefix.logits[rows]),
+        pos=set_rows(state.pos, prefix.length[rows]),
+        step=set_rows(state.step, 0),
+        done=set_rows(state.done, False),
+        key=set_rows(state.key, keys),
+        context=set_rows(state.context, prefix.context[rows]),
+        **{f: set_rows(getattr(state, f), 0) for f in RECORD_FIELDS},
+    )
+
+
+def step(
+    model: Transformer,
+    state: DecodeState,
+    kv_len: int,
+    stop_tokens: tuple[int, ...],
+    cache_length: int,
+) -> tuple[DecodeState, jax.Array]:
+    """One token for every active slot, and the decode step that gives its next logits.
+
+    Samples from the slot's pending logits (E4, `sampling.sample` with the key
+    `fold_in(slot key, step)`), records the token and the sampler's `pruning.TokenLogprobs`
+    under the `behaviour_` names, then decodes it with attention over the first `kv_len`
+    cache positions. A slot finishes at a stop token (recorded, counted in the length) or after
+    M = `state.tokens.shape[1]` tokens.
+
+    Returns:
+      (the new state, [B, 3] int32 rows (token, valid, length): `valid` 0 for a slot that had
+      already finished, `length` its generated tokens including this one).
+    """
+    b, m = state.tokens.shape
+    active = ~state.done
+    keys = jax.vmap(lambda k, s: jax.random.fold_in(jax.random.wrap_key_data(k), s))(
+        state.key, state.step
+    )
+    # tokens [B] and their pruning.TokenLogprobs (E2-E4) under the slot's mu_S.
+    tokens, sampled = sampling.sample(keys, state.logits, state.sampling, state.context)
+
+    rows, col = jnp.arange(b), jnp.minimum(state.step, m - 1)
+
+    def record(buf, value):
+        return buf.at[rows, col].set(jnp.where(active, value, buf[rows, col]).astype(buf.dtype))
+
+    new_step = state.step + active.astype(jnp.int32)
+    stop = jnp.isin(tokens, jnp.asarray(stop_tokens, jnp.int32))
+    done = state.done | (active & (stop | (new_step >= m)))
+    logits, cache = model.decode(tokens, state.pos, state.cache, kv_len)
+    new_state = state.replace(
+        cache=cache,
+        logits=logits,
+        pos=jnp.minimum(state.pos + active.astype(jnp.int32), cache_length - 1),
+        step=new_step,
+        done=done,
+        context=jnp.where(active, sampling.extend_context(state.context, tokens), state.context),
+        tokens=record(state.tokens, tokens),
+        behaviour_logp=record(state.behaviour_logp, sampled.logp),
+        behaviour_logp_full=record(state.behaviour_logp_full, sampled.logp_full),
+        behaviour_pruned_mass=record(state.behaviour_pruned_mass, sampled.pruned_mass),
+        behaviour_safe_size=record(state.behaviour_safe_size, sampled.safe_size),
+    )
+    return new_state, jnp.stack([tokens, active.astype(jnp.int32), new_step], axis=-1)
+
+
+def loop(
+    model: Transformer,
+    state: DecodeState,
+    num_steps: int,
+    kv_len: int,
+    stop_at_finish: jax.Array,
+    stop_tokens: tuple[int, ...],
+    cache_length: int,
+) -> DecodeState:
+    """Up to `num_steps` `step`s in one while loop: it ends once every slot is done and, with
+    `stop_at_finish` (a traced flag), after the step in which a slot active at the start
+    finishes (so the host refills it at once instead of letting it idle)."""
+    was_done = state.done
+
+    def cond(carry):
+        i, st = carry
+        finished = jnp.any(st.done & ~was_done)
+        return (i < num_steps) & ~jnp.all(st.done) & ~(stop_at_finish & finished)
+
+    def body(carry):
+        i, st = carry
+        return i + 1, step(model, st, kv_len, stop_tokens, cache_length)[0]
+
+    return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
