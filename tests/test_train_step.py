@@ -1,5 +1,7 @@
 """The jitted train step: non-finite updates are skipped and counted; accumulation is exact."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,7 @@ from flax import nnx
 from dvp_jax.dvp.losses import LossConfig
 from dvp_jax.sharding import Sharder
 from dvp_jax.train import step as step_lib
-from dvp_jax.train.state import init_train_state, make_optimizer
+from dvp_jax.train.state import init_train_state, make_optimizer, skipped_updates
 from tests.helpers import tiny_model
 from tests.train_utils import synthetic_batch
 
@@ -18,15 +20,21 @@ def _batch(rows=8, seed=0):
     return synthetic_batch(64, rows, 10, 4, seed)
 
 
-def _step(micro_batches=1, optimizer=None):
-    optimizer = optimizer or make_optimizer(1e-2, 0, 0.0, 1.0)
-    graphdef, state, _ = init_train_state(tiny_model(seed=1), optimizer, 0, Sharder())
+# Plain SGD with lr 1, so the parameter change is exactly minus the accumulated gradient; wrapped
+# like the trainer's optimizer, so a non-finite gradient is skipped and counted.
+SGD = optax.apply_if_finite(optax.sgd(1.0), 10)
+
+
+@functools.cache
+def _step(micro_batches: int):
+    """(initial state, jitted DVP update) with `micro_batches`: one compile per count, shared."""
+    graphdef, state, _ = init_train_state(tiny_model(seed=1), SGD, 0, Sharder())
     fn = jax.jit(
         lambda s, b: step_lib.rl_update(
             s,
             b,
             graphdef=graphdef,
-            optimizer=optimizer,
+            optimizer=SGD,
             loss_cfg=LossConfig.preset("dvp", log_rho=-3.0),
             chunk_size=16,
             micro_batches=micro_batches,
@@ -36,7 +44,7 @@ def _step(micro_batches=1, optimizer=None):
 
 
 def test_non_finite_gradient_skips_the_update_and_counts_it():
-    state, fn = _step()
+    state, fn = _step(1)
     before = jax.tree.map(np.asarray, state.params)
     bad = _batch()
     bad.advantages[2] = np.nan  # a NaN advantage poisons the gradient
@@ -50,12 +58,26 @@ def test_non_finite_gradient_skips_the_update_and_counts_it():
     assert not np.array_equal(before["embed"], np.asarray(state.params["embed"]))
 
 
+def test_the_trainer_optimizer_skips_a_non_finite_update_and_counts_it():
+    """`make_optimizer` (AdamW) is wrapped the same way: params and moments stay, a count grows."""
+    opt = make_optimizer(1e-2, 0, 0.0, 1.0)
+    params = {"w": jnp.ones((3,))}
+    opt_state = opt.init(params)
+    updates, bad_state = opt.update({"w": jnp.array([1.0, jnp.nan, 0.0])}, opt_state, params)
+    np.testing.assert_array_equal(optax.apply_updates(params, updates)["w"], params["w"])
+    assert int(skipped_updates(bad_state)) == 1
+    for before, after in zip(
+        jax.tree.leaves(opt_state.inner_state), jax.tree.leaves(bad_state.inner_state), strict=True
+    ):
+        np.testing.assert_array_equal(before, after)
+    updates, good_state = opt.update({"w": jnp.ones((3,))}, bad_state, params)
+    assert int(skipped_updates(good_state)) == 1 and np.all(np.asarray(updates["w"]) < 0)
+
+
 def test_gradient_accumulation_equals_one_big_batch():
-    # Plain SGD with lr 1 so the parameter change is exactly minus the accumulated gradient.
-    sgd = optax.apply_if_finite(optax.sgd(1.0), 10)
     batch = jax.tree.map(jnp.asarray, _batch(rows=8, seed=3))
-    state1, fn1 = _step(micro_batches=1, optimizer=sgd)
-    state4, fn4 = _step(micro_batches=4, optimizer=sgd)
+    state1, fn1 = _step(1)
+    state4, fn4 = _step(4)
     state1, m1 = fn1(state1, batch)
     state4, m4 = fn4(state4, batch)
     np.testing.assert_allclose(m1["loss"], m4["loss"], rtol=1e-6)
@@ -67,7 +89,7 @@ def test_gradient_accumulation_equals_one_big_batch():
 
 def test_from_rollouts_aligns_behaviour_stats_with_targets():
     from dvp_jax.rollout.offline import RolloutBatch
-    from dvp_jax.train.batch import from_rollouts
+    from dvp_jax.train.batch import abstract_batch, from_rollouts
 
     # Two rows, T = 6: prompt of 2 and 3 tokens, responses of 3 and 2 tokens.
     tokens = np.array([[1, 5, 6, 7, 8, 0], [1, 4, 4, 9, 2, 0]], np.int32)
@@ -99,6 +121,9 @@ def test_from_rollouts_aligns_behaviour_stats_with_targets():
     assert b.response_mask[0].tolist() == [False, True, True, True, False]
     np.testing.assert_array_equal(b.valid, prompt_mask | response_mask)
     assert b.old_in_safe.all() and not b.old_logp.any()
+    # The abstract batch the trainer jits its update for has these shapes and dtypes.
+    got = jax.tree.map(lambda x: (x.shape, np.dtype(x.dtype)), abstract_batch(2, 6))
+    assert got == jax.tree.map(lambda x: (x.shape, x.dtype), b)
 
 
 def _dense_tail_reference(model, batch, log_rho):

@@ -30,7 +30,7 @@ def test_three_step_run_is_finite_and_compiles_once(tmp_path):
     try:
         summary = trainer.run()
         # One compiled train step for all three steps: no retrace after the first.
-        assert trainer._update_fn._cache_size() == 1
+        assert trainer.parts.update._cache_size() == 1
     finally:
         trainer.close()
     rows = [r for r in _metrics(tmp_path) if "loss" in r]

@@ -70,6 +70,24 @@ def from_rollouts(batch: RolloutBatch, advantages: np.ndarray) -> RLBatch:
     )
 
 
+def abstract_batch(rows: int, length: int) -> RLBatch:
+    """The `jax.ShapeDtypeStruct`s of a `rows` x `length` batch (what `from_rollouts` makes)."""
+
+    def struct(name: str) -> jax.ShapeDtypeStruct:
+        if name == "advantages":
+            return jax.ShapeDtypeStruct((rows,), jnp.float32)
+        t = length if name in _FULL_LENGTH else length - 1
+        dtype = jnp.int32 if name in _INT else jnp.bool_ if name in _BOOL else jnp.float32
+        return jax.ShapeDtypeStruct((rows, t), dtype)
+
+    return RLBatch(**{f.name: struct(f.name) for f in dataclasses.fields(RLBatch)})
+
+
+_FULL_LENGTH = ("tokens", "positions", "valid")  # [B, T]; the rest are targets-aligned [B, T-1]
+_INT = ("tokens", "positions")
+_BOOL = ("valid", "response_mask", "old_in_safe")
+
+
 def batch_shardings(batch: RLBatch, sharder: Sharder):
     """Batch arrays shard their leading (batch) dim over the data axes; None without a mesh."""
     if sharder.mesh is None:

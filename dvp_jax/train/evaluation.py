@@ -7,18 +7,13 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
 from dvp_jax.data import math_data, rewards, tasks
 from dvp_jax.rollout.engine import RolloutEngine
 from dvp_jax.rollout.offline import RolloutBatch, generate_rollouts
 from dvp_jax.rollout.sampling import SamplingParams
 from dvp_jax.train.config import DataConfig
-
-
-def reward_kind(data: DataConfig) -> str:
-    """The verifier of the task (`config.TASK_REWARDS`): exact match for arithmetic, the marked
-    answer for running sums, math-verify for math data."""
-    return data.reward_kind
 
 
 def response_texts(tokenizer, batch: RolloutBatch) -> list[str]:
@@ -44,8 +39,6 @@ def sum_over_hosts(values: Sequence[float]) -> list[float]:
     """Each value summed over processes (float64), the same list on every host."""
     sums = np.asarray(values, np.float64)
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         sums = np.asarray(multihost_utils.process_allgather(sums)).sum(axis=0)
     return [float(x) for x in sums]
 

@@ -119,6 +119,15 @@ def init_train_state(
     return graphdef, state, shardings
 
 
+def with_fresh_optimizer(
+    state: TrainState, params, optimizer: optax.GradientTransformation, shardings
+) -> TrainState:
+    """`state` with `params` and a newly initialised `optimizer` state (the step and key kept):
+    how RL starts after the supervised warm-up, which had its own optimizer."""
+    fresh = lambda p, s: TrainState(step=s.step, params=p, opt_state=optimizer.init(p), rng=s.rng)
+    return jax.jit(fresh, out_shardings=shardings)(params, state)
+
+
 def abstract_train_state(
     abstract_model: nnx.Module, optimizer: optax.GradientTransformation, sharder: Sharder
 ) -> tuple[nnx.GraphDef, TrainState, TrainState]:

@@ -11,6 +11,7 @@ first does the supervised warm-up of `train/sft.py` when the config asks for one
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Any
@@ -20,36 +21,19 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from dvp_jax import metrics as metrics_lib
 from dvp_jax.checkpoint import Checkpointer, abstract_like
-from dvp_jax.data import pipeline
 from dvp_jax.dvp import advantages as adv
-from dvp_jax.errors import ConfigError, DataError
 from dvp_jax.rollout.offline import RolloutInterrupted, generate_rollouts
-from dvp_jax.sharding import TRAIN_RULES, Sharder, make_mesh
 from dvp_jax.train import batch as batch_lib
-from dvp_jax.train import resume
-from dvp_jax.train import evaluation, report, sft
-from dvp_jax.train import step as step_lib
-from dvp_jax.train.builders import (
-    Preemption,
-    WorkdirMismatchError,
-    build_engine,
-    build_model,
-    check_workdir,
-    load_run_tokenizer,
-    rollout_weights,
-)
+from dvp_jax.train import evaluation, report, resume, sft
+from dvp_jax.train.builders import Preemption, WorkdirMismatchError, check_workdir, rollout_weights
 from dvp_jax.train.config import ExperimentConfig
-from dvp_jax.train.state import TrainState, init_train_state, make_optimizer
-from dvp_jax.workdir import (
-    WorkdirLock,
-    as_path,
-    check_writable,
-    remove_if_empty,
-    write_atomic,
-)
+from dvp_jax.train.parts import build_parts
+from dvp_jax.train.state import with_fresh_optimizer
+from dvp_jax.workdir import WorkdirLock, as_path, check_writable, remove_if_empty, write_atomic
 
 # Key streams folded into the run's key: rollouts, evaluation.
 _ROLLOUT_STREAM, _EVAL_STREAM = 0, 1
@@ -65,7 +49,8 @@ SUMMARY_TAIL_METRICS = (
 
 
 class Trainer:
-    """Owns the model, engine, data and checkpoints of one run.
+    """One run: its parts (`parts.RunParts`), its train state, its workdir and what is written
+    there (checkpoints, metrics log, event files).
 
     Nothing is written to the workdir before `run()` knows the run fits it: the config is
     checked against the workdir's config.json here, the checkpoint is restored in `run()`, and
@@ -83,96 +68,27 @@ class Trainer:
         if self.is_lead:
             self.lock.acquire()  # a second trainer on this workdir stops here, by name
         try:
-            self._build(cfg)
+            self.parts, self.state = build_parts(cfg)
+            c = cfg.checkpoint
+            self.checkpointer = Checkpointer(self.workdir, c.keep, every=c.every)
+            self.metrics_log = metrics_lib.MetricsLog(self.workdir, write=self.is_lead)
+            self.writer = None  # opened by `_open_outputs` once the run is known to fit
+            self.preemption = Preemption(self.checkpointer)
         except BaseException:
             self.lock.release()
             if created and self.is_lead:  # a run that failed before any work leaves nothing
                 remove_if_empty(self.workdir)
             raise
-
-    def _build(self, cfg: ExperimentConfig) -> None:
-        for name, value in [
-            ("train.prompts_per_step", cfg.train.prompts_per_step),
-            ("sft.batch_size", cfg.sft.batch_size if cfg.sft.steps else 0),
-        ]:
-            if value % jax.process_count():
-                raise ConfigError(
-                    f"config.{name}={value} must be divisible by the number of processes "
-                    f"({jax.process_count()}): each host takes an equal share of the batch"
-                )
-
-        self.tokenizer = load_run_tokenizer(cfg.data.tokenizer)
-        # Data first, before the model: a bad data file fails in a second, not after a model init.
-        # The generated task (or a math file), this host's share of each prompt batch.
-        self.task = cfg.data.make_task()  # a generated task, or None for a math file
-        try:
-            self.data = pipeline.make_prompt_iterator(
-                self.task if self.task is not None else cfg.data.path,
-                self.tokenizer,
-                batch_size=cfg.train.prompts_per_step // jax.process_count(),
-                max_prompt_len=cfg.data.max_prompt_len,
-                seed=cfg.data.seed,
-                chat_format=cfg.data.chat_format,
-            )
-        except (OSError, ValueError) as e:  # pyarrow's errors are ValueErrors too
-            raise DataError(f"config.data.path: {e}") from e
-        if self.data.report is not None:
-            logging.info("data: %s", self.data.report.summary())
-        try:
-            self.heldout = evaluation.heldout_examples(
-                cfg.data, self.task, self.tokenizer, cfg.eval.num_prompts
-            )
-        except (OSError, ValueError) as e:
-            raise DataError(f"config.data.eval_path: {e}") from e
-        self.reward_kind = evaluation.reward_kind(cfg.data)
-
-        try:
-            self.mesh = make_mesh(cfg.mesh)
-        except ValueError as e:  # a mesh shape the devices do not fill
-            raise ConfigError(f"config.mesh: {e}") from e
-        self.sharder = Sharder(self.mesh, TRAIN_RULES)
-        model = build_model(cfg, self.sharder)
-        t = cfg.train
-        self.optimizer = make_optimizer(
-            t.learning_rate, t.warmup_steps, t.weight_decay, t.grad_clip, t.b1, t.b2
-        )
-        self.graphdef, self.state, self.state_sh = init_train_state(
-            model, self.optimizer, t.seed, self.sharder
-        )
-        self.engine = build_engine(cfg, self.tokenizer, model)
-        self.eval_engine = self.engine
-        if cfg.eval.dtype and cfg.eval.dtype != cfg.rollout.dtype:
-            self.eval_engine = build_engine(cfg, self.tokenizer, model, cfg.eval.dtype)
-        # Weight sync gathers (multi-host) at the widest param dtype of the two engines.
-        self._sync_dtype = jnp.promote_types(
-            self.engine.policy.param_dtype, self.eval_engine.policy.param_dtype
-        )
-
-        # The update is jitted on the first batch (its shapes fix the shardings).
-        self._update_fn = None
-        self._logprobs_fn = jax.jit(
-            lambda params, b: step_lib.token_logprobs(
-                params,
-                self.graphdef,
-                b.tokens,
-                b.positions,
-                b.valid,
-                log_rho=cfg.loss.effective_log_rho,
-                temperature=cfg.loss.temperature,
-                chunk_size=t.chunk_size,
-            )
-        )
-
-        # Output (the writer is made by `_open_outputs` once the run is known to fit).
-        self.checkpointer = Checkpointer(
-            self.workdir, cfg.checkpoint.keep, every=cfg.checkpoint.every
-        )
-        self.metrics_log = metrics_lib.MetricsLog(self.workdir, write=self.is_lead)
-        self.writer = None
-        self.preemption = Preemption(self.checkpointer)
         # Seconds of work in earlier attempts of this run (up to their last checkpoint).
         self._earlier_wall_time = 0.0
         self._attempt_start = time.time()
+
+    # The parts other code reads off a trainer (`main.py`, experiments, tests).
+    engine = property(lambda self: self.parts.engine)
+    eval_engine = property(lambda self: self.parts.eval_engine)
+    graphdef = property(lambda self: self.parts.graphdef)
+    tokenizer = property(lambda self: self.parts.tokenizer)
+    data = property(lambda self: self.parts.data)
 
     # ==========================================================================================
     # Pieces
@@ -206,16 +122,15 @@ class Trainer:
         Orbax's agreed preemption step) or forces it; the array files are written in the
         background (`Checkpointer.wait` before preempting or exiting)."""
         extra = {**extra, "wall_time_s": self._wall_time()}
-        self.checkpointer.save(step, self.state, self.data, extra, force=force)
+        self.checkpointer.save(step, self.state, self.parts.data, extra, force=force)
 
     def _sync_weights(self) -> None:
         """Trainer fp32 params -> rollout (and evaluation) engine: cast, resharded."""
-        engines = {id(e): e for e in (self.engine, self.eval_engine)}.values()
-        params = rollout_weights(self.state.params, self._sync_dtype, tuple(engines))
-        params = nnx.merge(self.graphdef, params)
-        self.engine.update_params(params)
-        if self.eval_engine is not self.engine:
-            self.eval_engine.update_params(params)
+        p = self.parts
+        engines = tuple({id(e): e for e in (p.engine, p.eval_engine)}.values())
+        params = nnx.merge(p.graphdef, rollout_weights(self.state.params, p.sync_dtype, engines))
+        for engine in engines:
+            engine.update_params(params)
 
     def _key(self, step: int, stream: int) -> jax.Array:
         """fold_in(run key, stream, step): a pure function of the checkpointed key, the same on
@@ -229,14 +144,14 @@ class Trainer:
         experimental logit noise unless `eval.with_rollout_noise`."""
         sampling = None
         if not self.cfg.eval.with_rollout_noise:
-            sampling = self.eval_engine.config.sampling_params(noise_std=0.0)
+            sampling = self.parts.eval_engine.config.sampling_params(noise_std=0.0)
         return evaluation.evaluate(
-            self.eval_engine,
-            self.heldout,
+            self.parts.eval_engine,
+            self.parts.heldout,
             self.cfg.eval.k,
             self._key(step, _EVAL_STREAM),
             prompt_len=self.cfg.data.max_prompt_len,
-            kind=self.reward_kind,
+            kind=self.cfg.data.reward_kind,
             sampling=sampling,
             should_stop=self.preemption.requested,
         )
@@ -248,17 +163,17 @@ class Trainer:
         trainer used as a library, as experiments/e001 does), it starts the workdir's outputs
         as a fresh run first.
         """
-        cfg = self.cfg
-        if cfg.sft.steps == 0 or self.task is None:
+        cfg, p = self.cfg, self.parts
+        if cfg.sft.steps == 0 or p.task is None:
             return True
         if self.writer is None:
             self._open_outputs(None)
         params = sft.warm_up(
-            nnx.merge(self.graphdef, self.state.params),
-            self.task,
-            self.tokenizer,
+            nnx.merge(p.graphdef, self.state.params),
+            p.task,
+            p.tokenizer,
             cfg.sft,
-            sharder=self.sharder,
+            sharder=p.sharder,
             max_len=cfg.data.max_prompt_len + cfg.rollout.max_decode_length,
             chunk_size=cfg.train.chunk_size,
             seed=cfg.train.seed,
@@ -267,12 +182,7 @@ class Trainer:
         )
         if params is None:
             return False
-        self.state = jax.jit(
-            lambda p, s: TrainState(
-                step=s.step, params=p, opt_state=self.optimizer.init(p), rng=s.rng
-            ),
-            out_shardings=self.state_sh,
-        )(params, self.state)
+        self.state = with_fresh_optimizer(self.state, params, p.optimizer, p.state_shardings)
         return True
 
     # ==========================================================================================
@@ -281,11 +191,11 @@ class Trainer:
     def rl_iteration(self, step: int) -> dict[str, float]:
         cfg = self.cfg
         t0 = time.time()
-        prompts = next(self.data)  # this host's rows of the global prompt batch
+        prompts = next(self.parts.data)  # this host's rows of the global prompt batch
         n_prompts = len(prompts.lengths)
         token_lists = [prompts.tokens[i, : prompts.lengths[i]] for i in range(n_prompts)]
         rollouts = generate_rollouts(
-            self.engine,
+            self.parts.engine,
             token_lists,
             cfg.train.group_size,
             self._key(step, _ROLLOUT_STREAM),
@@ -297,7 +207,9 @@ class Trainer:
 
         # Rewards on host (0 for a truncated response), then RLOO advantages (E8).
         answers = [a for a in prompts.answers for _ in range(cfg.train.group_size)]
-        reward = evaluation.rollout_rewards(self.tokenizer, rollouts, answers, self.reward_kind)
+        reward = evaluation.rollout_rewards(
+            self.parts.tokenizer, rollouts, answers, cfg.data.reward_kind
+        )
         advantages = np.asarray(adv.rloo(jnp.asarray(reward), cfg.train.group_size))
         host_batch = batch_lib.from_rollouts(rollouts, advantages)
 
@@ -328,46 +240,36 @@ class Trainer:
         )
         return metrics
 
-    def _old_policy(self, host_batch: batch_lib.RLBatch) -> None:
-        """Decoupled PPO: log pi_S_old and its safe set, from the params before the first
-        update on this batch, into `host_batch.old_logp` / `old_in_safe` (this host's rows)."""
-        rows = host_batch.tokens.shape[0]
-        full = batch_lib.to_global(host_batch, batch_lib.global_shardings(host_batch, self.sharder))
-        old = self._logprobs_fn(self.state.params, full)
-        old = (old.logp, old.in_safe)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            pid = jax.process_index()
-            old = [
+    def _with_old_policy(self, host_batch: batch_lib.RLBatch) -> batch_lib.RLBatch:
+        """Decoupled PPO (E9): `host_batch` with log pi_S_old and its safe set (`old_logp`,
+        `old_in_safe`, this host's rows) from the params before the first update on it."""
+        p = self.parts
+        full = batch_lib.to_global(host_batch, batch_lib.global_shardings(host_batch, p.sharder))
+        old = p.old_logprobs(self.state.params, full)
+        old_logp, old_in_safe = old.logp, old.in_safe
+        if jax.process_count() > 1:  # every host computed the global batch: keep its own rows
+            rows, pid = host_batch.tokens.shape[0], jax.process_index()
+            old_logp, old_in_safe = (
                 multihost_utils.process_allgather(x, tiled=True)[pid * rows : (pid + 1) * rows]
-                for x in old
-            ]
-        host_batch.old_logp = np.asarray(jax.device_get(old[0]), np.float32)
-        host_batch.old_in_safe = np.asarray(jax.device_get(old[1]), bool)
+                for x in (old_logp, old_in_safe)
+            )
+        return dataclasses.replace(
+            host_batch,
+            old_logp=np.asarray(jax.device_get(old_logp), np.float32),
+            old_in_safe=np.asarray(jax.device_get(old_in_safe), bool),
+        )
 
     def _update(self, host_batch: batch_lib.RLBatch) -> dict[str, float]:
-        cfg = self.cfg
-        u = cfg.train.updates_per_batch
+        """`train.updates_per_batch` updates, one per slice of the batch; the metrics' mean."""
+        u = self.cfg.train.updates_per_batch
         if u > 1:
-            self._old_policy(host_batch)
+            host_batch = self._with_old_policy(host_batch)
         per = host_batch.tokens.shape[0] // u
         all_metrics = []
         for i in range(u):
             mb = jax.tree.map(lambda x, i=i: x[i * per : (i + 1) * per], host_batch)
-            shardings = batch_lib.global_shardings(mb, self.sharder)
-            if self._update_fn is None:
-                self._update_fn = step_lib.jit_rl_update(
-                    graphdef=self.graphdef,
-                    optimizer=self.optimizer,
-                    loss_cfg=cfg.loss,
-                    chunk_size=cfg.train.chunk_size,
-                    micro_batches=cfg.train.micro_batches,
-                    state_shardings=self.state_sh,
-                    batch_shardings=shardings,
-                    sharder=self.sharder,
-                )
-            self.state, metrics = self._update_fn(self.state, batch_lib.to_global(mb, shardings))
+            mb = batch_lib.to_global(mb, self.parts.batch_shardings)
+            self.state, metrics = self.parts.update(self.state, mb)
             all_metrics.append({k: float(v) for k, v in jax.device_get(metrics).items()})
         return {k: float(np.mean([m[k] for m in all_metrics])) for k in all_metrics[0]}
 
@@ -385,10 +287,10 @@ class Trainer:
         """
         cfg = self.cfg
         restored = self.checkpointer.restore_latest(
-            abstract_like(self.state, self.state_sh), self.data
+            abstract_like(self.state, self.parts.state_shardings), self.parts.data
         )
         if restored is None:
-            report.banner(cfg, self.mesh, self.workdir, None)
+            report.banner(cfg, self.parts.mesh, self.workdir, None)
             self._open_outputs(None)
             if not self.warm_up():
                 logging.warning("preempted during the supervised warm-up: rerun to start again")
@@ -402,7 +304,7 @@ class Trainer:
                     f"{self.workdir} holds a checkpoint at step {latest}, past train.steps = "
                     f"{cfg.train.steps}: raise train.steps to go on, or use a fresh workdir"
                 )
-            report.banner(cfg, self.mesh, self.workdir, latest)
+            report.banner(cfg, self.parts.mesh, self.workdir, latest)
             self._open_outputs(latest)
             self._earlier_wall_time = float(extra.get("wall_time_s", 0.0))
             self._sync_weights()
@@ -420,11 +322,11 @@ class Trainer:
         )
         for step in range(first + 1, cfg.train.steps + 1):
             self.checkpointer.check()  # a failed background write stops the run here
-            data_position = self.data.get_state()
+            data_position = self.parts.data.get_state()
             try:
                 metrics = self.rl_iteration(step)
             except RolloutInterrupted:  # this step never happened: rewind its prompts
-                self.data.set_state(data_position)
+                self.parts.data.set_state(data_position)
                 return self._stop(step - 1, extra)
             if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
                 try:
@@ -483,6 +385,7 @@ class Trainer:
         return {"preempted_at": step}
 
     def _summary(self, start_eval: dict, final_eval: dict, wall_time_s: float) -> dict[str, Any]:
+        data_report = self.parts.data.report  # None for a generated task
         summary = {
             "steps": self.cfg.train.steps,
             "method": self.cfg.method,
@@ -493,9 +396,7 @@ class Trainer:
             "eval_pass_at_k": final_eval.get("eval_pass_at_k"),
             "wall_time_s": wall_time_s,
             "skipped_updates": float(jax.device_get(self.state.opt_state.total_notfinite)),
-            "data_malformed_rows": (
-                self.data.report.num_malformed if self.data.report is not None else 0
-            ),
+            "data_malformed_rows": data_report.num_malformed if data_report is not None else 0,
         }
         rows = self.metrics_log.read()
         for name in SUMMARY_TAIL_METRICS:

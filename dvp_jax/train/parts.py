@@ -1,0 +1,172 @@
+"""What one RL run is built from, built once: `build_parts(cfg) -> (RunParts, TrainState)`.
+
+The order is the order of failure cost: the config's host shares, the tokenizer and the data
+(a bad data file fails in a second, not after a model init), then the mesh, the trainer model
+and its train state, the rollout and evaluation engines, and the two jitted programs of the
+loop. Not here: the workdir, the checkpoints and the outputs (`trainer.Trainer`), the loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from absl import logging
+from flax import nnx
+
+from dvp_jax.data import pipeline
+from dvp_jax.data.tasks import Example, GeneratedTask
+from dvp_jax.errors import ConfigError, DataError
+from dvp_jax.rollout.engine import RolloutEngine
+from dvp_jax.sharding import TRAIN_RULES, Sharder, make_mesh
+from dvp_jax.train import batch as batch_lib
+from dvp_jax.train import evaluation
+from dvp_jax.train import step as step_lib
+from dvp_jax.train.builders import build_engine, build_model, load_run_tokenizer
+from dvp_jax.train.config import ExperimentConfig
+from dvp_jax.train.state import TrainState, init_train_state, make_optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class RunParts:
+    """The fixed parts of a run; the train state, which every step replaces, is kept apart.
+
+    Attributes:
+      tokenizer, task: the run's tokenizer and generated task (None for a math file).
+      data: this host's prompt iterator (checkpointed with the state); heldout: the
+        evaluation prompts.
+      mesh, sharder, graphdef, optimizer, state_shardings: the trainer side.
+      engine, eval_engine: the rollout engine and the evaluation engine (the same object
+        unless `eval.dtype` asks for another precision); sync_dtype: the widest param dtype of
+        the two, at which a multi-host weight sync gathers.
+      batch_shardings: of one update's global (mini-)batch.
+      update: `step.rl_update` jitted with the state donated: (state, batch) -> (state, metrics).
+      old_logprobs: jitted (params, batch) -> `TokenLogprobs` of the policy before an update
+        (the decoupled PPO clip, `train.updates_per_batch > 1`).
+    """
+
+    tokenizer: Any
+    task: GeneratedTask | None
+    data: pipeline.PromptIterator
+    heldout: list[Example]
+    mesh: jax.sharding.Mesh | None
+    sharder: Sharder
+    graphdef: nnx.GraphDef
+    optimizer: optax.GradientTransformation
+    state_shardings: Any
+    engine: RolloutEngine
+    eval_engine: RolloutEngine
+    sync_dtype: Any
+    batch_shardings: Any
+    update: Callable
+    old_logprobs: Callable
+
+
+def build_parts(cfg: ExperimentConfig) -> tuple[RunParts, TrainState]:
+    """The parts of a run and its initial train state (see the module docstring)."""
+    _check_host_shares(cfg)
+    tokenizer = load_run_tokenizer(cfg.data.tokenizer)
+    task = cfg.data.make_task()
+    data, heldout = _load_data(cfg, task, tokenizer)
+
+    try:
+        mesh = make_mesh(cfg.mesh)
+    except ValueError as e:  # a mesh shape the devices do not fill
+        raise ConfigError(f"config.mesh: {e}") from e
+    sharder = Sharder(mesh, TRAIN_RULES)
+    model = build_model(cfg, sharder)
+    t = cfg.train
+    optimizer = make_optimizer(
+        t.learning_rate, t.warmup_steps, t.weight_decay, t.grad_clip, t.b1, t.b2
+    )
+    graphdef, state, state_sh = init_train_state(model, optimizer, t.seed, sharder)
+
+    engine = eval_engine = build_engine(cfg, tokenizer, model)
+    if cfg.eval.dtype and cfg.eval.dtype != cfg.rollout.dtype:
+        eval_engine = build_engine(cfg, tokenizer, model, cfg.eval.dtype)
+    sync_dtype = jnp.promote_types(engine.policy.param_dtype, eval_engine.policy.param_dtype)
+
+    # One update's global batch: this host's share of the rollouts, cut into updates_per_batch.
+    hosts = jax.process_count()
+    rows = t.prompts_per_step // hosts * t.group_size // t.updates_per_batch * hosts
+    length = cfg.data.max_prompt_len + cfg.rollout.max_decode_length
+    batch_sh = batch_lib.batch_shardings(batch_lib.abstract_batch(rows, length), sharder)
+    update = step_lib.jit_rl_update(
+        graphdef=graphdef,
+        optimizer=optimizer,
+        loss_cfg=cfg.loss,
+        chunk_size=t.chunk_size,
+        micro_batches=t.micro_batches,
+        state_shardings=state_sh,
+        batch_shardings=batch_sh,
+        sharder=sharder,
+    )
+    old_logprobs = jax.jit(
+        lambda params, b: step_lib.token_logprobs(
+            params,
+            graphdef,
+            b.tokens,
+            b.positions,
+            b.valid,
+            log_rho=cfg.loss.effective_log_rho,
+            temperature=cfg.loss.temperature,
+            chunk_size=t.chunk_size,
+        )
+    )
+    parts = RunParts(
+        tokenizer=tokenizer,
+        task=task,
+        data=data,
+        heldout=heldout,
+        mesh=mesh,
+        sharder=sharder,
+        graphdef=graphdef,
+        optimizer=optimizer,
+        state_shardings=state_sh,
+        engine=engine,
+        eval_engine=eval_engine,
+        sync_dtype=sync_dtype,
+        batch_shardings=batch_sh,
+        update=update,
+        old_logprobs=old_logprobs,
+    )
+    return parts, state
+
+
+def _check_host_shares(cfg: ExperimentConfig) -> None:
+    """Each host takes an equal share of every batch."""
+    for name, value in [
+        ("train.prompts_per_step", cfg.train.prompts_per_step),
+        ("sft.batch_size", cfg.sft.batch_size if cfg.sft.steps else 0),
+    ]:
+        if value % jax.process_count():
+            raise ConfigError(
+                f"config.{name}={value} must be divisible by the number of processes "
+                f"({jax.process_count()}): each host takes an equal share of the batch"
+            )
+
+
+def _load_data(cfg: ExperimentConfig, task, tokenizer):
+    """This host's prompt iterator (the task, or the math file) and the held-out prompts."""
+    try:
+        data = pipeline.make_prompt_iterator(
+            task if task is not None else cfg.data.path,
+            tokenizer,
+            batch_size=cfg.train.prompts_per_step // jax.process_count(),
+            max_prompt_len=cfg.data.max_prompt_len,
+            seed=cfg.data.seed,
+            chat_format=cfg.data.chat_format,
+        )
+    except (OSError, ValueError) as e:  # pyarrow's errors are ValueErrors too
+        raise DataError(f"config.data.path: {e}") from e
+    if data.report is not None:
+        logging.info("data: %s", data.report.summary())
+    try:
+        heldout = evaluation.heldout_examples(cfg.data, task, tokenizer, cfg.eval.num_prompts)
+    except (OSError, ValueError) as e:
+        raise DataError(f"config.data.eval_path: {e}") from e
+    return data, heldout
