@@ -1,4 +1,4 @@
-"""Fused attention kernels against the explicit einsum softmax (issue 10 item 3).
+"""Attention kernels against the explicit einsum softmax.
 
 The explicit path ("xla") is the reference. On CPU "dot_product" (`jax.nn.dot_product_attention`
 on XLA) runs as it does anywhere; the cuDNN branch's mask semantics (causal + key lengths) run
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dvp_jax.model import TRAIN_POLICY, DTypePolicy, Transformer, attention
+from dvp_jax.model import TRAIN_POLICY, DTypePolicy, Transformer, attention, kernels
 from dvp_jax.model.attention import full_attention, select_attention_impl
 from dvp_jax.model.config import ATTENTION_IMPLS, POLICY_NAMES
 from tests.helpers import tiny_config
@@ -199,7 +199,7 @@ def test_cudnn_mask_semantics_equal_explicit_on_right_padding_and_nan_on_left():
     right-padded row, stays finite on an all-padding row and is NaN on a left-padded row."""
     q, k, v = _qkv(16, F32)
     valid = _valid(16, KINDS)
-    cudnn_on_xla = jax.jit(functools.partial(attention._cudnn_attention, implementation="xla"))
+    cudnn_on_xla = jax.jit(functools.partial(kernels.cudnn_attention, implementation="xla"))
     explicit = _attend("xla")
     a, c = explicit(q, k, v, valid), cudnn_on_xla(q, k, v, valid)
     right = np.array([True, True, False, False])
@@ -232,7 +232,7 @@ def test_splash_kernel_in_the_interpreter_equals_explicit():
     t = 128  # one kernel block
     q, k, v = _qkv(t, F32, b=3)
     valid = _valid(t, [("right", 100), ("left", 30), ("none",)])
-    splash = jax.jit(functools.partial(attention._splash_attention, interpret=True))
+    splash = jax.jit(functools.partial(kernels.splash_attention, interpret=True))
     explicit = _attend("xla")
     a, s = explicit(q, k, v, valid), splash(q, k, v, valid)
     assert np.isfinite(np.asarray(s)).all()
@@ -305,7 +305,7 @@ def test_auto_falls_back_to_the_explicit_path_when_cudnn_cannot_run(monkeypatch,
     def refuse(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(attention, "_cudnn_attention", refuse)
+    monkeypatch.setattr(kernels, "cudnn_attention", refuse)
     q, k, v = _qkv(16, B16)
     valid = _valid(16, [("right", 16), ("right", 9), ("right", 4), ("right", 1)])
     auto = DTypePolicy.named("bfloat16", attention_impl="auto")
@@ -329,7 +329,7 @@ def test_splash_per_shard_on_a_mesh_equals_one_kernel(tensor, kv):
     q, k, v = _qkv(t, F32, b=4, n=4, kv=kv)
     valid = _valid(t, [("right", 200), ("right", 256), ("left", 30), ("right", 7)])
     sharder = Sharder(make_mesh(MeshConfig(1, 8 // tensor, tensor)), TRAIN_RULES)
-    one = functools.partial(attention._splash_attention, block=128, interpret=True)
+    one = functools.partial(kernels.splash_attention, block=128, interpret=True)
     sharded = functools.partial(one, sharder=sharder)
     a = jax.jit(one)(q, k, v, valid)
     s = jax.jit(sharded)(q, k, v, valid)
@@ -339,16 +339,16 @@ def test_splash_per_shard_on_a_mesh_equals_one_kernel(tensor, kv):
 
 
 def test_splash_block_defaults_to_the_largest_tile_that_divides_t():
-    assert [attention.splash_block(t) for t in (128, 256, 384, 1024, 18_432)] == [
+    assert [kernels.splash_block(t) for t in (128, 256, 384, 1024, 18_432)] == [
         128,
         256,
         128,
         512,
         512,
     ]
-    assert attention.splash_block(1024, 256) == 256
+    assert kernels.splash_block(1024, 256) == 256
     with pytest.raises(ValueError, match="attention_block=192 must be a multiple of 128"):
-        attention.splash_block(1024, 192)
+        kernels.splash_block(1024, 192)
     with pytest.raises(ValueError, match="attention_block must be 0"):
         DTypePolicy.named("mixed_bf16", attention_block=100)
 
@@ -409,14 +409,10 @@ def test_model_forward_under_the_fused_branches_on_cpu(monkeypatch):
     monkeypatch.setattr(attention, "_GPU_BACKENDS", ("cpu",))
     monkeypatch.setattr(attention, "_TPU_BACKENDS", ("cpu",))
     monkeypatch.setattr(
-        attention,
-        "_cudnn_attention",
-        functools.partial(attention._cudnn_attention, implementation="xla"),
+        kernels, "cudnn_attention", functools.partial(kernels.cudnn_attention, implementation="xla")
     )
     monkeypatch.setattr(
-        attention,
-        "_splash_attention",
-        functools.partial(attention._splash_attention, interpret=True),
+        kernels, "splash_attention", functools.partial(kernels.splash_attention, interpret=True)
     )
     tokens, positions, valid = _batch(128)
     right = np.array([True, True, False])  # cuDNN: right padding only

@@ -1,65 +1,29 @@
 """Grouped-query attention with per-head q/k RMSNorm, RoPE, and a functional KV cache.
 
-The KV cache is a pair of arrays `k, v: [L, b, k, S, h]` (layers, batch slots, kv heads, cache
-length, head dim) in the policy's cache dtype. Rows are right-padded: a row's tokens occupy cache
-positions `0 .. pos`, so a decode step at position `p` attends to cache positions `<= p`. The kv
-heads come before the positions because that is the layout both decode matmuls take as stored
-(a kv head is a batch dimension of q.k and of p.v): with positions first, XLA re-lays out every
-layer's live keys and values on every step (docs/design.md section 3).
+Full-sequence attention (training forward, prefill) computes per query head n of KV group
+k = n // g: out[t] = sum_s softmax_s(q[t] . k[s] / sqrt(h) + mask[t, s]) v[s], mask 0 where
+s <= t and key s is valid, a large negative number elsewhere, by the kernel
+`select_attention_impl` picks for `DTypePolicy.attention_impl`: the explicit einsum softmax
+("xla", the reference, any `valid` pattern, finite on padding rows), `blockwise.py`, or a
+library kernel of `kernels.py`. Decode (one query against the cache) always runs the explicit
+path, over a static length bucket `kv_len` (docs/design.md section 3).
 
-`Attention(..., layers=L)` holds the parameters of L layers (leading `[L]` axis) and is called on
-one layer's slice inside `nnx.scan`; every matmul runs at the policy's precision.
-
-Full-sequence attention (training forward and prefill) computes, per query head n of KV group
-k = n // g, `out[t] = sum_s softmax_s(q[t] . k[s] / sqrt(h) + mask[t, s]) v[s]` with
-`mask[t, s] = 0` where `s <= t` and key s is valid, a large negative number elsewhere, by one of
-`ATTENTION_IMPLS` (`DTypePolicy.attention_impl`, resolved by `select_attention_impl`):
-
-* "xla": the explicit einsum softmax (`_masked_softmax_attention`): T x T scores in float32,
-  both matmuls at the policy's precision. Any `valid` pattern; a query with no visible key
-  (a padding row, e.g. left padding) gets a uniform softmax over all keys: finite, never NaN.
-* "dot_product": `jax.nn.dot_product_attention(implementation="xla")` with `is_causal` and the
-  key mask: the same values as "xla" (padding rows included); its matmuls take the policy's
-  precision through a scoped `jax.default_matmul_precision` (the function has no precision
-  argument), so a float32 policy stays `highest`.
-* "blockwise": `blockwise.blockwise_attention`, query and key blocks with an online softmax and
-  a recomputing custom VJP in plain JAX: no T x T array, causal blocks skipped, every dot at the
-  policy's precision (the fp32 trainer at 16k tokens). Equal to "xla" on valid queries to float
-  rounding; a padding query with no visible key averages its block's values instead of all.
-* "cudnn": cuDNN flash attention through `jax.nn.dot_product_attention(implementation=
-  "cudnn")`, 16-bit compute only, no T x T array. Key padding reaches the kernel as per-row
-  key lengths (cuDNN's PADDING_CAUSAL mask), which is exact when each row's valid tokens are a
-  prefix (right padding: every batch the trainer, the rollout prefill and the tests build).
-  A row whose `valid` is not a prefix cannot be expressed this way: its output is NaN (a loud
-  failure instead of a silently wrong mask); use "xla" or "dot_product" for left padding.
-* "splash": the Pallas splash-attention kernel (`jax.experimental.pallas.ops.tpu.
-  splash_attention`), TPU and 16-bit compute only, T a multiple of 128; causal block mask,
-  padding as segment ids (valid = 1, padding = 0), so any `valid` pattern is exact on valid
-  queries and a padding query attends to padding keys (never an empty row). XLA cannot
-  partition a Mosaic kernel, so on a mesh it runs per shard under `shard_map`.
-
-"auto" is "cudnn" on an NVIDIA GPU and "splash" on a TPU for 16-bit compute dtypes where the
-shapes allow; otherwise (CPU, float32 policies) "blockwise" from `BLOCKWISE_FROM` tokens and
-"xla" below (a float32 policy never runs a fused kernel: neither runs fp32 matmuls at the
-policy's precision). Decode (one query against the
-cache) always runs the explicit path, over the first `kv_len` cache positions (a static length
-bucket the engine picks per dispatch, docs/design.md section 3), and writes its new key and value
-in place (`write_cache`; 16- and 8-bit caches are carried as their bits, `cache_storage`).
+The KV cache is `k, v: [L, b, k, S, h]` (kv heads before positions: the layout both decode
+matmuls read as stored), `[L, b, S, k, h]` on TPU (`cache_layout`); rows are right-padded and a
+16- or 8-bit cache is stored as its bits (`cache_storage`). `Attention(..., layers=L)` holds L
+layers' parameters and is called on one layer's slice inside `nnx.scan`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec
 
+from dvp_jax.model import kernels
 from dvp_jax.model.blockwise import blockwise_attention
 from dvp_jax.model.config import ATTENTION_IMPLS, DTypePolicy, ModelConfig
 from dvp_jax.model.layers import RMSNorm, matmul, param, rope
@@ -114,8 +78,6 @@ BLOCKWISE_FROM = 2048
 # is missing or too old ("cuDNN is not detected"), ValueError for a layout it refuses. "auto"
 # falls back to the explicit path on any of them; an explicit "cudnn" re-raises.
 _KERNEL_REFUSALS = (NotImplementedError, RuntimeError, ValueError)
-# The splash kernel's default tiles (BlockSizes.get_default()) are 128 x 128 blocks.
-_SPLASH_BLOCK = 128
 
 
 class KVCache(NamedTuple):
@@ -204,7 +166,7 @@ def select_attention_impl(
     if impl == "auto":
         if backend in _GPU_BACKENDS and fused_dtype:
             return "cudnn"
-        tiled = seq_len % _SPLASH_BLOCK == 0 and head_dim % _SPLASH_BLOCK == 0
+        tiled = seq_len % kernels.SPLASH_BLOCK == 0 and head_dim % kernels.SPLASH_BLOCK == 0
         if backend in _TPU_BACKENDS and fused_dtype and tiled:
             return "splash"
         return "blockwise" if seq_len >= BLOCKWISE_FROM else "xla"
@@ -222,10 +184,10 @@ def select_attention_impl(
                 "kernels do not run float32 matmuls at the policy's precision; use 'xla' or "
                 "'dot_product' (or 'auto') for a float32 policy"
             )
-        if impl == "splash" and seq_len % _SPLASH_BLOCK:
+        if impl == "splash" and seq_len % kernels.SPLASH_BLOCK:
             raise ValueError(
                 f"DTypePolicy.attention_impl='splash' needs the sequence length to be a "
-                f"multiple of {_SPLASH_BLOCK} (the kernel's block), got {seq_len}; pad the "
+                f"multiple of {kernels.SPLASH_BLOCK} (the kernel's block), got {seq_len}; pad the "
                 "batch to a multiple or use 'xla'"
             )
     return impl
@@ -257,14 +219,14 @@ def full_attention(
     backend = backend or (sharder.platform if sharder is not None else jax.default_backend())
     impl = select_attention_impl(policy.attention_impl, backend, policy.compute_dtype, t, h)
     if impl == "dot_product":
-        return _dot_product_attention(q, k, v, valid, policy.precision)
+        return kernels.dot_product_attention(q, k, v, valid, policy.precision)
     if impl == "blockwise":
         return blockwise_attention(q, k, v, valid, policy.precision, policy.attention_block)
     if impl == "splash":
-        return _splash_attention(q, k, v, valid, sharder, policy.attention_block)
+        return kernels.splash_attention(q, k, v, valid, sharder, policy.attention_block)
     if impl == "cudnn":
         try:
-            return _cudnn_attention(q, k, v, valid)
+            return kernels.cudnn_attention(q, k, v, valid)
         except _KERNEL_REFUSALS as err:
             if policy.attention_impl != "auto":
                 raise
@@ -279,192 +241,6 @@ def full_attention(
     grouped = q.reshape(b, t, kv, n // kv, h)
     out = _masked_softmax_attention(grouped, k, v, causal_mask(valid), policy)
     return out.reshape(b, t, n, h)
-
-
-def _matmul_precision(precision: jax.lax.Precision | None):
-    """A scoped `jax.default_matmul_precision` for code without a precision argument.
-
-    Only the trace of the `with` body sees it (each dot records its precision when it is
-    traced, and its transposes reuse it), so nothing global changes.
-    """
-    if precision is None:
-        return contextlib.nullcontext()
-    return jax.default_matmul_precision(jax.lax.Precision(precision).name.lower())
-
-
-def _dot_product_attention(q, k, v, valid, precision):
-    """`jax.nn.dot_product_attention` on XLA with the explicit path's mask semantics.
-
-    `is_causal` and the key mask `valid[:, None, None, :]` (broadcast over heads and queries)
-    combine into `causal_mask(valid)`; a query with no visible key gets the same uniform
-    softmax as the explicit path (every logit the same large negative number). The function's
-    float32 q.k and p.v matmuls take `precision` (bf16 q.k runs its BF16_BF16_F32 algorithm).
-
-    Args:
-      q: [b, t, n, h]; k, v: [b, t, k, h]; valid: [b, t] bool.
-      precision: the policy's matmul precision.
-    Returns:
-      [b, t, n, h] in q's dtype.
-    """
-    with _matmul_precision(precision):
-        return jax.nn.dot_product_attention(
-            q, k, v, mask=valid[:, None, None, :], is_causal=True, implementation="xla"
-        )
-
-
-def _cudnn_attention(q, k, v, valid, implementation: str = "cudnn"):
-    """cuDNN flash attention; key padding as per-row key lengths (right padding only).
-
-    cuDNN's PADDING_CAUSAL mask with key lengths `L = sum(valid)` and query length T equals
-    `causal_mask(valid)` when each row's valid tokens are the prefix `[0, L)`. Other rows
-    (left padding) come out NaN. A row with no valid token gets `L = 1` (its queries attend
-    to key 0; cuDNN is not asked for an empty softmax): finite, and its output is padding.
-
-    Args:
-      q: [b, t, n, h]; k, v: [b, t, k, h] in bfloat16 / float16; valid: [b, t] bool.
-      implementation: "cudnn"; tests pass "xla" to check these semantics on CPU (the same
-        `jax.nn.dot_product_attention` contract, computed by XLA).
-    Returns:
-      [b, t, n, h] in q's dtype.
-    """
-    t = valid.shape[1]
-    lengths = jnp.sum(valid, axis=-1, dtype=jnp.int32)  # [b]
-    prefix = jnp.all(valid == (jnp.arange(t)[None, :] < lengths[:, None]), axis=-1)  # [b]
-    out = jax.nn.dot_product_attention(
-        q,
-        k,
-        v,
-        is_causal=True,
-        key_value_seq_lengths=jnp.maximum(lengths, 1),
-        implementation=implementation,
-    )
-    return jnp.where(prefix[:, None, None, None], out, jnp.nan)
-
-
-def splash_block(seq_len: int, block: int = 0) -> int:
-    """The splash kernel's query / key tile for sequences of `seq_len` tokens.
-
-    `block` > 0 is used as given (it must divide T and be a multiple of 128). 0 picks the
-    largest of 512, 256, 128 that divides T: the kernel's own default of 128 x 128 tiles runs
-    16x the grid steps of 512 x 512 at 16k tokens, and MaxText's defaults for long sequences
-    are 512 (docs/design.md section 3 has the compiler's cost figures).
-    """
-    if block:
-        if block % _SPLASH_BLOCK or seq_len % block:
-            raise ValueError(
-                f"DTypePolicy.attention_block={block} must be a multiple of {_SPLASH_BLOCK} "
-                f"that divides the sequence length {seq_len}; 0 chooses one"
-            )
-        return block
-    return next(b for b in (512, 256, _SPLASH_BLOCK) if seq_len % b == 0)
-
-
-def _splash_attention(q, k, v, valid, sharder=None, block: int = 0, interpret: bool = False):
-    """The Pallas splash-attention kernel (TPU); padding as segment ids; per shard on a mesh.
-
-    A causal `MultiHeadMask` of T x T blocks, and segment ids `valid` (1 real, 0 padding):
-    a query attends to keys at or before it in its own segment, which is `causal_mask(valid)`
-    on valid queries, and every row keeps its diagonal (the kernel forbids empty rows). The
-    kernel does not scale the scores, so q is scaled by 1/sqrt(h) in float32 and cast back to
-    its dtype first (one extra rounding of q in bf16, as MaxText does).
-
-    On a mesh the kernel runs under `shard_map`: rows split like the activations' batch axis,
-    heads like their head axis (the `sharder`'s specs for q and k), one kernel per shard over
-    its local heads. Query head n reads KV head n // g; when the KV heads cannot be split like
-    the query heads (fewer KV heads than tensor shards), each query head gets its own copy of
-    its KV head first, so every shard holds the KV heads its queries read.
-
-    Args:
-      q: [b, t, n, h]; k, v: [b, t, k, h]; valid: [b, t] bool; T a multiple of 128.
-      sharder: the mesh and rules of q, k, v (None or no mesh: one kernel call).
-      block: query / key tile (`splash_block`).
-      interpret: run the kernel in the Pallas interpreter (tests, on CPU).
-    Returns:
-      [b, t, n, h] in q's dtype.
-    """
-    b, t, n, h = q.shape
-    q = (q.astype(jnp.float32) * np.float32(h**-0.5)).astype(q.dtype)
-    local = functools.partial(_splash_local, block=splash_block(t, block), interpret=interpret)
-    if sharder is None or sharder.mesh is None or sharder.mesh.size == 1:
-        return local(q, k, v, valid)
-    q_spec = sharder.spec(("act_batch", None, "act_heads", None), q.shape)
-    kv_spec = sharder.spec(("act_batch", None, "act_kv_heads", None), k.shape)
-    if kv_spec[2] != q_spec[2]:
-        k, v = (jnp.repeat(x, n // k.shape[2], axis=2) for x in (k, v))
-        kv_spec = q_spec
-    return jax.shard_map(
-        local,
-        mesh=sharder.mesh,
-        in_specs=(q_spec, kv_spec, kv_spec, PartitionSpec(q_spec[0], None)),
-        out_specs=q_spec,
-        check_vma=False,
-    )(q, k, v, valid)
-
-
-def _splash_local(q, k, v, valid, *, block: int, interpret: bool):
-    """One splash kernel over the rows and heads it is given (q already scaled)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import (
-        splash_attention_kernel as splash,
-    )
-    from jax.experimental.pallas.ops.tpu.splash_attention import (
-        splash_attention_mask as splash_mask,
-    )
-
-    _, t, n, _ = q.shape
-    mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((t, t))] * n)
-    sizes = splash.BlockSizes(
-        block_q=block,
-        block_kv=block,
-        block_kv_compute=block,
-        block_q_dkv=block,
-        block_kv_dkv=block,
-        block_kv_dkv_compute=block,
-        block_q_dq=block,
-        block_kv_dq=block,
-    )
-    # The kernel takes one row's heads first: [n, t, h] queries, [k, t, h] keys and values.
-    heads_first = (0, 2, 1, 3)
-
-    def run(q, k, v, segments):
-        # Built inside the traced function: the kernel holds its mask tables as arrays of the
-        # trace it is made in.
-        kernel = splash.make_splash_mha(
-            mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
-        )
-        ids = splash.SegmentIds(q=segments, kv=segments)
-        return jax.vmap(kernel)(q, k, v, segment_ids=ids)
-
-    q, k, v = (x.transpose(heads_first) for x in (q, k, v))
-    out = _at_default_precision(run)(q, k, v, valid.astype(jnp.int32))
-    return out.transpose(heads_first)
-
-
-def _at_default_precision(fn):
-    """`fn(q, k, v, segments)` and its backward pass traced at the DEFAULT matmul precision.
-
-    The splash kernel's dots take the global default precision; a "highest" default (set for
-    fp32 work elsewhere, as the tests do) makes Mosaic refuse the bf16 kernel ("Bad lhs
-    type"). 16-bit inputs run one pass whatever the precision, so nothing is lost. The
-    backward pass is traced when the caller differentiates, outside any scope set here, so
-    the scope goes into a custom VJP around both passes (the integer segments get no
-    cotangent).
-    """
-
-    @jax.custom_vjp
-    def wrapped(q, k, v, segments):
-        with jax.default_matmul_precision("default"):
-            return fn(q, k, v, segments)
-
-    def forward(q, k, v, segments):
-        with jax.default_matmul_precision("default"):
-            return jax.vjp(lambda q, k, v: fn(q, k, v, segments), q, k, v)
-
-    def backward(vjp, cotangent):
-        with jax.default_matmul_precision("default"):
-            return (*vjp(cotangent), None)
-
-    wrapped.defvjp(forward, backward)
-    return wrapped
 
 
 class Attention(nnx.Module):

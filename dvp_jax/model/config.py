@@ -52,7 +52,7 @@ class DTypePolicy:
         by itself (only the weight sync does).
       attention_block: the query and key tile in tokens of splash (a multiple of 128 dividing
         T) and of "blockwise"; 0 (default) picks for splash the largest of 512, 256, 128
-        dividing T (`dvp_jax.model.attention.splash_block`), for blockwise 512. Changes speed
+        dividing T (`dvp_jax.model.kernels.splash_block`), for blockwise 512. Changes speed
         and memory, not the mask or the math.
     Logits are always produced in float32 (matmul accumulates in fp32), and softmax / RMSNorm
     statistics always run in float32, whatever the policy.
@@ -134,7 +134,7 @@ _X3_GPU = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 # loss statistics; in its backward pass the transposes of the two fp32-output matmuls
 # (attention scores, logits) take the fp32 cotangent and run f32 x f32 at DEFAULT (TF32 on
 # GPUs, one bf16 pass on TPUs).
-# The mismatch ladder of issue 14 (deterministic, no noise): "float32" (M0, none),
+# The deterministic mismatch ladder (no noise): "float32" (M0, none),
 # "bfloat16_fp8kv" (M1), M1 + per-channel fp8 weights (M2, "bfloat16_fp8kv_fp8w"), M1 + int4
 # weights in groups of 32 (M3, "bfloat16_fp8kv_int4w"); the weights are fake-quantized at
 # weight sync (`dvp_jax/rollout/quantize.py`).
@@ -329,6 +329,11 @@ class ModelConfig:
         }
 
 
+def _qwen3(d_model: int, n_layers: int, n_heads: int, d_ff: int, tie: bool) -> ModelConfig:
+    """A published Qwen3 dense size: vocabulary 151,936, 8 KV heads of 128 dimensions."""
+    return ModelConfig(151_936, d_model, n_layers, n_heads, 8, 128, d_ff, tie_embeddings=tie)
+
+
 PRESETS: dict[str, ModelConfig] = {
     # Test size: every dimension divisible by the (2, 2, 2) test mesh.
     "tiny": ModelConfig(
@@ -343,54 +348,10 @@ PRESETS: dict[str, ModelConfig] = {
         tie_embeddings=True,
         max_position_embeddings=256,
     ),
-    "qwen3_0_6b": ModelConfig(
-        vocab_size=151_936,
-        d_model=1024,
-        n_layers=28,
-        n_heads=16,
-        n_kv_heads=8,
-        head_dim=128,
-        d_ff=3072,
-        tie_embeddings=True,
-    ),
-    "qwen3_1_7b": ModelConfig(
-        vocab_size=151_936,
-        d_model=2048,
-        n_layers=28,
-        n_heads=16,
-        n_kv_heads=8,
-        head_dim=128,
-        d_ff=6144,
-        tie_embeddings=True,
-    ),
-    "qwen3_4b": ModelConfig(
-        vocab_size=151_936,
-        d_model=2560,
-        n_layers=36,
-        n_heads=32,
-        n_kv_heads=8,
-        head_dim=128,
-        d_ff=9728,
-        tie_embeddings=True,
-    ),
-    "qwen3_8b": ModelConfig(
-        vocab_size=151_936,
-        d_model=4096,
-        n_layers=36,
-        n_heads=32,
-        n_kv_heads=8,
-        head_dim=128,
-        d_ff=12_288,
-        tie_embeddings=False,
-    ),
-    "qwen3_14b": ModelConfig(
-        vocab_size=151_936,
-        d_model=5120,
-        n_layers=40,
-        n_heads=40,
-        n_kv_heads=8,
-        head_dim=128,
-        d_ff=17_408,
-        tie_embeddings=False,
-    ),
+    # Sizes of the published Qwen3 config.json files.
+    "qwen3_0_6b": _qwen3(1024, 28, 16, 3072, tie=True),
+    "qwen3_1_7b": _qwen3(2048, 28, 16, 6144, tie=True),
+    "qwen3_4b": _qwen3(2560, 36, 32, 9728, tie=True),
+    "qwen3_8b": _qwen3(4096, 36, 32, 12_288, tie=False),
+    "qwen3_14b": _qwen3(5120, 40, 40, 17_408, tie=False),
 }

@@ -67,20 +67,12 @@ def remat_policy_name(remat: bool | str) -> str:
 class Block(nnx.Module):
     """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)).
 
-    Built with `layers=L` it holds the parameters of L blocks, each with a leading `[L]` axis,
-    and its methods are called on one layer's slice (inside `nnx.scan`).
+    It holds the parameters of all `cfg.n_layers` blocks, each with a leading `[L]` axis, and
+    its methods are called on one layer's slice (inside `nnx.scan`).
     """
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        policy: DTypePolicy,
-        sharder: Sharder,
-        *,
-        rngs: nnx.Rngs,
-        layers: int | None = None,
-    ):
-        eps, ls = cfg.rms_norm_eps, layers
+    def __init__(self, cfg: ModelConfig, policy: DTypePolicy, sharder: Sharder, rngs: nnx.Rngs):
+        eps, ls = cfg.rms_norm_eps, cfg.n_layers
         self.input_norm = RMSNorm(cfg.d_model, eps, policy, layers=ls)
         self.attn = Attention(cfg, policy, sharder, rngs=rngs, layers=ls)
         self.post_attn_norm = RMSNorm(cfg.d_model, eps, policy, layers=ls)
@@ -136,7 +128,7 @@ class Transformer(nnx.Module):
         self.embed = param(
             rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std, dt
         )
-        self.blocks = Block(cfg, policy, sharder, rngs=rngs, layers=cfg.n_layers)
+        self.blocks = Block(cfg, policy, sharder, rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, policy)
         if not cfg.tie_embeddings:
             self.lm_head = param(
