@@ -42,11 +42,12 @@ def checks(smoke: bool) -> list[tuple[str, list[str]]]:
     rollout += ["--new_tokens=256", "--steps_per_sync=8", "--repeats=2"]
     loss: list[str] = []
     policies = POLICIES
-    if smoke:  # every script once; one trainer policy (the others differ only in dtypes)
-        train = ["--preset", "tiny", "--batch", "2", "--seq", "32", "--quick"]
-        rollout = ["--preset=tiny", "--batch=4", "--group=2", "--prompt_len=8"]
-        rollout += ["--new_tokens=8", "--repeats=1"]
-        loss = ["--quick", "--runs", "1"]
+    if smoke:  # every script once at its smallest sizes; one trainer policy (the others
+        # differ only in dtypes); ModelConfig's "tiny" test model
+        train = ["--preset", "tiny", "--batch", "1", "--seq", "8", "--quick"]
+        rollout = ["--preset=tiny", "--batch=2", "--group=2", "--prompt_len=4"]
+        rollout += ["--new_tokens=4", "--repeats=1"]
+        loss = ["--n", "64", "--d", "32", "--v", "4096", "--runs", "1"]
         policies = ("float32_x3",)
     out = [
         (f"train step, {p}", py + [str(HERE / "train_step.py"), "--policy", p] + train)

@@ -12,11 +12,12 @@ policy uses "highest"). Prints one JSON line: naive_s, chunked_s (median of --ru
 after one warm-up, the two interleaved), time_ratio = chunked_s / naive_s, naive_bytes,
 chunked_bytes (peak temporary memory from the compiled executables'
 `memory_analysis().temp_size_in_bytes`), mem_ratio, and max_grad_rel_err (largest |difference|
-between the two gradients over the largest |gradient|). Targets (issue 10, on GPU):
+between the two gradients over the largest |gradient|). Targets on GPU:
 time_ratio <= 1.35 (4 matmuls against 3 is the floor of any recompute scheme), mem_ratio <= 0.05.
 
     python benchmarks/pruned_logprobs.py                   # N=2048, d=512, V=151936
     python benchmarks/pruned_logprobs.py --quick           # N=256, d=128, V=32000, 3 runs
+    python benchmarks/pruned_logprobs.py --n 64 --d 32 --v 4096 --runs 1   # a smoke run
     python benchmarks/pruned_logprobs.py --chunk-sizes 4096,8192,16384   # pick the fastest
     python benchmarks/pruned_logprobs.py --precision highest   # true fp32 matmuls on GPU/TPU
 """
@@ -81,21 +82,25 @@ def main():
         default=str(DEFAULT_CHUNK_SIZE),
         help="comma-separated; with several, each is timed and the fastest kept",
     )
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=None, help="timed runs (default 5, 3 quick)")
     parser.add_argument(
         "--precision",
         default=None,
         choices=[p.name.lower() for p in jax.lax.Precision],
         help="matmul precision of both versions (default: the backend's)",
     )
-    parser.add_argument("--quick", action="store_true", help="N=256, d=128, V=32000, 3 runs")
+    parser.add_argument(
+        "--quick", action="store_true", help="N=256, d=128, V=32000, 3 runs unless --runs"
+    )
     parser.add_argument(
         "--backend", choices=BACKENDS, default=None, help="refuse to run on another backend"
     )
     args = parser.parse_args()
     require_backend(args.backend)
     if args.quick:
-        args.n, args.d, args.v, args.runs = 256, 128, 32000, 3
+        args.n, args.d, args.v = 256, 128, 32000
+    if args.runs is None:
+        args.runs = 3 if args.quick else 5
 
     rng = np.random.default_rng(0)
     # Logit scale ~ 3: a realistic spread, so the e^-13 safe set is a strict subset of V.

@@ -2,40 +2,34 @@
 
 Times `dvp_jax.train.step.rl_update` (forward + chunked pruned log-probs + loss + backward +
 AdamW; the MIS+DVP preset) jitted by `step.jit_step` with the state donated, on one device of
-the default backend (cpu, gpu or tpu, from `jax.default_backend()`). Prints one JSON line with,
-per configuration measured:
+the default backend, on a random batch. Prints one JSON line with, per configuration:
 
 * `tok_s`: tokens (batch x seq, every position goes through the model) per second, median step;
 * `mfu`: model FLOP/s over the peak. Model FLOPs per token are 6 N_matmul (matmul parameters of
   the blocks and the unembedding, forward + backward) + 6 L T n_heads head_dim (causal
   attention); recomputation (remat, the chunked loss's fourth matmul) is not counted. The peak
-  is the device's dense bf16 peak from `PEAK_BF16` on GPU/TPU (whatever `--policy`: an fp32
-  step is measured against the same peak), and a `jnp.dot` measured in this process in the
-  policy's compute dtype on CPU (`matmul_peak_gflops`);
-* `compile_s`: wall seconds of `.lower(...).compile()` of the step (tracing, lowering and XLA);
-* peak memory: `peak_bytes_in_use` of the device's `memory_stats()` where the backend has it
-  (GPU, TPU; the process-lifetime peak, state included), else the compiled executable's
-  `memory_analysis()` argument + output + temp bytes, less the donated (aliased) bytes
-  (`peak_memory_source` says which); `temp_gib` is the executable's scratch (activations,
-  gradients in flight) on every backend.
+  is the device's dense bf16 peak from `PEAK_BF16` on GPU/TPU (whatever `--policy`), and a
+  `jnp.dot` measured in this process in the policy's compute dtype on CPU;
+* `compile_s`: wall seconds of `.lower(...).compile()` of the step;
+* peak memory: the device allocator's `peak_bytes_in_use` where the backend has one, else the
+  executable's argument + output + temp bytes less the donated ones (`peak_memory_source`);
+  `temp_gib` is the executable's scratch on every backend.
 
 Commands:
 
-  python benchmarks/train_step.py [--quick]        # CPU figures as before: "tiny" and "50m",
-                                                   # plus the time ratio at 2x the tokens
+  python benchmarks/train_step.py [--quick]        # CPU: "d128" and "50m", and the time
+                                                   # ratio at 2x the tokens
   python benchmarks/train_step.py --preset qwen3_0_6b --batch 1 --seq 128 --quick   # CPU
-  python benchmarks/train_step.py --preset small --compile-layers 2,24   # compile vs depth
-  # H200 target (issue 10): qwen3_0_6b rl_step at 8 x 4096 tokens, mixed policy, >= 40% MFU;
-  # compile of the 28-layer step <= 15 s. Remat is needed until attention is fused (without
-  # it the fp32 [8, 16, 4096, 4096] scores of 28 layers would be kept: 240 GB).
+  python benchmarks/train_step.py --preset d256 --compile-layers 2,24   # compile vs depth
+  # GPU target: qwen3_0_6b at 8 x 4096 tokens, mixed policy. Remat is needed unless attention
+  # is fused (the fp32 [8, 16, 4096, 4096] scores of 28 layers would be kept: 240 GB).
   python benchmarks/train_step.py --preset qwen3_0_6b --policy mixed_bf16 --batch 8 \
       --seq 4096 --remat save_dots_no_batch
 
-`--preset` is a benchmark size ("tiny": d=128, 2 layers, V=64, the old figures; "small":
-d=256, 2 layers, V=8192; "50m": d=512, 12 layers, V=8192) or a `ModelConfig` preset
-(`qwen3_0_6b` ... `qwen3_14b`; ModelConfig's own 32-wide "tiny" is the test size and is not
-offered here). `--layers` overrides the depth. Default batch x seq: 64 x 32 (tiny), 8 x 256
-(small), 8 x 128 (50m), 8 x 4096 for the Qwen3 presets (issue 10's H200 shape).
+`--preset` is a benchmark size ("d128": d=128, 2 layers, V=64; "d256": d=256, 2 layers,
+V=8192; "50m": d=512, 12 layers, V=8192) or a `ModelConfig` preset ("tiny", the test size,
+and `qwen3_0_6b` ... `qwen3_14b`). `--layers` overrides the depth. Default batch x seq:
+`DEFAULT_SHAPE`, 8 x 4096 for the Qwen3 presets.
 """
 
 from __future__ import annotations
@@ -44,8 +38,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import os
-import sys
 import time
 
 import jax
@@ -59,57 +51,30 @@ from dvp_jax.model import ModelConfig, Transformer
 from dvp_jax.model.config import PRESETS, REMAT_POLICIES, TRAIN_PRECISIONS, DTypePolicy
 from dvp_jax.sharding import Sharder, count_params
 from dvp_jax.train import step as step_lib
+from dvp_jax.train.batch import RLBatch
 from dvp_jax.train.state import init_train_state, make_optimizer
 
-# The random batch builder is shared with the tests (test data stays out of the library).
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.train_utils import synthetic_batch  # noqa: E402
-
-# Benchmark sizes (they take precedence over ModelConfig presets of the same name).
-SIZES = {
-    "tiny": ModelConfig(
-        vocab_size=64,
-        d_model=128,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=32,
-        d_ff=256,
-        tie_embeddings=True,
-    ),
-    # The width of the compile-time-vs-depth check (issue 10: 2 and 24 layers, same width).
-    "small": ModelConfig(
-        vocab_size=8192,
-        d_model=256,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=64,
-        d_ff=1024,
-        tie_embeddings=True,
-    ),
-    "50m": ModelConfig(
-        vocab_size=8192,
-        d_model=512,
-        n_layers=12,
-        n_heads=8,
-        n_kv_heads=4,
-        head_dim=64,
-        d_ff=2048,
-        tie_embeddings=True,
-    ),
+# Benchmark sizes, all with tied embeddings; their names differ from every ModelConfig preset.
+# name: (vocab_size, d_model, n_layers, n_heads, n_kv_heads, head_dim, d_ff)
+_SIZES = {
+    "d128": (64, 128, 2, 4, 2, 32, 256),
+    # The width of the compile-time-vs-depth check (2 and 24 layers, same width).
+    "d256": (8192, 256, 2, 4, 2, 64, 1024),
+    "50m": (8192, 512, 12, 8, 4, 64, 2048),
 }
-PRESET_NAMES = tuple(SIZES) + tuple(p for p in PRESETS if p not in SIZES)
-# Default (batch rows, sequence length) of a preset run: the old CPU sizes for the benchmark
-# sizes, issue 10's H200 target (8 x 4096) for the Qwen3 presets.
-DEFAULT_SHAPE = {"tiny": (64, 32), "small": (8, 256), "50m": (8, 128)}
+SIZES = {name: ModelConfig(*dims, tie_embeddings=True) for name, dims in _SIZES.items()}
+assert not set(SIZES) & set(PRESETS), "a benchmark size may not reuse a ModelConfig preset name"
+PRESET_NAMES = tuple(SIZES) + tuple(PRESETS)
+# Default (batch rows, sequence length) of a run: CPU sizes for the small configurations, the
+# GPU target (8 x 4096) for the Qwen3 presets.
+DEFAULT_SHAPE = {"d128": (64, 32), "d256": (8, 256), "50m": (8, 128), "tiny": (8, 32)}
 QWEN_SHAPE = (8, 4096)
 
 # Dense (no sparsity) bf16 tensor-core / MXU peak per device, FLOP/s, matched as lower-case
 # substrings of `jax.devices()[0].device_kind` in this order (more specific names first).
 # NVIDIA datasheets give bf16 "with sparsity"; dense is half. H100 SXM: 1,979 sparse -> 989;
-# H100 PCIe: 1,513 -> 756; H200 (SXM): same tensor cores as H100 SXM, 1,979 -> 989 (issue 10
-# used 790 TFLOP/s, which no datasheet gives; we use the datasheet); H200 NVL: 1,671 -> 835;
+# H100 PCIe: 1,513 -> 756; H200 (SXM): same tensor cores as H100 SXM, 1,979 -> 989 (the
+# datasheet figure, not the 790 TFLOP/s sometimes quoted); H200 NVL: 1,671 -> 835;
 # A100 (SXM and PCIe): 312 dense. Cloud TPU system-architecture pages: v5p 459, v5e 197,
 # v4 275, v6e 918 per chip. JAX names v5p "TPU v5" and v5e "TPU v5 lite".
 PEAK_BF16 = (
@@ -211,8 +176,26 @@ def _build(cfg: ModelConfig, policy: str, remat: str):
     return model, state, fn
 
 
-def _batch(cfg: ModelConfig, rows: int, length: int):
-    return jax.tree.map(jnp.asarray, synthetic_batch(cfg.vocab_size, rows, length, length // 4))
+def _batch(cfg: ModelConfig, rows: int, length: int) -> RLBatch:
+    """A random `RLBatch` of `rows` x `length` tokens: a quarter prompt, then response tokens
+    with behaviour log-probs in [-4, -0.5] (the values do not change the step's cost)."""
+    k_tokens, k_logp, k_adv = jax.random.split(jax.random.key(0), 3)
+    targets = (rows, length - 1)
+    response = jnp.broadcast_to(jnp.arange(length - 1) >= length // 4 - 1, targets)
+    logp = jnp.where(response, -jax.random.uniform(k_logp, targets, minval=0.5, maxval=4.0), 0.0)
+    return RLBatch(
+        tokens=jax.random.randint(k_tokens, (rows, length), 3, cfg.vocab_size, jnp.int32),
+        positions=jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (rows, length)),
+        valid=jnp.ones((rows, length), bool),
+        response_mask=response,
+        behaviour_logp=logp,
+        behaviour_logp_full=logp,
+        behaviour_pruned_mass=jnp.zeros(targets),
+        behaviour_safe_size=jnp.full(targets, float(cfg.vocab_size)),
+        advantages=jax.random.normal(k_adv, (rows,)),
+        old_logp=jnp.zeros(targets),
+        old_in_safe=jnp.ones(targets, bool),
+    )
 
 
 def _compile(fn, state, batch) -> tuple[object, float]:
@@ -311,13 +294,13 @@ def main(argv=None):
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="fewer repeats (without --preset also the old smaller batches)",
+        help="fewer repeats (without --preset also smaller batches)",
     )
     parser.add_argument(
         "--preset",
         choices=PRESET_NAMES,
         default=None,
-        help="one configuration (default: the old pair 'tiny' and '50m')",
+        help="one configuration (default: the pair 'd128' and '50m')",
     )
     parser.add_argument("--policy", choices=TRAIN_PRECISIONS, default="float32")
     parser.add_argument("--remat", choices=REMAT_POLICIES, default="none")
@@ -360,11 +343,11 @@ def main(argv=None):
         if peak:
             result["peak_tflops"] = peak / 1e12
 
-    if args.preset is None:  # the old invocation: "tiny" and "50m" with the 2x-tokens ratio
+    if args.preset is None:  # the default pair "d128" and "50m", with the 2x-tokens ratio
         if any(v is not None for v in (args.batch, args.seq, args.layers, args.compile_layers)):
             parser.error("--batch, --seq, --layers and --compile-layers need --preset")
         for name, rows, length in (
-            ("tiny", 16 if args.quick else 64, 32),
+            ("d128", 16 if args.quick else 64, 32),
             ("50m", 2 if args.quick else 8, 128),
         ):
             cfg = model_config(name, None)
