@@ -1,4 +1,4 @@
-"""The dtype policy decides every matmul's precision (docs/design.md section 3, issue 10).
+"""The dtype policy decides every matmul's precision (docs/design.md section 3).
 
 Each test lowers a model entry point to StableHLO and reads the `precision` attribute of every
 `dot_general`. The global `jax_default_matmul_precision` is set to the *opposite* value around

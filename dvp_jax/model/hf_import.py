@@ -5,24 +5,10 @@ Reads a local model directory (`config.json` plus one `model.safetensors` or sev
 layout so that `transformers` can load them (shards split by `huggingface_hub`, files written by
 `safetensors`; the tokenizer files come from the tokenizer's own `save_hf`). Nothing is downloaded.
 
-Layout differences are transposes, head reshapes and the layer stack: our decoder-block
-parameters carry a leading `[L]` axis (`blocks.*`, docs/design.md section 3), so the L
-per-layer Hugging Face tensors of one kind are stacked on load and unstacked on save.
-
-| Hugging Face key (torch Linear: [out, in]) | ours; `[L, ...][i]`: layer i of a stack |
-|--------------------------------------------|------------------------------------------|
-| model.embed_tokens.weight [v, d]           | embed [v, d]                             |
-| model.layers.i.self_attn.q_proj.weight     | blocks.attn.q_proj [L, d, n, h][i]       |
-|   [n*h, d]                                 |                                          |
-| ...k_proj / v_proj.weight [k*h, d]         | blocks.attn.k_proj / v_proj [L, d, k, h][i] |
-| ...o_proj.weight [d, n*h]                  | blocks.attn.o_proj [L, n, h, d][i]       |
-| ...q_norm / k_norm.weight [h]              | blocks.attn.q_norm / k_norm.weight [L, h][i] |
-| ...input_layernorm.weight [d]              | blocks.input_norm.weight [L, d][i]       |
-| ...post_attention_layernorm.weight [d]     | blocks.post_attn_norm.weight [L, d][i]   |
-| ...mlp.gate_proj / up_proj.weight [f, d]   | blocks.mlp.gate / up [L, d, f][i]        |
-| ...mlp.down_proj.weight [d, f]             | blocks.mlp.down [L, f, d][i]             |
-| model.norm.weight [d]                      | final_norm.weight [d]                    |
-| lm_head.weight [v, d] (untied only)        | lm_head [d, v]                           |
+Layout differences are transposes (torch Linear weights are `[out, in]`), head reshapes and
+the layer stack: our decoder-block parameters carry a leading `[L]` axis (`blocks.*`,
+docs/design.md section 3), so the L per-layer Hugging Face tensors of one kind are stacked on
+load and unstacked on save. `_key_map` is the one table of keys, shapes and transforms.
 """
 
 from __future__ import annotations
