@@ -14,7 +14,8 @@ from dvp_jax.rollout import tokenizers
 from dvp_jax.rollout.tokenizers import WordTokenizer, load_tokenizer
 from dvp_jax.train import config as config_lib
 from dvp_jax.train import resume
-from dvp_jax.train.config import DataConfig, ExperimentConfig
+from dvp_jax.train.config import ExperimentConfig
+from dvp_jax.train.sections import DataConfig, task_knobs
 
 N = 1000  # examples for the length and entropy figures
 
@@ -205,7 +206,7 @@ def test_config_makes_the_task_and_checks_decode_length():
     data = DataConfig(**{**_rs(n_words=4000), "tokenizer": "running_sum:4000", "seed": 2})
     task = data.make_task()
     assert task == RunningSumTask(seed=2, n_words=4000)
-    assert data.running_sum == {**config_lib.task_knobs(RunningSumTask), "n_words": 4000}
+    assert data.running_sum == {**task_knobs(RunningSumTask), "n_words": 4000}
     assert load_tokenizer(data.tokenizer).vocab_size == 5008 and data.reward_kind == "marked_answer"
     assert DataConfig().make_task() == ArithmeticTask()
     assert DataConfig(task="math", path="x.jsonl").make_task() is None
@@ -216,7 +217,7 @@ def test_config_makes_the_task_and_checks_decode_length():
 
     cd = config_lib.default_config("rloo")
     cd.data.task, cd.data.tokenizer = "running_sum", "running_sum"
-    assert cd.data.running_sum.to_dict() == config_lib.task_knobs(RunningSumTask)
+    assert cd.data.running_sum.to_dict() == task_knobs(RunningSumTask)
     with pytest.raises(
         ValueError, match="config.rollout.max_decode_length must be >= .*max_response_len .* 251"
     ):

@@ -13,7 +13,7 @@ from dvp_jax.data import math_data, rewards, tasks
 from dvp_jax.rollout.engine import RolloutEngine
 from dvp_jax.rollout.offline import RolloutBatch, generate_rollouts
 from dvp_jax.rollout.sampling import SamplingParams
-from dvp_jax.train.config import DataConfig
+from dvp_jax.train.sections import DataConfig
 
 
 def response_texts(tokenizer, batch: RolloutBatch) -> list[str]:

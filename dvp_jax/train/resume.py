@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from dvp_jax.train.config import _SECTIONS, GENERATED_TASKS, ExperimentConfig, _default, task_knobs
+from dvp_jax.train.config import _SECTIONS, ExperimentConfig
+from dvp_jax.train.sections import GENERATED_TASKS, field_default, task_knobs
 
 # What a rerun on an existing workdir may change: how long it runs, how often it evaluates,
 # saves and logs, where it runs (mesh, engine slots) and where the initial weights were read
@@ -47,7 +48,9 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _flat_defaults() -> dict[str, Any]:
     """{"section.field": dataclass default} for every section field and task knob that has one."""
-    out = {s: {f.name: _default(f) for f in dataclasses.fields(c)} for s, c in _SECTIONS.items()}
+    out = {
+        s: {f.name: field_default(f) for f in dataclasses.fields(c)} for s, c in _SECTIONS.items()
+    }
     out["data"] |= {name: task_knobs(cls) for name, cls in GENERATED_TASKS.items()}
     return {k: v for k, v in _flatten(out).items() if v is not None}
 

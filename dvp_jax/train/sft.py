@@ -20,8 +20,8 @@ from absl import logging
 from dvp_jax.data import pipeline
 from dvp_jax.sharding import Sharder, compiler_options
 from dvp_jax.train import batch as batch_lib
-from dvp_jax.train.config import SFTConfig
 from dvp_jax.train.report import duration
+from dvp_jax.train.sections import SFTConfig
 from dvp_jax.train.state import TrainState, init_train_state, make_optimizer
 from dvp_jax.train.step import apply_gradients, token_logprobs
 

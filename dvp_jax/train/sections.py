@@ -1,0 +1,297 @@
+"""The sections of an experiment config as frozen, validated dataclasses (all but model, mesh
+and loss, which their own packages define).
+
+Each section checks its own fields on construction, naming the field (`config.train.group_size`)
+and the allowed values; a generated task's knobs are checked by the task itself
+(`DataConfig.arithmetic` / `running_sum`). Not here: reading a ConfigDict and the checks across
+sections (`config.ExperimentConfig.from_config_dict`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from dvp_jax.data import running_sum
+from dvp_jax.data.running_sum import RunningSumTask
+from dvp_jax.data.tasks import ArithmeticTask, GeneratedTask
+from dvp_jax.model.config import (
+    ATTENTION_IMPLS,
+    PRECISIONS,
+    REMAT_POLICIES,
+    TRAIN_PRECISIONS,
+    DTypePolicy,
+)
+
+# The generated tasks by `data.task` name; "math" reads a file instead.
+GENERATED_TASKS = {"arithmetic": ArithmeticTask, "running_sum": RunningSumTask}
+TASKS = (*GENERATED_TASKS, "math")
+# The verifier of each task (`dvp_jax.data.rewards` kinds).
+TASK_REWARDS = {"arithmetic": "exact_match", "running_sum": "marked_answer", "math": "math_verify"}
+
+
+def task_knobs(cls) -> dict[str, Any]:
+    """A generated task's knobs and their defaults: its dataclass fields but `seed`."""
+    return {f.name: field_default(f) for f in dataclasses.fields(cls) if f.name != "seed"}
+
+
+def check_field(cond: bool, field: str, allowed: str, value: Any) -> None:
+    if not cond:
+        raise ValueError(f"config.{field} must be {allowed}, got {value!r}")
+
+
+def check_int(field: str, value: Any, lo: int | None = None) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and (lo is None or value >= lo)
+    check_field(ok, field, f"an int >= {lo}" if lo is not None else "an int", value)
+
+
+def check_one_of(field: str, value: Any, allowed) -> None:
+    check_field(value in allowed, field, f"one of {tuple(allowed)}", value)
+
+
+def check_pos_float(field: str, value: Any, allow_zero: bool = False) -> None:
+    ok = (
+        isinstance(value, int | float)
+        and math.isfinite(value)
+        and (value >= 0 if allow_zero else value > 0)
+    )
+    check_field(ok, field, "a finite float " + (">= 0" if allow_zero else "> 0"), value)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """The inference side: JetStream engine precision and sampling.
+
+    Field names are `EngineConfig`'s (and JetStream's Engine properties'), so one vocabulary
+    runs from the config file to the engine.
+    """
+
+    dtype: str = "bfloat16"  # one of PRECISIONS; float32 turns the precision mismatch off
+    noise_std: float = 0.0  # std of additive Gaussian logit noise before pruning (experiments)
+    # > 0: a synthetic tail-shaped noise (rollout/sampling.py): noise_std scaled per token by
+    # clip((gap - G/2) / (G/2), 0, 1), gap = its distance below the row max (tempered logits).
+    noise_tail_gap: float = 0.0
+    temperature: float = 1.0
+    max_decode_length: int = 8  # most tokens generated per response
+    max_concurrent_decodes: int = 64  # decode slots of the engine
+    tensor_parallel: int = 1  # the engine's mesh: (1, 1, tensor_parallel) local devices
+
+    def __post_init__(self):
+        check_one_of("rollout.dtype", self.dtype, PRECISIONS)
+        check_pos_float("rollout.noise_std", self.noise_std, allow_zero=True)
+        check_pos_float("rollout.noise_tail_gap", self.noise_tail_gap, allow_zero=True)
+        check_pos_float("rollout.temperature", self.temperature)
+        check_int("rollout.max_decode_length", self.max_decode_length, 1)
+        check_int("rollout.max_concurrent_decodes", self.max_concurrent_decodes, 1)
+        check_int("rollout.tensor_parallel", self.tensor_parallel, 1)
+
+    @property
+    def policy(self) -> DTypePolicy:
+        return DTypePolicy.named(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """The prompts and their verifier: a generated task (`GENERATED_TASKS`) or a math file.
+
+    `arithmetic` and `running_sum` hold each generated task's knobs under the task's own field
+    names (`ArithmeticTask`, `RunningSumTask`; their seed is `data.seed`); the task owns their
+    defaults and checks. Unset knobs take the task's defaults; both tasks are built (checked)
+    whichever `task` runs, and `make_task()` returns the one that does.
+    """
+
+    task: str = "arithmetic"  # one of TASKS; the reward kind follows (TASK_REWARDS)
+    path: str = ""  # jsonl / parquet in the DAPO-Math layout, for task="math"
+    eval_path: str = ""  # held-out math file (e.g. AIME25) for avg@k; generated tasks have a split
+    # "char", "running_sum:<n_words>" (task="running_sum") or a path to a tokenizer.json
+    tokenizer: str = "char"
+    chat_format: str = "chatml"
+    max_prompt_len: int = 16
+    seed: int = 0
+    arithmetic: dict = dataclasses.field(default_factory=dict)
+    running_sum: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        check_one_of("data.task", self.task, TASKS)
+        if self.task == "math":
+            check_field(
+                bool(self.path), "data.path", "a jsonl/parquet file path for task='math'", self.path
+            )
+        check_int("data.max_prompt_len", self.max_prompt_len, 1)
+        check_int("data.seed", self.seed, 0)
+        built = {name: self._build_task(name, cls) for name, cls in GENERATED_TASKS.items()}
+        object.__setattr__(self, "_tasks", built)  # not a field: derived from the knobs
+        self._check_tokenizer(built["running_sum"])
+
+    def _build_task(self, name: str, cls):
+        """The task of `data.<name>`'s knobs; the knob dict is completed with its defaults."""
+        knobs, allowed = dict(getattr(self, name)), task_knobs(cls)
+        unknown = sorted(set(knobs) - set(allowed))
+        if unknown:
+            raise ValueError(
+                f"config.data.{name} has unknown fields {unknown}; allowed: {sorted(allowed)}"
+            )
+        try:
+            task = cls(seed=self.seed, **knobs)
+        except (TypeError, ValueError) as e:  # the task's own message names its field
+            raise ValueError(f"config.data.{name}: {e}") from None
+        object.__setattr__(self, name, {k: getattr(task, k) for k in allowed})
+        return task
+
+    def _check_tokenizer(self, rs_task: RunningSumTask) -> None:
+        """The running-sum task needs its word tokenizer, and the word tokenizer nothing else."""
+        if self.task != "running_sum":
+            word_tokenizer = self.tokenizer.split(":")[0] == running_sum.TOKENIZER_NAME
+            check_field(
+                not word_tokenizer,
+                "data.tokenizer",
+                f"'char' or a tokenizer.json path for task={self.task!r} (the running-sum word "
+                "tokenizer cannot encode its prompts)",
+                self.tokenizer,
+            )
+            return
+        spec = rs_task.tokenizer_spec
+        default_words = rs_task.n_words == running_sum.DEFAULT_N_WORDS
+        check_field(
+            self.tokenizer == spec
+            or (self.tokenizer == running_sum.TOKENIZER_NAME and default_words),
+            "data.tokenizer",
+            f"{spec!r} for task='running_sum' (the word vocabulary of "
+            f"data.running_sum.n_words={rs_task.n_words})",
+            self.tokenizer,
+        )
+        least = rs_task.max_prompt_tokens + 1
+        check_field(
+            self.max_prompt_len >= least,
+            "data.max_prompt_len",
+            f">= {least} (BOS and the longest prompt of data.running_sum)",
+            self.max_prompt_len,
+        )
+
+    @property
+    def reward_kind(self) -> str:
+        """The verifier of the task (TASK_REWARDS)."""
+        return TASK_REWARDS[self.task]
+
+    def make_task(self) -> GeneratedTask | None:
+        """The generated task `task` names, or None for "math": the same problems and held-out
+        split everywhere (trainer, experiments, evaluation)."""
+        return self._tasks.get(self.task)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 20
+    # P: prompts per rollout batch (the global generation batch; each of H hosts rolls out P/H)
+    prompts_per_step: int = 8
+    group_size: int = 8  # G: responses per prompt (E8 needs G >= 2)
+    learning_rate: float = 1e-4
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.999
+    micro_batches: int = 1  # gradient accumulation
+    updates_per_batch: int = 1  # > 1 uses the decoupled PPO clip (loss.ppo_clip_eps)
+    chunk_size: int = 8192  # vocabulary chunk of the pruned logprobs
+    # The trainer's dtype policy (TRAIN_PRECISIONS): "float32" is true fp32 (every matmul at
+    # `highest`); "mixed_bf16" computes in bf16 with fp32 params, logits and loss (speed).
+    precision: str = "float32"
+    # Full-sequence attention kernel (ATTENTION_IMPLS): "auto" picks cuDNN on GPU / splash on
+    # TPU for bf16 compute and the explicit XLA path otherwise (always for float32).
+    attention_impl: str = "auto"
+    # The splash kernel's query / key tile (a multiple of 128 dividing T); 0 picks the largest
+    # of 512, 256, 128 that divides T (`DTypePolicy.attention_block`).
+    attention_block: int = 0
+    # Rematerialise the block activations in the backward pass (REMAT_POLICIES): "none",
+    # "full" (long responses), or keep the matmul outputs ("save_dots", "save_dots_no_batch").
+    remat: str = "none"
+    seed: int = 0
+
+    def __post_init__(self):
+        check_int("train.steps", self.steps, 0)
+        check_int("train.prompts_per_step", self.prompts_per_step, 1)
+        check_int("train.group_size", self.group_size, 2)
+        check_pos_float("train.learning_rate", self.learning_rate)
+        check_int("train.warmup_steps", self.warmup_steps, 0)
+        check_pos_float("train.weight_decay", self.weight_decay, allow_zero=True)
+        check_pos_float("train.grad_clip", self.grad_clip)
+        check_int("train.micro_batches", self.micro_batches, 1)
+        check_int("train.updates_per_batch", self.updates_per_batch, 1)
+        check_int("train.chunk_size", self.chunk_size, 1)
+        check_field(
+            isinstance(self.attention_block, int)
+            and self.attention_block >= 0
+            and self.attention_block % 128 == 0,
+            "train.attention_block",
+            "0 (choose) or a positive multiple of 128",
+            self.attention_block,
+        )
+        check_one_of("train.precision", self.precision, TRAIN_PRECISIONS)
+        check_one_of("train.remat", self.remat, REMAT_POLICIES)
+        check_one_of("train.attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        check_int("train.seed", self.seed, 0)
+        batch = self.prompts_per_step * self.group_size
+        check_field(
+            batch % self.micro_batches == 0,
+            "train.micro_batches",
+            f"a divisor of prompts_per_step * group_size = {batch}",
+            self.micro_batches,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    """Supervised warm-up on the generated task, before RL (0 steps: off)."""
+
+    steps: int = 0
+    batch_size: int = 64
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+
+    def __post_init__(self):
+        check_int("sft.steps", self.steps, 0)
+        check_int("sft.batch_size", self.batch_size, 1)
+        check_pos_float("sft.learning_rate", self.learning_rate)
+        check_int("sft.warmup_steps", self.warmup_steps, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    every: int = 10  # 0: only at the start and the end of RL
+    num_prompts: int = 128
+    k: int = 4  # avg@k: k samples per held-out prompt
+    # Sample the evaluation with rollout.noise_std too (False: the policy at rollout precision,
+    # noise being a mismatch knob of the experiments rather than part of the policy).
+    with_rollout_noise: bool = False
+    # Precision of the evaluation engine: "" evaluates with the rollout engine (its precision);
+    # one of PRECISIONS builds a second engine at that precision (e.g. "float32": held-out
+    # accuracy of the policy itself, free of the rollout mismatch).
+    dtype: str = ""
+
+    def __post_init__(self):
+        check_field(
+            self.dtype in ("",) + PRECISIONS, "eval.dtype", f"'' or one of {PRECISIONS}", self.dtype
+        )
+        check_int("eval.every", self.every, 0)
+        check_int("eval.num_prompts", self.num_prompts, 1)
+        check_int("eval.k", self.k, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 10  # 0: only at the end (and on SIGTERM)
+    keep: int = 3
+
+    def __post_init__(self):
+        check_int("checkpoint.every", self.every, 0)
+        check_int("checkpoint.keep", self.keep, 1)
+
+
+def field_default(field: dataclasses.Field):
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return None
