@@ -16,42 +16,32 @@ Expected (not yet measured; fill in from the first run): the supervised warm-up 
 
 from dvp_jax.train.config import default_config
 
+# ~76M parameters: 12 x (attention 1.6M + SwiGLU 4.7M), character vocabulary (tied). The "tiny"
+# preset supplies the fields not set here (RoPE theta 1e4, tied embeddings).
+MODEL = dict(d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, head_dim=64, d_ff=2048)
+
 
 def get_config(method: str = "dvp"):
     """Every field defaults as in `dvp_jax.train.config`; only what differs is set here."""
-    c = default_config(method)
-
-    # ~76M parameters: 12 x (attention 1.6M + SwiGLU 4.7M), character vocabulary (tied). The
-    # "tiny" preset supplies the fields not set here (RoPE theta 1e4, tied embeddings).
-    c.model.d_model = 768
-    c.model.n_layers = 12
-    c.model.n_heads = 12
-    c.model.n_kv_heads = 4
-    c.model.head_dim = 64
-    c.model.d_ff = 2048
-    c.model.max_position_embeddings = 64
-
-    c.rollout.max_decode_length = 8  # answers are at most 5 characters + EOS
-    c.rollout.max_concurrent_decodes = 1024  # the whole rollout batch (64 prompts x G=16) at once
-
-    # "999+999-999=" plus BOS is 13 characters: the default max_prompt_len 16 holds it.
-    c.data.arithmetic.num_operands = 3
-    c.data.arithmetic.min_operands = 2
-    c.data.arithmetic.max_operand = 999
-
-    c.train.steps = 200
-    c.train.prompts_per_step = 64
-    c.train.group_size = 16
-    c.train.learning_rate = 2e-5
-    c.train.warmup_steps = 10
-    c.train.chunk_size = 64
-
-    c.sft.steps = 3000
-    c.sft.batch_size = 256
-    c.sft.learning_rate = 1e-3
-    c.sft.warmup_steps = 200
-    c.eval.every = 20
-    c.eval.num_prompts = 512
-    c.eval.k = 8
-    c.checkpoint.every = 50
-    return c
+    return default_config(
+        method,
+        model=dict(MODEL, max_position_embeddings=64),
+        rollout=dict(
+            max_decode_length=8,  # answers are at most 5 characters + EOS
+            max_concurrent_decodes=1024,  # the whole rollout batch (64 prompts x G=16) at once
+        ),
+        # 2-3 operands up to 999: "999+999-999=" plus BOS is 13 characters, within the default
+        # max_prompt_len 16.
+        data=dict(arithmetic=dict(num_operands=3, min_operands=2, max_operand=999)),
+        train=dict(
+            steps=200,
+            prompts_per_step=64,
+            group_size=16,
+            learning_rate=2e-5,
+            warmup_steps=10,
+            chunk_size=64,
+        ),
+        sft=dict(steps=3000, batch_size=256, learning_rate=1e-3, warmup_steps=200),
+        eval=dict(every=20, num_prompts=512, k=8),
+        checkpoint=dict(every=50),
+    )

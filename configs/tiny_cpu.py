@@ -16,24 +16,13 @@ from dvp_jax.train.config import default_config
 
 def get_config(method: str = "dvp"):
     """Every field defaults as in `dvp_jax.train.config`; only what differs is set here."""
-    c = default_config(method)
-
-    # ~0.3M parameters on the "tiny" preset: character vocabulary (tied), 2 layers.
-    c.model.d_model = 128
-    c.model.head_dim = 32
-    c.model.d_ff = 256
-    c.model.max_position_embeddings = 64
-
-    c.rollout.max_decode_length = 6  # answers are at most 4 characters + EOS
-
-    c.train.steps = 250
-    c.train.prompts_per_step = 16
-    c.train.learning_rate = 3e-4
-    c.train.chunk_size = 64
-
-    c.sft.steps = 600
-    c.sft.warmup_steps = 50
-    c.eval.every = 25
-    c.eval.num_prompts = 256
-    c.checkpoint.every = 50
-    return c
+    return default_config(
+        method,
+        # ~0.3M parameters on the "tiny" preset: character vocabulary (tied), 2 layers.
+        model=dict(d_model=128, head_dim=32, d_ff=256, max_position_embeddings=64),
+        rollout=dict(max_decode_length=6),  # answers are at most 4 characters + EOS
+        train=dict(steps=250, prompts_per_step=16, learning_rate=3e-4, chunk_size=64),
+        sft=dict(steps=600, warmup_steps=50),
+        eval=dict(every=25, num_prompts=256),
+        checkpoint=dict(every=50),
+    )

@@ -246,3 +246,13 @@ def test_resume_ignores_new_fields_at_their_default():
     assert resume.resume_mismatch(saved, changed) == [
         "data.running_sum.max_operands: workdir 8, now 6"
     ]
+
+
+def test_default_config_takes_sections_and_names_a_misspelt_field():
+    cd = config_lib.default_config("rloo", data=dict(running_sum=dict(max_operands=6)))
+    assert cd.data.running_sum.max_operands == 6 and cd.data.running_sum.min_operands == 4
+    assert cd.train.steps == 20 and cd.method == "rloo"
+    with pytest.raises(KeyError, match="stepz"):
+        config_lib.default_config(train=dict(stepz=3))
+    with pytest.raises(TypeError, match="steps"):
+        config_lib.default_config(train=dict(steps="many"))

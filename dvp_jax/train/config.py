@@ -147,15 +147,18 @@ _SECTIONS = {
 _TOP_LEVEL = ("method", "log_every", "plots")
 
 
-def default_config(method: str = "dvp") -> ml_collections.ConfigDict:
-    """Every field of every section with its default: the base each `configs/*.py` edits.
+def default_config(method: str = "dvp", **sections: dict[str, Any]) -> ml_collections.ConfigDict:
+    """Every field of every section with its default, then `sections`' values: what a
+    `configs/*.py` returns, e.g. `default_config(method, train=dict(steps=250))`.
 
-    The defaults live in the section dataclasses (`sections`, `ModelConfig`, `LossConfig`); a config
-    file states only what differs. Fields whose value comes from a preset are typed
-    placeholders (None = "from the preset"): every `ModelConfig` field (`model.preset`), the
-    method preset's `loss.prune` / `loss.correction`, and `loss.temperature` (defaults to
-    `rollout.temperature`). So every field exists, can be overridden from the command line with
-    its type checked, and a misspelt override fails (the ConfigDict is locked by `main.py`).
+    The defaults live in the section dataclasses (`sections`, `ModelConfig`, `LossConfig`); a
+    config file states only what differs, section by section (nested dicts for a task's knobs:
+    `data=dict(arithmetic=dict(max_operand=999))`), each value type-checked and a misspelt
+    field failing by name. Fields whose value comes from a preset are typed placeholders (None =
+    "from the preset"): every `ModelConfig` field (`model.preset`), the method preset's
+    `loss.prune` / `loss.correction`, and `loss.temperature` (defaults to
+    `rollout.temperature`). So every field exists and can be overridden from the command line
+    with its type checked (the ConfigDict is locked by `main.py`).
     """
     c = ml_collections.ConfigDict()
     c.method = method or "dvp"  # rloo | tis | mis | dvp | mis_dvp (docs/design.md section 2)
@@ -172,6 +175,9 @@ def default_config(method: str = "dvp") -> ml_collections.ConfigDict:
         c[name] = field_default(
             next(f for f in dataclasses.fields(ExperimentConfig) if f.name == name)
         )
+    c.lock()  # a misspelt field in `sections` fails here, by name
+    c.update(sections)
+    c.unlock()
     return c
 
 
