@@ -91,25 +91,24 @@ def get_config(arg: str = "dvp:M1"):
     c = default_config(method)
 
     c.data.task = "running_sum"
-    c.data.thought_words = THOUGHT_WORDS
     c.data.tokenizer = tokenizer_spec(THOUGHT_WORDS)
-    c.data.thought_zipf = 1.5
-    c.data.sum_min_operands = MAX_OPERANDS
-    c.data.sum_max_operands = MAX_OPERANDS
-    c.data.sum_min_operand = 1
-    c.data.sum_max_operand = MAX_OPERAND
-    c.data.min_response_len = 150
-    c.data.max_response_len = MAX_RESPONSE_LEN
+    c.data.running_sum = dict(  # RunningSumTask's knobs, under its own names
+        n_words=THOUGHT_WORDS,
+        zipf_exponent=1.5,
+        min_operands=MAX_OPERANDS,
+        max_operands=MAX_OPERANDS,
+        min_operand=1,
+        max_operand=MAX_OPERAND,
+        min_response_len=150,
+        max_response_len=MAX_RESPONSE_LEN,
+    )
     c.data.max_prompt_len = MAX_OPERANDS + 3  # BOS, "sum", operands, "="
 
     # A small Qwen3-style decoder: 2 layers, d_model 128, tied embeddings over ~7,000 ids.
-    c.model.d_model = 128
-    c.model.n_layers = 2
-    c.model.n_heads = 4
-    c.model.n_kv_heads = 2
-    c.model.head_dim = 32
-    c.model.d_ff = 256
-    c.model.tie_embeddings = True
+    c.model.update(
+        dict(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=256),
+        tie_embeddings=True,
+    )
     c.rollout.max_decode_length = MAX_RESPONSE_LEN + 2  # >= max_response_len + 1 (EOS)
     c.model.max_position_embeddings = 256  # >= max_prompt_len + max_decode_length
     for key, value in rollout.items():

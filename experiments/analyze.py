@@ -125,6 +125,17 @@ def run_sweep(path: str, args: argparse.Namespace):
     print(launch.summary_table(results, exp.summary_keys), flush=True)
 
 
+def sweep_main(argv, path: str, doc: str, out: str, seeds: int, noise: float, skip: str, analyse):
+    """e002/e003's `main`: the sweep's command line plus one `--<skip>` flag, the units, then
+    `analyse(root, out, not skip)`."""
+    p = sweep_parser(doc, out, seeds, noise)
+    p.add_argument(f"--{skip}", action="store_true", help=f"analyse without the {skip[3:]} step")
+    args = p.parse_args(argv)
+    run_sweep(path, args)
+    analyse(args.root, args.out, not getattr(args, skip))
+    return 0
+
+
 # ------------------------------------------------------------------------------------------------
 # Analysis of the unit workdirs.
 # ------------------------------------------------------------------------------------------------

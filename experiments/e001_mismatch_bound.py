@@ -28,17 +28,13 @@ Outputs (`--out`): e001_<setting>.png (4 panels: |log p' - log p| vs p with the 
   tokens outside the trainer's e^-13 safe set, and the engine-vs-teacher-forced consistency).
 Command (from the repository root):
   python -m experiments.e001_mismatch_bound --out experiments/results/e001 [--smoke]
-Hardware: 2 CPU cores shared with other jobs (load 5-7). Time: 6.2 min measured (in-script SFT
-  ~3 min of it, then 30-65 s per setting); --smoke ~50 s under the same load.
-Expected (measured, committed run): exact-bound fraction 1.0 in all four settings (121,632
-  entries each); sampled tail tokens (p < 0.05) have negative mean l = log pi - log mu (the
-  rollout over-rates the tail tokens it samples): -0.006 bf16, -0.13 fp8 KV, -1.1 / -4.8 with
-  noise 1 / 3; mean L_40 -0.02, -0.64, -7.5, -61. Details in experiments/README.md.
+Hardware, times and the measured figures: experiments/README.md, e001.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -57,7 +53,7 @@ from dvp_jax.model import TRAIN_POLICY, Transformer
 from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
 from dvp_jax.rollout.offline import generate_rollouts
 from dvp_jax.rollout.tokenizers import load_tokenizer
-from experiments import analyze
+from experiments import analyze, e001_plots
 
 # (name, rollout dtype, logit noise std). The last is e002's level.
 SETTINGS = (
@@ -102,14 +98,14 @@ def warm_model(cfg, init_hf: str | None) -> Transformer:
 def trainer_logits(model: Transformer, tokens: np.ndarray, valid: np.ndarray) -> jax.Array:
     """fp32 full forward: z[b, t] predicts tokens[b, t + 1]; `[B, T, V]`."""
     graphdef, state = nnx.split(model)
+    return _trainer_logits(graphdef, state, jnp.asarray(tokens), jnp.asarray(valid))
 
-    @jax.jit
-    def f(state, tokens, valid):
-        m = nnx.merge(graphdef, state)
-        pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        return m(tokens, pos, valid)
 
-    return f(state, jnp.asarray(tokens), jnp.asarray(valid))
+@functools.partial(jax.jit, static_argnums=0)  # one compile per model and shape, reused
+def _trainer_logits(graphdef, state, tokens, valid):
+    m = nnx.merge(graphdef, state)
+    pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    return m(tokens, pos, valid)
 
 
 def rollout_logits(
@@ -122,31 +118,32 @@ def rollout_logits(
     KV cache (cache dtype of the policy). Columns past a row's length hold garbage (masked later).
     """
     graphdef, state = nnx.split(model)
+    p, steps = int(prompt_lengths.max()), tokens.shape[1] - int(prompt_lengths.min())
+    args = (jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(prompt_lengths))
+    return _rollout_logits(graphdef, p, steps, state, *args)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _rollout_logits(graphdef, p, steps, state, tokens, valid, lp):
     b, t = tokens.shape
-    p = int(prompt_lengths.max())
+    m = nnx.merge(graphdef, state)
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    full = m(tokens, pos, valid)  # [B, T, V]
+    first, cache = m.prefill(tokens[:, :p], lp, cache_len=t)  # [B, V]
 
-    @jax.jit
-    def f(state, tokens, valid, lp):
-        m = nnx.merge(graphdef, state)
-        pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        full = m(tokens, pos, valid)  # [B, T, V]
-        first, cache = m.prefill(tokens[:, :p], lp, cache_len=t)  # [B, V]
+    def step(cache, j):
+        at = jnp.minimum(lp + j, t - 1)  # [B]
+        tok = jnp.take_along_axis(tokens, at[:, None], axis=1)[:, 0]
+        logits, cache = m.decode(tok, at, cache)
+        return cache, logits
 
-        def step(cache, j):
-            at = jnp.minimum(lp + j, t - 1)  # [B]
-            tok = jnp.take_along_axis(tokens, at[:, None], axis=1)[:, 0]
-            logits, cache = m.decode(tok, at, cache)
-            return cache, logits
-
-        _, dec = jax.lax.scan(step, cache, jnp.arange(t - int(prompt_lengths.min())))
-        dec = jnp.moveaxis(dec, 0, 1)  # [B, J, V]: dec[b, j] predicts position lp + j + 1
-        col = jnp.arange(t)[None, :]  # [1, T]
-        j = jnp.clip(col - lp[:, None], 0, dec.shape[1] - 1)  # [B, T]
-        from_dec = jnp.take_along_axis(dec, j[..., None], axis=1)  # [B, T, V]
-        out = jnp.where((col < lp[:, None] - 1)[..., None], full, from_dec)
-        return jnp.where((col == lp[:, None] - 1)[..., None], first[:, None, :], out)
-
-    return f(state, jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(prompt_lengths))
+    _, dec = jax.lax.scan(step, cache, jnp.arange(steps))
+    dec = jnp.moveaxis(dec, 0, 1)  # [B, J, V]: dec[b, j] predicts position lp + j + 1
+    col = jnp.arange(t)[None, :]  # [1, T]
+    j = jnp.clip(col - lp[:, None], 0, dec.shape[1] - 1)  # [B, T]
+    from_dec = jnp.take_along_axis(dec, j[..., None], axis=1)  # [B, T, V]
+    out = jnp.where((col < lp[:, None] - 1)[..., None], full, from_dec)
+    return jnp.where((col == lp[:, None] - 1)[..., None], first[:, None, :], out)
 
 
 def rollout_model(
@@ -299,86 +296,6 @@ def analyse_setting(model, name, dtype, noise, heldout, gen, key) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
-# Plots.
-# ------------------------------------------------------------------------------------------------
-def plot_setting(res: dict, path: str, max_points: int = 30_000) -> None:
-    plt = analyze.pyplot()
-    d = res["_plot"]
-    p, diff = d["p"].ravel(), d["diff"].ravel()
-    eps = np.broadcast_to(d["eps"][:, None], d["p"].shape).ravel()
-    rng = np.random.default_rng(0)
-    idx = rng.choice(p.size, min(max_points, p.size), replace=False)
-    fig, axes = plt.subplots(2, 2, figsize=(12, 9))
-    ps = np.logspace(-12, 0, 200)
-
-    ax = axes[0, 0]
-    ax.scatter(p[idx], diff[idx] + 1e-12, s=2, alpha=0.3)
-    for q, style in ((np.median(d["eps"]), "--"), (d["eps"].max(), "-")):
-        ax.plot(ps, 2 * q * (1 - ps), "r" + style, label=f"2 eps (1-p), eps={q:.3g}")
-    ax.set(
-        xscale="log",
-        yscale="log",
-        xlabel="trainer probability p (every vocab entry)",
-        ylabel="|log p' - log p|",
-        title=f"{res['setting']}: mismatch vs p",
-    )
-    ax.set_xlim(max(p[idx].min(), 1e-12), 1.0)
-    ax.legend(fontsize=8)
-
-    ax = axes[0, 1]
-    ax.scatter(p[idx], diff[idx] / np.maximum(eps[idx], 1e-30), s=2, alpha=0.3)
-    ax.plot(ps, 2 * (1 - ps), "r-", label="2 (1-p) (E10, first order)")
-    ax.set(
-        xscale="log",
-        xlabel="p",
-        ylabel="|log p' - log p| / eps",
-        title=f"normalised; exact bound holds for {100 * res['frac_within_exact_bound']:.2f}%",
-    )
-    ax.legend(fontsize=8)
-
-    ax = axes[1, 0]
-    for key, label, m in (
-        ("sampled_bins", "sampled by the rollout (mu)", "o"),
-        ("teacher_forced_bins", "teacher-forced (held-out answers)", "s"),
-    ):
-        rows = [r for r in res[key] if r["count"] > 1]
-        centers = [math.sqrt(max(r["p_lo"], 1e-6) * r["p_hi"]) for r in rows]
-        ax.errorbar(
-            centers,
-            [r["mean_signed"] for r in rows],
-            yerr=[r["stderr"] for r in rows],
-            marker=m,
-            capsize=3,
-            label=label,
-        )
-    ax.axhline(0, color="k", lw=0.5)
-    ax.set(
-        xscale="log",
-        xlabel="trainer probability p of the token (bin)",
-        ylabel="mean signed l = log pi - log mu (± s.e.)",
-        title="tail bias",
-    )
-    ax.legend(fontsize=8)
-
-    ax = axes[1, 1]
-    g = res["growth"]
-    t, m, s = np.array(g["t"]), np.array(g["mean_L"]), np.array(g["std_L"])
-    ax.plot(t, m, label="mean L_t")
-    ax.fill_between(t, m - s, m + s, alpha=0.2, label="± std")
-    ax.plot(t, g["mean_abs_L"], label="mean |L_t|")
-    ax.axhline(0, color="k", lw=0.5)
-    ax.set(
-        xlabel="response length t (tokens)",
-        ylabel="L_t = sum_{s<=t} l_s",
-        title="sequence log-ratio vs length (sampled continuations)",
-    )
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-
-
-# ------------------------------------------------------------------------------------------------
 def run(out: str, smoke: bool = False, init_hf: str | None = None, seed: int = 0, **sizes) -> dict:
     """Every setting of SETTINGS (SMOKE_SETTINGS) at SIZES (SMOKE_SIZES) updated by `sizes`."""
     start = time.time()
@@ -415,7 +332,7 @@ def run(out: str, smoke: bool = False, init_hf: str | None = None, seed: int = 0
     results = []
     for i, (name, dtype, noise) in enumerate(settings):
         res = analyse_setting(model, name, dtype, noise, heldout, gen, jax.random.fold_in(key, i))
-        plot_setting(res, os.path.join(out, f"e001_{name}.png"))
+        e001_plots.plot_setting(res, os.path.join(out, f"e001_{name}.png"))
         res.pop("_plot")
         results.append(res)
         b = res["sampled_bins"]

@@ -231,12 +231,9 @@ def analyse(root: str, out: str, experiment: str = "e002_methods", clean: bool =
 
 
 def main(argv=None) -> int:
-    p = analyze.sweep_parser(__doc__, "experiments/results/e002", SEEDS, NOISE)
-    p.add_argument("--no_clean", action="store_true", help="skip the noise-free re-evaluation")
-    args = p.parse_args(argv)
-    analyze.run_sweep(__file__, args)
-    analyse(args.root, args.out, clean=not args.no_clean)
-    return 0
+    run = lambda root, out, clean: analyse(root, out, clean=clean)
+    out = "experiments/results/e002"
+    return analyze.sweep_main(argv, __file__, __doc__, out, SEEDS, NOISE, "no_clean", run)
 
 
 if __name__ == "__main__":

@@ -323,12 +323,9 @@ def analyse(root: str, out: str, experiment: str = "e003_rho_ablation", check: b
 
 
 def main(argv=None) -> int:
-    p = analyze.sweep_parser(__doc__, "experiments/results/e003", SEEDS, e002_methods.NOISE)
-    p.add_argument("--no_check", action="store_true", help="skip the bias checks")
-    args = p.parse_args(argv)
-    analyze.run_sweep(__file__, args)
-    analyse(args.root, args.out, check=not args.no_check)
-    return 0
+    run = lambda root, out, check: analyse(root, out, check=check)
+    out, noise = "experiments/results/e003", e002_methods.NOISE
+    return analyze.sweep_main(argv, __file__, __doc__, out, SEEDS, noise, "no_check", run)
 
 
 if __name__ == "__main__":

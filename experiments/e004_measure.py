@@ -85,7 +85,6 @@ def measure(
     from dvp_jax.rollout.tokenizers import load_tokenizer
     from dvp_jax.train import evaluation
     from dvp_jax.train.batch import from_rollouts
-    from dvp_jax.train.step import token_stats
 
     t0 = time.time()
     cfg = level_config(level, overrides)
@@ -132,26 +131,7 @@ def measure(
     reward = rewards.compute_rewards(cfg.data.reward_kind, texts, answers)
 
     rl = from_rollouts(batch, np.zeros(batch.num_rows, np.float32))
-    stats_fn = jax.jit(
-        functools.partial(
-            token_stats,
-            graphdef=graphdef,
-            log_rho=LOG_RHO,
-            temperature=cfg.loss.temperature,
-            chunk_size=cfg.train.chunk_size,
-        )
-    )
-    parts = {"logp": [], "logp_full": [], "in_safe": [], "entropy": []}
-    for s in range(0, batch.num_rows, rows_per_pass):
-        sl = slice(s, s + rows_per_pass)
-        tl, st = stats_fn(
-            params, tokens=rl.tokens[sl], positions=rl.positions[sl], valid=rl.valid[sl]
-        )
-        parts["logp"].append(np.asarray(tl.logp))
-        parts["logp_full"].append(np.asarray(tl.logp_full))
-        parts["in_safe"].append(np.asarray(tl.in_safe))
-        parts["entropy"].append(np.asarray(st.entropy))
-    a = {k: np.concatenate(v) for k, v in parts.items()}
+    a = trainer_token_stats(cfg, model, rl, rows_per_pass)
     tail = diagnostics.tail_metrics(
         logp=jnp.asarray(a["logp"]),
         behaviour_logp=jnp.asarray(rl.behaviour_logp),
@@ -207,6 +187,56 @@ def measure(
     }
 
 
+def measure_missing(path: str, head: dict, section: str, todo, num_prompts: int, samples: int):
+    """`measure` of each (key, level, overrides) of `todo` not yet under `section` of the JSON at
+    `path` (created with `head`), written after each; the warm start is `head["init_hf"]`."""
+    import json
+
+    data = {**head, section: {}}
+    if os.path.exists(path):
+        with open(path) as fh:
+            data = json.load(fh)
+    for key, level, overrides in todo:
+        have = data[section].get(key)
+        if have and have["responses"] == num_prompts * samples:
+            print(f"[e004 stage 1] {key}: done ({path})", flush=True)
+            continue
+        print(f"[e004 stage 1] measuring {key} ({num_prompts} x {samples})", flush=True)
+        rec = measure(head["init_hf"], level, num_prompts, samples, overrides=overrides)
+        data[section][key] = rec
+        print(json.dumps(rec), flush=True)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as fh:
+            json.dump(data, fh, indent=1)
+    return data
+
+
+def trainer_token_stats(cfg, model, rl, rows: int = 64) -> dict:
+    """The fp32 trainer's `token_stats` at log rho = LOG_RHO over an `RLBatch`, `rows` at a
+    time: the `TokenLogprobs` fields and the entropy, each [N, T-1] (NumPy)."""
+    import jax
+    from flax import nnx
+
+    from dvp_jax.train.step import token_stats
+
+    graphdef, params = nnx.split(model, nnx.Param)
+    fn = functools.partial(
+        token_stats,
+        graphdef=graphdef,
+        log_rho=LOG_RHO,
+        temperature=cfg.loss.temperature,
+        chunk_size=cfg.train.chunk_size,
+    )
+    fn = jax.jit(fn)
+    parts = {}
+    for s in range(0, rl.tokens.shape[0], rows):
+        sl = slice(s, s + rows)
+        tl, st = fn(params, tokens=rl.tokens[sl], positions=rl.positions[sl], valid=rl.valid[sl])
+        for k, x in (*tl._asdict().items(), ("entropy", st.entropy)):
+            parts.setdefault(k, []).append(np.asarray(x))
+    return {k: np.concatenate(v) for k, v in parts.items()}
+
+
 def plot_levels(levels: dict, path: str) -> None:
     """Bar charts of the stage-1 figures per level, with the power thresholds."""
     from experiments.analyze import pyplot
@@ -228,6 +258,31 @@ def plot_levels(levels: dict, path: str) -> None:
             ax.axhline(thr, color="r", ls="--", lw=1)
         ax.set_title(key, fontsize=9)
     fig.suptitle("e004 stage 1: warm start sampled at each level (red: power threshold)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def plot_units(records: list[dict], path: str) -> None:
+    """Per-step curves of every unit (reward, entropy, log PPL diff, grad norm, E[L])."""
+    from experiments.analyze import pyplot
+
+    plt = pyplot()
+    keys = (
+        "reward_mean",
+        "entropy",
+        "log_ppl_diff",
+        "grad_norm",
+        "seq_log_ratio",
+        "response_length",
+    )
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    for ax, key in zip(axes.flat, keys, strict=True):
+        for r in records:
+            ys = r["curves"][key]
+            ax.plot(range(1, len(ys) + 1), ys, label=f"{r['method']} {r['level']} s{r['seed']}")
+        ax.set(title=key, xlabel="RL step")
+    axes[0, 0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)

@@ -51,6 +51,10 @@ def reading(levels: Mapping[str, dict], units: Sequence[dict], level: str = "M4"
     seeds = sorted(set(by_seed[level]) & set(by_seed["M0"]))
     if len(seeds) < 2:
         return {"label": None, "missing": "fewer than 2 seeds with both arms"}
+    need = ("start_acc", "final_acc", "evals", "indicators", "curves")
+    lacking = sorted({k for u in final for k in need if k not in u})
+    if lacking:
+        return {"label": None, "missing": f"record fields {lacking}"}
     arm = {lv: [by_seed[lv][s] for s in seeds] for lv in (level, "M0")}
     acc = {lv: [u["final_acc"] for u in arm[lv]] for lv in arm}
     start = float(np.mean([u["start_acc"] for u in arm["M0"]]))

@@ -104,8 +104,8 @@ SMOKE = {  # CI sizes: random init, 2 RL steps, 2 prompts x 2 responses of <= 17
     "model.d_model": 32,
     "model.head_dim": 8,
     "model.d_ff": 64,
-    "data.min_response_len": 14,  # >= 4 * 2 + 2, the least a 2-operand problem needs
-    "data.max_response_len": 16,
+    "data.running_sum.min_response_len": 14,  # >= 4 * 2 + 2, the least a 2-operand problem needs
+    "data.running_sum.max_response_len": 16,
     "rollout.max_decode_length": 17,
 }
 
@@ -187,23 +187,9 @@ def stage1(
     """Measures each level not yet in out/stage1_levels.json (same warm start), adding each as
     it finishes."""
     hf = prepare_init(root, sft_steps=sft_steps)
+    todo = [(lv, lv, None) for lv in levels]
     path = os.path.join(out, "stage1_levels.json")
-    data = {"init_hf": hf, "levels": {}}
-    if os.path.exists(path):
-        with open(path) as fh:
-            data = json.load(fh)
-    for level in levels:
-        have = data["levels"].get(level)
-        if have and have["responses"] == num_prompts * samples:
-            print(f"[e004 stage 1] {level}: done ({path})", flush=True)
-            continue
-        print(f"[e004 stage 1] measuring {level} ({num_prompts} x {samples})", flush=True)
-        data["levels"][level] = measure_lib.measure(hf, level, num_prompts, samples)
-        print(json.dumps(data["levels"][level]), flush=True)
-        os.makedirs(out, exist_ok=True)
-        with open(path, "w") as fh:
-            json.dump(data, fh, indent=1)
-    return data
+    return measure_lib.measure_missing(path, {"init_hf": hf}, "levels", todo, num_prompts, samples)
 
 
 def scan_m4(
@@ -212,26 +198,10 @@ def scan_m4(
     """Stage 1 of the synthetic rung M4 at each tail-noise strength (`rollout.noise_std`) not yet
     in out/stage1_m4_scan.json; the config's `M4_NOISE_STD` is then chosen from it."""
     hf = prepare_init(root, sft_steps=sft_steps)
+    todo = [(f"{float(x):g}", "M4", {"rollout.noise_std": float(x)}) for x in strengths]
+    head = {"init_hf": hf, "tail_noise_gap": CFG.TAIL_NOISE_GAP}
     path = os.path.join(out, "stage1_m4_scan.json")
-    data = {"init_hf": hf, "tail_noise_gap": CFG.TAIL_NOISE_GAP, "strengths": {}}
-    if os.path.exists(path):
-        with open(path) as fh:
-            data = json.load(fh)
-    for sigma in strengths:
-        key = f"{float(sigma):g}"
-        if key in data["strengths"]:
-            print(f"[e004 m4 scan] sigma {key}: done ({path})", flush=True)
-            continue
-        print(f"[e004 m4 scan] measuring M4 at noise_std {key}", flush=True)
-        rec = measure_lib.measure(
-            hf, "M4", num_prompts, samples, overrides={"rollout.noise_std": float(sigma)}
-        )
-        data["strengths"][key] = rec
-        print(json.dumps(rec), flush=True)
-        os.makedirs(out, exist_ok=True)
-        with open(path, "w") as fh:
-            json.dump(data, fh, indent=1)
-    return data
+    return measure_lib.measure_missing(path, head, "strengths", todo, num_prompts, samples)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -391,31 +361,6 @@ def write_records(root: str, out: str) -> list[dict]:
     return records
 
 
-def plot_units(records: list[dict], path: str) -> None:
-    """Per-step curves of every unit (reward, entropy, log PPL diff, grad norm, E[L])."""
-    from experiments.analyze import pyplot
-
-    plt = pyplot()
-    keys = (
-        "reward_mean",
-        "entropy",
-        "log_ppl_diff",
-        "grad_norm",
-        "seq_log_ratio",
-        "response_length",
-    )
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
-    for ax, key in zip(axes.flat, keys, strict=True):
-        for r in records:
-            ys = r["curves"][key]
-            ax.plot(range(1, len(ys) + 1), ys, label=f"{r['method']} {r['level']} s{r['seed']}")
-        ax.set(title=key, xlabel="RL step")
-    axes[0, 0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-
-
 def write_verdict(out: str) -> dict:
     gates.main(["--out", out])
     with open(os.path.join(out, "verdict.json")) as fh:
@@ -484,7 +429,7 @@ def main(argv=None) -> int:
         except RuntimeError as e:  # a failed segment: its log says why; rerun to resume
             print(f"[e004] {e}", flush=True)
             return 1
-        plot_units(records, os.path.join(args.out, "units.png"))
+        measure_lib.plot_units(records, os.path.join(args.out, "units.png"))
     v = write_verdict(args.out)
     print(json.dumps({"verdict": v["verdict"], "level": v["level"]}))
     return 0

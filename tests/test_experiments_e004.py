@@ -184,12 +184,12 @@ def test_the_premise_stage_stops_once_its_gate_is_decided(monkeypatch, tmp_path)
 
 def test_config_meets_the_task_budget():
     cfg = measure_lib.level_config("M2")
-    assert cfg.rollout.max_decode_length >= cfg.data.max_response_len + 1
+    assert cfg.rollout.max_decode_length >= cfg.data.running_sum["max_response_len"] + 1
     assert cfg.model.max_position_embeddings >= (
         cfg.data.max_prompt_len + cfg.rollout.max_decode_length
     )
     assert cfg.eval.dtype == "float32" and cfg.eval.k == 16
-    assert cfg.rollout.dtype == "bfloat16_fp8kv_fp8w" and cfg.data.min_response_len >= 150
+    assert cfg.rollout.dtype == "bfloat16_fp8kv_fp8w" and cfg.data.running_sum["min_response_len"] >= 150
     with pytest.raises(ValueError, match="level 'M9'"):
         measure_lib.config_module().get_config("rloo:M9")
     m4 = measure_lib.level_config("M4")
