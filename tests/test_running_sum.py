@@ -103,8 +103,12 @@ def test_split_never_overlaps(seeds):
     assert not heldout & train
     assert all(held_task.is_heldout(k) for k in heldout)
     assert not any(held_task.is_heldout(k) for k in train)
+
+
+def test_heldout_fraction_and_exhaustion():
     keys = [f"{a}+{b}" for a in range(100) for b in range(100)]
-    assert 0.08 < sum(map(held_task.is_heldout, keys)) / len(keys) < 0.12  # heldout_fraction 0.1
+    task = RunningSumTask()
+    assert 0.08 < sum(map(task.is_heldout, keys)) / len(keys) < 0.12  # heldout_fraction 0.1
     tiny = RunningSumTask(min_operands=1, max_operands=1, max_operand=5, min_response_len=6)
     with pytest.raises(ValueError, match="distinct held-out problems"):
         tiny.heldout_examples(7)  # 6 problems exist in all.
