@@ -46,6 +46,7 @@ from absl import app, flags
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from dvp_jax.cli import BACKENDS, require_backend  # noqa: E402 (after the OpenMP setting)
+from dvp_jax.dvp.pruning import DEFAULT_LOG_RHO  # noqa: E402
 from dvp_jax.model.config import PRECISIONS, PRESETS  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -65,7 +66,7 @@ flags.DEFINE_integer(
 flags.DEFINE_integer("repeats", 3, "Timed runs per side (interleaved; best counts).")
 flags.DEFINE_enum("backend", None, list(BACKENDS), "Refuse to run on another jax backend.")
 
-LOG_RHO = -13.0
+LOG_RHO = DEFAULT_LOG_RHO  # the min-p rule both sides sample with
 
 
 # Peak memory bandwidth (bytes/s) per accelerator kind (substring of `device_kind`), vendor
@@ -88,18 +89,9 @@ def model_config(size: str):
 
     if size != "bench":
         return ModelConfig.preset(size)
-    return ModelConfig(
-        vocab_size=4096,
-        d_model=256,
-        n_layers=4,
-        n_heads=8,
-        n_kv_heads=4,
-        head_dim=32,
-        d_ff=768,
-        rope_theta=10_000.0,
-        tie_embeddings=True,
-        max_position_embeddings=1024,
-    )
+    # 'tiny' (tied embeddings, rope theta 1e4) scaled up to d 256, 4 layers, vocab 4096.
+    dims = dict(d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, d_ff=768)
+    return ModelConfig.preset("tiny", vocab_size=4096, max_position_embeddings=1024, **dims)
 
 
 def run_times(fns: dict, repeats: int) -> dict:

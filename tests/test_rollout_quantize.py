@@ -1,6 +1,6 @@
 """Fake weight quantization of the rollout weights: error bounds, edge cases, the mismatch ladder.
 
-The ladder (issue 14): M0 "float32", M1 "bfloat16_fp8kv", M2 "bfloat16_fp8kv_fp8w", M3
+The ladder of e004: M0 "float32", M1 "bfloat16_fp8kv", M2 "bfloat16_fp8kv_fp8w", M3
 "bfloat16_fp8kv_int4w". Each rung adds a deterministic error to the rollout copy of the weights
 (`dvp_jax/rollout/quantize.py`), so KL(mu || pi) against the fp32 trainer must grow along it.
 """

@@ -1,10 +1,14 @@
-"""Rollouts: a JetStream Engine for our model, min-p sampling, RL rollouts and gRPC serving.
+"""Rollouts: the decode programs, the RL engine, RL rollouts, and JetStream serving.
 
-Modules: `sampling` (E1/E4 min-p sampler), `engine` (`RolloutEngine`, a
-`jetstream.engine.engine_api.Engine`), `offline` (`generate_rollouts` -> `RolloutBatch`),
-`server` (`python -m dvp_jax.rollout.server`), `tokenizers`, `jetstream_compat` (what JetStream
-0.2.2 lacks today: `jax.tree_map` and a seqio stand-in, so no TensorFlow is imported). This
-`__init__` imports `jetstream_compat` only, before any module imports JetStream.
+Modules: `state` (`EngineConfig`, `Prefix`, `DecodeState`), `sampling` (the E1/E4 min-p
+sampler), `decode` (prefill, insert and the decode step and loop as pure functions), `engine`
+(`RolloutEngine`, the batched engine the trainer uses), `weights` (the weight sync's host side),
+`offline` (`generate_rollouts` -> `RolloutBatch`), `jetstream` (`JetStreamEngine`, JetStream's
+`engine_api.Engine` on the RL engine), `server` (`python -m dvp_jax.rollout.server`) and
+`loading` (its checkpoints), `tokenizers`, `quantize` (fake weight quantization) and
+`jetstream_compat` (what JetStream 0.2.2 lacks today: `jax.tree_map` and a seqio stand-in, so no
+TensorFlow is imported). This `__init__` imports `jetstream_compat` only, before any module
+imports JetStream.
 """
 
 from dvp_jax.rollout import jetstream_compat  # noqa: F401  (before any jetstream import)

@@ -89,8 +89,10 @@ class RolloutEngine:
         mesh: jax.sharding.Mesh | None = None,
         abstract: bool = False,
     ):
-        self.model_cfg = model_cfg
-        self.config = config
+        self.model_cfg, self.config = model_cfg, config
+        self.max_concurrent_decodes = config.max_concurrent_decodes  # the static sizes
+        self.max_prefill_length = config.max_prefill_length
+        self.max_decode_length = config.max_decode_length
         self.tokenizer = load_tokenizer(tokenizer)
         self.mesh = mesh or make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
         self.sharder = Sharder(self.mesh, ROLLOUT_RULES)
@@ -123,10 +125,8 @@ class RolloutEngine:
     def _jit_programs(self) -> Programs:
         cfg, model = self.config, lambda params: nnx.merge(self._graphdef, params)
         dtype, layout, stop = self.policy.cache_dtype, self.cache_layout, self.stop_tokens
-        s = cfg.cache_length
-        dtypes = [a.dtype for a in self._abstract_leaves]
-        paths, policy = self._param_paths, self.policy
-        state_sh = self.state_shardings
+        s, state_sh = cfg.cache_length, self.state_shardings
+        paths, dtypes = self._param_paths, [a.dtype for a in self._abstract_leaves]
 
         def init_state(params):
             b, m = cfg.max_concurrent_decodes, cfg.max_decode_length
@@ -138,7 +138,7 @@ class RolloutEngine:
         def cast(leaves):
             # The policy's weight quantization first (the mismatch ladder of e004; quantized
             # kernels come back in the param dtype), then the cast to the rollout dtype.
-            quantized = quantize_leaves(leaves, paths, policy)
+            quantized = quantize_leaves(leaves, paths, self.policy)
             return [x.astype(d) for x, d in zip(quantized, dtypes, strict=True)]
 
         self._cast = cast
@@ -413,26 +413,22 @@ class RolloutEngine:
         kv_len: int | None = None,
         stop_at_finish: bool = False,
     ) -> DecodeState:
-        """Up to `num_steps` decode steps in one compiled loop (donates `decode_state`).
-
-        The RL loop dispatches and synchronises once per up to `num_steps` tokens. The loop
-        computes what that many `generate_step` calls compute (finished slots do not change;
-        keys depend on the step, not on the call), so the sampled tokens are the same;
-        recorded log-probs agree to float rounding (another compiled program). The loop ends
-        once every slot is done, and with `stop_at_finish` after the first step in which a
-        slot that was active at the call finishes (the caller reads `pos`/`done`).
+        """Up to `num_steps` decode steps in one compiled loop (`decode.loop`; donates the
+        state): the tokens of that many `generate_step` calls (keys depend on the step, not
+        the call), log-probs to float rounding (another compiled program).
 
         Args:
           params: rollout params.
           decode_state: the state (donated).
-          num_steps: at most this many decode steps (static: one compiled loop per value).
+          num_steps: at most this many steps (static: one compiled loop per value). The loop
+            ends early once every slot is done.
           kv_len: attention reads the first `kv_bucket(kv_len)` cache positions (at most
             `len(kv_buckets)` compiled variants per `num_steps`). It must exceed the last
             position any active slot writes in these steps: `max(pos) + num_steps` over active
             slots (an upper bound is fine); a smaller value gives those slots wrong logits.
             None: the whole cache.
-          stop_at_finish: end the loop after the step in which a slot finishes (a runtime
-            flag: both settings share one compiled loop).
+          stop_at_finish: end the loop after the step in which a slot active at the call
+            finishes (a traced flag: both settings share one loop; read `pos`/`done`).
         """
         if int(num_steps) == 1:
             return self.generate_step(params, decode_state, kv_len)[0]
@@ -440,21 +436,6 @@ class RolloutEngine:
         return self.programs.loop(
             params, decode_state, int(num_steps), kv_len, np.bool_(stop_at_finish)
         )
-
-    # ------------------------------------------------------------------------------------------
-    # Static sizes.
-    # ------------------------------------------------------------------------------------------
-    @property
-    def max_concurrent_decodes(self) -> int:
-        return self.config.max_concurrent_decodes
-
-    @property
-    def max_prefill_length(self) -> int:
-        return self.config.max_prefill_length
-
-    @property
-    def max_decode_length(self) -> int:
-        return self.config.max_decode_length
 
     def compile_cache_sizes(self) -> dict[str, int]:
         """Compiled-program counts of the rollout programs (tests assert they stay put); the

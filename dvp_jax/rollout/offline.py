@@ -1,22 +1,13 @@
-"""RL rollouts through the Engine API: P prompts x G samples -> a fixed-shape `RolloutBatch`.
+"""RL rollouts on the RL engine: P prompts x G samples -> a fixed-shape `RolloutBatch`.
 
-JetStream 0.2.2's orchestrator returns no log-probs and cannot swap weights, so the RL loop
-drives `RolloutEngine` directly (docs/design.md sections 3-4):
-
-* each prompt is prefilled exactly once, and its prefix is inserted into G decode slots with
-  sample indices 0..G-1 (each slot's key is `fold_in(fold_in(rng, first_prompt_index + p), g)`);
-  the prompts needed by one refill are prefilled together (`engine.prefill_batch`, one call per
-  prompt-length bucket) and inserted together (`engine.insert_batch`, one call per prefill);
-* continuous batching: whenever a slot finishes (stop token or `max_decode_length`), its record
-  is copied out and the next (prompt, sample) pair is inserted into it; a prompt's G samples may
-  span several refills when G exceeds the free slots;
-* each dispatch attends over the smallest `kv_buckets` length above every occupied slot's
-  position (tracked on the host), so decode reads the live prefix of the cache;
-* the per-token records of the engine (`RECORD_FIELDS`: token, log mu_S, log mu, delta_S, |V_S|;
-  E4) are laid out under the same names as `[N, T]` arrays aligned with the tokens, N = P * G
-  (row `p * G + g`), T = prompt_len + max_decode_length.
-
-The output is deterministic in `rng`: keys depend on (prompt, sample, step) only, not on slots.
+JetStream's orchestrator returns no log-probs and cannot swap weights, so the RL loop drives
+`RolloutEngine` itself (docs/design.md section 3): each prompt is prefilled once (the prompts of
+a refill in one `prefill_batch` call per length bucket) and inserted into G slots with sample
+indices 0..G-1 (`insert_batch`); whenever a slot finishes its record is copied out and the next
+(prompt, sample) pair takes it (continuous batching); each dispatch of `generate_steps` attends
+over the smallest `kv_buckets` length above every occupied slot's position. The engine's
+per-token records (`RECORD_FIELDS`, E4) are laid out under the same names as `[N, T]` arrays
+(row `p * G + g`). Keys depend on (prompt, sample, step) only, so a seed reproduces a batch.
 """
 
 from __future__ import annotations

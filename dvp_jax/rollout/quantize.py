@@ -1,45 +1,14 @@
-"""Fake weight quantization of the rollout copy of the weights (the mismatch ladder, issue 14).
+"""Fake weight quantization of the rollout copy of the weights (the mismatch ladder of e004).
 
 A rollout policy whose `DTypePolicy.weight_quant` is not "none" samples from a model whose
 decoder-block matmul kernels were quantized and dequantized back to the rollout parameter dtype
-when the trainer's weights were synced (`RolloutEngine.update_params`). The error is therefore
-deterministic for given weights and context (no noise) and identical for every sample and step
-until the next sync; and since the engine samples and records log mu from exactly these weights,
-mu is the behaviour distribution (E4, docs/design.md section 2).
-
-Formats (`WEIGHT_QUANTS`). Every kernel is viewed as `[L, K, O]`: L the stacked layers, K the
-contraction (input) dimension, O the output channels:
-
-* "fp8_channel": float8_e4m3fn with one absmax scale per output channel (per layer):
-  s_{l,o} = max_k |W_{l,k,o}| / 448 (448 = largest e4m3fn value), W_hat = fp8(W / s) s. The
-  rounding error is at most 2^-4 |W| for values in e4m3fn's normal range (3 mantissa bits) and
-  2^-10 s below it (subnormal spacing 2^-9 s).
-* "int4_group32": symmetric int4 with one absmax scale per group of 32 consecutive entries of
-  the contraction dimension (per layer and output channel): s = max |W_group| / 7,
-  W_hat = clip(round(W / s), -7, 7) s, so |W_hat - W| <= s / 2. K that is not a multiple of 32
-  ends in one shorter group.
-
-A zero scale (an all-zero channel or group) dequantizes to exact zeros, never NaN. Scales and the
-product q * s are float32; the result is cast to the rollout `param_dtype` (bf16), which adds
-bf16 rounding (2^-9 relative), far below either format's error.
-
-What is quantized, and the contraction axes of each stacked kernel (the blocks are stacked on a
-leading `[L]` axis under `nnx.scan`; `dvp_jax/model/attention.py`, `layers.py`):
-
-| path | shape | contraction (K) | output (O) |
-|---|---|---|---|
-| blocks/attn/q_proj | [L, d, n, h] | d | n h |
-| blocks/attn/k_proj, v_proj | [L, d, k, h] | d | k h |
-| blocks/attn/o_proj | [L, n, h, d] | n h | d |
-| blocks/mlp/gate, up | [L, d, f] | d | f |
-| blocks/mlp/down | [L, f, d] | f | d |
-
-Left in the rollout dtype (bf16): the embedding (a gather, not a matmul), the unembedding
-`lm_head` (tied to the embedding in the small Qwen3 presets; weight-quantized deployments keep
-the output projection in 16 bits because its error lands on the logits directly) and the RMSNorm
-weights (vectors of elementwise scales, negligible in size, that would rescale every activation).
-So the ladder's extra mismatch comes from the same place it comes from in a deployed
-weight-quantized model: the transformer blocks.
+at weight sync (`RolloutEngine.update_params`). The error is deterministic for given weights
+and context and the same for every sample and step until the next sync; the engine samples and
+records log mu from exactly these weights, so mu is the behaviour distribution (E4). Formats:
+`fp8_channel` and `int4_group` (`WEIGHT_QUANTS`); what is quantized: `KERNEL_CONTRACTION_AXES`.
+The embedding (a gather), the unembedding `lm_head` (deployments keep it in 16 bits: its error
+lands on the logits directly) and the RMSNorm weights stay in the rollout dtype, so the extra
+mismatch comes from where it comes from in a deployed weight-quantized model: the blocks.
 """
 
 from __future__ import annotations
@@ -59,7 +28,9 @@ INT4_MAX = 7.0
 INT4_GROUP = 32
 
 # Parameter path (as `nnx.to_flat_state` spells it) -> number of contraction axes after the
-# leading [L] axis (they are always axes 1 .. c; the rest are output axes).
+# leading [L] axis (they are always axes 1 .. c; the rest are output axes): q_proj [L, d, n, h],
+# k_proj and v_proj [L, d, k, h] contract d; o_proj [L, n, h, d] contracts n h; gate and up
+# [L, d, f] contract d; down [L, f, d] contracts f.
 KERNEL_CONTRACTION_AXES: dict[tuple[str, ...], int] = {
     ("blocks", "attn", "q_proj"): 1,
     ("blocks", "attn", "k_proj"): 1,
@@ -79,7 +50,9 @@ def _safe_div(x: jax.Array, scale: jax.Array) -> jax.Array:
 def fp8_channel(w: jax.Array) -> jax.Array:
     """Per-output-channel float8_e4m3fn fake quantization of `w` `[L, K, O]` (float32 out).
 
-    s_{l,o} = max_k |w_{l,k,o}| / 448; returns fp8(w / s) s in float32.
+    s_{l,o} = max_k |w_{l,k,o}| / 448 (the largest e4m3fn value); returns fp8(w / s) s. The
+    rounding error is at most 2^-4 |w| in e4m3fn's normal range (3 mantissa bits) and 2^-10 s
+    below it (subnormal spacing 2^-9 s). A zero scale gives exact zeros, never NaN.
     """
     w = w.astype(jnp.float32)
     scale = jnp.max(jnp.abs(w), axis=1, keepdims=True) / FP8_E4M3_MAX  # [L, 1, O]
@@ -91,8 +64,9 @@ def int4_group(w: jax.Array, group: int = INT4_GROUP) -> jax.Array:
     """Symmetric int4 fake quantization of `w` `[L, K, O]` in groups of `group` along K.
 
     s = max |w_group| / 7 per (layer, group, output channel); returns clip(round(w / s), -7, 7) s
-    in float32. K is zero-padded to a multiple of `group` (zeros never raise an absmax) and the
-    padding is dropped again.
+    in float32, so |w_hat - w| <= s / 2. K is zero-padded to a multiple of `group` (zeros never
+    raise an absmax; a K that is not a multiple ends in one shorter group) and the padding is
+    dropped again. A zero scale gives exact zeros, never NaN.
     """
     w = w.astype(jnp.float32)
     layers, k, out = w.shape
@@ -107,7 +81,8 @@ _FORMATS = {"fp8_channel": fp8_channel, "int4_group32": int4_group}
 
 
 def fake_quantize(w: jax.Array, weight_quant: str, contraction_axes: int, dtype) -> jax.Array:
-    """Quantizes and dequantizes one stacked kernel; same shape, dtype `dtype`.
+    """Quantizes and dequantizes one stacked kernel; same shape, dtype `dtype` (the cast to
+    bf16 adds 2^-9 relative rounding, far below either format's error).
 
     Args:
       w: `[L, *contraction, *output]` kernel (any float dtype; quantized from its float32 value).

@@ -1,46 +1,19 @@
 """Min-p sampling for rollouts: temperature, optional logit noise, safe-set pruning (E1, E4).
 
-One step for a batch of rows, a pure function of arrays (the engine's jitted `generate` calls it):
+One step for a batch of rows, a pure function of arrays (`decode.step` calls it):
 
   z  = (logits + sigma * s * n(c)) / tau   sigma = `noise_std` (default 0), c = the context,
-                                           s = 1, or the tail ramp below (`noise_tail_gap`)
+                                           s = 1, or the tail ramp (`tail_ramp`)
   V_S = { a : z_a >= max_b z_b + log_rho }  (E1; log_rho = -inf keeps the whole vocabulary)
-  y  ~ mu_S = softmax(z restricted to V_S)  (E4, a two-level inverse-CDF draw), or argmax z
-       when greedy
+  y  ~ mu_S = softmax(z restricted to V_S)  (E4, `inverse_cdf_draw`), or argmax z when greedy
 
-and for each sampled y it records (E4) a `pruning.TokenLogprobs`: log mu_S(y) = z_y -
-logsumexp_{V_S} z, the unpruned log mu(y) = z_y - logsumexp_V z, the pruned mass delta_S = 1 -
-sum_{V_S} softmax(z) (E3) and |V_S| (docs/design.md section 2). E1-E3 are not re-implemented here:
-the safe set, the shifted exponentials and their sums come from `pruning.safe_set_sums` and the
-token record from `pruning.token_logprobs`, the same code the reference path
-`pruning.pruned_token_logprobs` runs; the draw reuses those exponentials.
-
-The noise models a larger, systematic rollout/trainer mismatch for controlled experiments: a
-fixed perturbation of the rollout model's logits, n(c) ~ N(0, I) drawn once per context c (the
-token ids so far, prompt included) and the same every time that context is met: for every sample
-of a group at their shared prompt, on every step, whatever the weights. Its key is
-`fold_in(NOISE_SEED key, context_hash(c))`, an FNV-1a hash of the ids that the engine carries per
-slot. Like bf16 or quantization error it is deterministic given the context, so mu is a fixed
-distribution and the recorded log mu_S are exactly the behaviour probabilities the engine samples
-from (not conditional on a random draw).
-The tail-shaped noise (`noise_tail_gap` = G > 0; default 0, uniform noise as above) is a
-SYNTHETIC mismatch, not a model of any engine's arithmetic: it scales each token's noise by
-how far that token lies below the row's top on the unperturbed tempered logits,
-gap_a = (max_b logits_b - logits_a) / tau, through the ramp s_a = clip((gap_a - G/2) / (G/2), 0,
-1): exactly 0 (the token's logit is untouched, bit for bit) within G/2 of the top, rising
-linearly to full strength sigma at gap G (with G = 13, the edge of the trainer's e^-13 safe set,
-docs/design.md E1) and full beyond it. It models the premise of *Taming the Tail* (docs/design.md
-section 1) that engine error concentrates on low-probability tokens and that the rollout
-over-rates the tail tokens it samples (experiments/README.md, e001: sampled tail tokens have l =
-log pi - log mu < 0 under bf16), at a strength the small models here do not reach with real
-quantization (e004). Like the uniform noise it is a fixed function of the context (the same n(c),
-and s depends only on the logits of that context), so mu is a fixed distribution and what is
-recorded is exactly what is sampled from.
-With `greedy` the token is the argmax of z (always in V_S) and the recorded log-probs are still
-those of mu_S (the model's pruned distribution, not the degenerate greedy policy).
-
-Sampling parameters are arrays, not Python constants, so changing temperature, threshold, noise
-or greedy never recompiles the engine. Everything here runs in float32.
+and records the sampled token's `pruning.TokenLogprobs` (E2-E4) from `pruning.safe_set_sums`
+and `pruning.token_logprobs`, the code the trainer's `pruning.pruned_token_logprobs` runs.
+The noise n(c) ~ N(0, I) is a fixed function of the context (key `fold_in(NOISE_SEED key,
+context_hash(c))`), so mu is a fixed distribution and what is recorded is exactly what is
+sampled from (docs/design.md section 2; the tail-shaped form is a synthetic mismatch). With
+`greedy` the recorded log-probs are still those of mu_S. Parameters are arrays, so changing
+them never recompiles; everything here runs in float32.
 """
 
 from __future__ import annotations

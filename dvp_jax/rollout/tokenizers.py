@@ -1,50 +1,13 @@
 """Tokenizers implementing JetStream's tokenizer API (`jetstream.engine.tokenizer_api.Tokenizer`).
 
-Three tokenizers, all usable by our rollout engine, by JetStream's orchestrator and by the data
-pipeline:
-
-- `CharTokenizer()`: a fixed character vocabulary for the generated arithmetic task
-  (`dvp_jax.data.tasks.ArithmeticTask`). Ids: 0 `<pad>`, 1 `<bos>`, 2 `<eos>`, then the characters
-  of `CHAR_VOCAB` in order (digits, space, operators, lowercase letters, punctuation, newline).
-  The order is part of the checkpoint format: never reorder, only append.
-- `HFTokenizer(path, eos=None, pad=None, bos=None, add_bos=None, stop_tokens=())`: a Hugging Face
-  `tokenizer.json` read from a local file or directory with the `tokenizers` library (never the
-  hub). Special tokens (and `add_bos`) come from the arguments, else from a
-  `tokenizer_config.json` next to the file, else (eos only) from a short list of well-known names
-  (`_KNOWN_EOS`).
-- `WordTokenizer(words, name="words")`: a word-level vocabulary built in memory with the
-  `tokenizers` library (WordLevel model, whitespace split): ids 0 `<pad>`, 1 `<bos>`, 2 `<eos>`,
-  3 `<unk>`, then `words`; text is single-space separated words. An `HFTokenizer` underneath.
-  `running_sum_tokenizer(n_words=None)` is the one of `dvp_jax.data.running_sum` (its prompt
-  word, "=", "+", "<ans>", the numbers "0".."999" and `n_words` thought words; 2,000 by default,
-  3,008 ids in all).
-- `load_tokenizer(spec, **kwargs)`: `"char"` -> `CharTokenizer()`; `"running_sum"` or
-  `"running_sum:<n_words>"` -> `running_sum_tokenizer` (these names win over a path of the same
-  name); anything else is a path for `HFTokenizer`; an existing tokenizer instance is returned
-  unchanged.
-
-API shared by all three (JetStream's, plus two helpers the pipeline uses):
-
-- `encode(s, is_bos=<add_bos>, prefill_lengths=None, max_prefill_length=None, jax_padding=True)
-  -> (tokens, true_length)`: the JetStream contract. Optionally prepends BOS, right-pads with
-  `pad_id` to the smallest bucket of `prefill_lengths` (JetStream's default buckets 16, 32, ...,
-  capped at `max_prefill_length`) that holds the sequence. Unlike JetStream's `pad_tokens`, a
-  sequence longer than the largest bucket raises `ValueError` instead of being silently cut to its
-  last tokens, and a `max_prefill_length` that is not one of the buckets is allowed.
-- `decode(token_ids, skip_special_tokens=True) -> str`. Never raises on an out-of-range id (a model
-  whose embedding is padded past the vocabulary can sample one, and JetStream's generate thread
-  SIGKILLs the process on any exception): such ids decode to U+FFFD.
-- `encode_ids(s) -> list[int]`: the plain ids, no BOS, no padding.
-- `pad_id`, `eos_id`, `bos_id`, `stop_tokens` (eos, pad and any extra stop tokens), `vocab_size`,
-  `add_bos` (whether `encode` prepends BOS by default).
-- `save_hf(directory)`: writes `tokenizer.json` and `tokenizer_config.json` so that
-  `transformers.AutoTokenizer.from_pretrained(directory)` (e.g. on a `hf_import.save_hf` export)
-  encodes text to the ids of `encode` (unpadded: BOS iff `add_bos`), decodes like `decode`, and
-  `HFTokenizer(directory)` reads back the same ids and special tokens.
-
-Note for callers running JetStream's orchestrator: `encode` raises `ValueError` on text it cannot
-tokenise (characters outside `CharTokenizer`'s vocabulary, over-long prompts); validate requests
-before they reach the prefill thread.
+Three, each usable by the rollout engine, JetStream's orchestrator and the data pipeline:
+`CharTokenizer` (the generated arithmetic task's fixed characters), `HFTokenizer` (a local
+Hugging Face `tokenizer.json`, never the hub) and `WordTokenizer` (a word vocabulary built in
+memory; `running_sum_tokenizer` is the running-sum task's). `load_tokenizer(spec)` picks one
+from a config string. The API they share (JetStream's `encode` / `decode`, plus `encode_ids`,
+the special ids and `save_hf`) is documented on `_BucketTokenizer`. Callers running JetStream's
+orchestrator: `encode` raises `ValueError` on text it cannot tokenise (characters outside the
+vocabulary, over-long prompts); validate requests before they reach the prefill thread.
 """
 
 from __future__ import annotations
@@ -101,14 +64,32 @@ def _pad_to_bucket(
 
 
 class _BucketTokenizer(tokenizer_api.Tokenizer):
-    """JetStream's `encode` and the Hugging Face export for both tokenizers.
+    """JetStream's `encode` and the Hugging Face export, shared by every tokenizer here.
+
+    - `encode(s, is_bos=<add_bos>, prefill_lengths=None, max_prefill_length=None,
+      jax_padding=True) -> (tokens, true_length)`: JetStream's contract. Optionally prepends
+      BOS, right-pads with `pad_id` to the smallest bucket of `prefill_lengths` (JetStream's
+      default buckets 16, 32, ..., capped at `max_prefill_length`) that holds the sequence.
+      Unlike JetStream's `pad_tokens`, a sequence longer than the largest bucket raises
+      `ValueError` instead of being cut to its last tokens, and a `max_prefill_length` that is
+      not one of the buckets is allowed.
+    - `decode(token_ids, skip_special_tokens=True) -> str`: never raises on an out-of-range id
+      (a model whose embedding is padded past the vocabulary can sample one, and JetStream's
+      generate thread SIGKILLs the process on any exception): such ids decode to U+FFFD.
+    - `encode_ids(s) -> list[int]`: the plain ids, no BOS, no padding.
+    - `pad_id`, `eos_id`, `bos_id`, `stop_tokens` (eos, pad and any extra stop tokens),
+      `vocab_size`, `add_bos` (whether `encode` prepends BOS by default).
+    - `save_hf(directory)`: `tokenizer.json` and `tokenizer_config.json` such that
+      `transformers.AutoTokenizer.from_pretrained(directory)` encodes text to the ids of
+      `encode` (unpadded: BOS iff `add_bos`) and decodes like `decode`, and
+      `HFTokenizer(directory)` reads back the same ids and special tokens.
 
     Subclasses provide `encode_ids`, `_hf_backend` (a `tokenizers.Tokenizer` with the same ids)
     and `_bos_token` (the BOS string, or None when there is none).
     """
 
     def encode(self, s: str, **kwargs: Any) -> tuple[jnp.ndarray | np.ndarray, int]:
-        """JetStream contract; see the module docstring."""
+        """JetStream's contract; see the class docstring."""
         return _pad_to_bucket(
             self.encode_ids(s),
             bos_id=self.bos_id,
@@ -168,7 +149,14 @@ class _BucketTokenizer(tokenizer_api.Tokenizer):
 
 
 class CharTokenizer(_BucketTokenizer):
-    """Character tokenizer for the generated arithmetic task (see module docstring)."""
+    """Character tokenizer for the generated arithmetic task (`data.tasks.ArithmeticTask`).
+
+    Ids: 0 `<pad>`, 1 `<bos>`, 2 `<eos>`, then the characters of `CHAR_VOCAB` in order (digits,
+    space, operators, lowercase letters, punctuation, newline). The order is part of the
+    checkpoint format: never reorder, only append.
+    """
+
+    pad_id, bos_id, eos_id = 0, 1, 2  # the order of SPECIAL_TOKENS
 
     def __init__(self):
         self._itos: tuple[str, ...] = SPECIAL_TOKENS + tuple(CHAR_VOCAB)
@@ -178,18 +166,6 @@ class CharTokenizer(_BucketTokenizer):
     @property
     def vocab_size(self) -> int:
         return len(self._itos)
-
-    @property
-    def pad_id(self) -> int:
-        return 0
-
-    @property
-    def bos_id(self) -> int:
-        return 1
-
-    @property
-    def eos_id(self) -> int:
-        return 2
 
     @property
     def stop_tokens(self) -> set[int]:
@@ -237,7 +213,10 @@ class CharTokenizer(_BucketTokenizer):
 
 
 class HFTokenizer(_BucketTokenizer):
-    """A Hugging Face `tokenizer.json` loaded from a local path (see module docstring).
+    """A Hugging Face `tokenizer.json` read from a local file or directory (`tokenizers`).
+
+    Special tokens (and `add_bos`) come from the arguments, else from a `tokenizer_config.json`
+    next to the file, else (eos only) from a short list of well-known names (`_KNOWN_EOS`).
 
     Args:
       path: a `tokenizer.json` file, or a directory containing one (and optionally a
@@ -274,30 +253,12 @@ class HFTokenizer(_BucketTokenizer):
         if os.path.isfile(config_file):
             with open(config_file, encoding="utf-8") as f:
                 config = json.load(f)
-        self._setup(
-            tokenizers.Tokenizer.from_file(file),
-            file,
-            config,
-            eos=eos,
-            pad=pad,
-            bos=bos,
-            add_bos=add_bos,
-            stop_tokens=stop_tokens,
-        )
+        tok = tokenizers.Tokenizer.from_file(file)
+        self._setup(tok, file, config, eos, pad, bos, add_bos, stop_tokens)
 
-    def _setup(
-        self,
-        tok,
-        path: str,
-        config: dict[str, Any],
-        *,
-        eos: str | int | None,
-        pad: str | int | None,
-        bos: str | int | None,
-        add_bos: bool | None,
-        stop_tokens: Sequence[str | int],
-    ) -> None:
-        """Special tokens from the arguments, else `config` (a tokenizer_config.json's dict)."""
+    def _setup(self, tok, path: str, config: dict, eos, pad, bos, add_bos, stop_tokens) -> None:
+        """Special tokens from the arguments (`__init__`'s), else `config` (a
+        tokenizer_config.json's dict)."""
         self.path = path  # Where the vocabulary came from, for error messages.
         self._tok = tok
 
@@ -450,7 +411,10 @@ def running_sum_tokenizer(n_words: int | None = None) -> WordTokenizer:
 
 
 def load_tokenizer(spec: str | os.PathLike | tokenizer_api.Tokenizer, **kwargs: Any):
-    """A tokenizer from its spec (module docstring); a tokenizer instance is returned as is."""
+    """A tokenizer from its spec: `"char"` -> `CharTokenizer()`; `"running_sum"` or
+    `"running_sum:<n_words>"` -> `running_sum_tokenizer` (these names win over a path of the
+    same name); anything else is a path for `HFTokenizer(spec, **kwargs)`. A tokenizer instance
+    is returned unchanged."""
     if isinstance(spec, tokenizer_api.Tokenizer):
         return spec
     builtin = spec == "char" or (isinstance(spec, str) and spec.split(":")[0] == RUNNING_SUM)
