@@ -89,7 +89,8 @@ def bin_table(part: Mapping[str, list], edges=P_EDGES) -> list[dict]:
     for j in range(len(edges) - 1):
         m, se = pooled(cnt[:, j], np.asarray(part["sum"])[:, j])
         row = {"p_lo": edges[j], "p_hi": min(edges[j + 1], 1.0), "count": int(cnt[:, j].sum())}
-        row |= {"mean_d": m, "se": se, "mean_abs_d": pooled(cnt[:, j], part["sum_abs"])[0]}
+        row |= {"mean_d": m, "se": se}
+        row["mean_abs_d"] = pooled(cnt[:, j], np.asarray(part["sum_abs"])[:, j])[0]
         for key in ("sum_abs_over_eps", "sum_first_order_bound", "within_exact"):
             if key in part:
                 row[key.removeprefix("sum_")] = pooled(cnt[:, j], np.asarray(part[key])[:, j])[0]
@@ -268,21 +269,29 @@ def rung_figures(rec: dict) -> dict:
     }
 
 
-def verdict_from_units(units: Mapping[str, dict]) -> dict:
+def verdict_from_units(
+    units: Mapping[str, dict], chunks: int = CHUNKS, min_a: int = MIN_RESPONSES_A,
+    min_d: int = MIN_RESPONSES_D,
+) -> dict:  # fmt: skip
+    """Every claim's status and figures. `chunks`, `min_a`, `min_d`: the registered sizes (the
+    smoke test passes smaller ones to run the same reading on a tiny pipeline)."""
     missing = [n for n in expected_units() if n not in units]
     rungs, claims = {}, {"1": {}, "2_selection": {}, "2_accumulation": {}, "3": {}}
-    for r in RUNGS:
-        chunks = [units[f"sample_{r}_c{k}"] for k in range(CHUNKS) if f"sample_{r}_c{k}" in units]
-        if len(chunks) < CHUNKS:
+    for r in ("M0", *RUNGS):  # figures from whatever chunks exist; rules on complete rungs
+        have = [units[f"sample_{r}_c{k}"] for k in range(chunks) if f"sample_{r}_c{k}" in units]
+        if not have:
             continue
-        f = rung_figures(merge_chunks(chunks))
+        f = rung_figures(merge_chunks(have))
         rungs[r] = {k: f[k] for k in ("responses", "b", "b_se", "tail_d", "head_abs", "tail_abs")}
-        if f["responses"] < MIN_RESPONSES_A or f["head_abs"] is None or f["tail_abs"] is None:
+        rungs[r]["bins"] = f["bins"]
+        complete = len(have) == chunks and f["responses"] >= min_a and r != "M0"
+        if not complete:
             continue
-        claims["1"][r] = claim1(f["head_abs"], f["tail_abs"])
+        if f["head_abs"] is not None and f["tail_abs"] is not None:  # both bins hold tokens
+            claims["1"][r] = claim1(f["head_abs"], f["tail_abs"])
         claims["2_selection"][r] = claim2_selection(f["tail"], f["control"])
         g = units.get(f"grad_{r}")
-        if g is None or g["responses"] < MIN_RESPONSES_D:
+        if g is None or g["responses"] < min_d:
             continue
         per_t = g["T"]
         bias = [per_t[str(t)]["rloo"]["rel_bias"] for t in T_GRID]

@@ -87,3 +87,102 @@ def test_overall_reads_the_real_rungs_and_collapse_rule():
     assert v.collapsed([[0, 0.1], [100, 0.2], [200, 0.15]]) is True
     assert v.collapsed([[0, 0.1], [100, 0.2], [200, 0.16]]) is False
     assert np.isclose(v.Z95, 1.96, atol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """The whole pipeline at CI sizes (random init, 2 prompts x 2 responses of <= 17 tokens)."""
+    from experiments import e005_mechanism as mech
+
+    base = tmp_path_factory.mktemp("e005")
+    root, out = str(base / "root"), str(base / "out")
+    assert mech.main(["--smoke", "--root", root, "--out", out]) == 0
+    return root, out
+
+
+def test_smoke_pipeline_records_and_verdict(smoke):
+    import json
+    import os
+
+    from experiments import e005_gradients as grads
+
+    root, out = smoke
+    units = v.load_units(out)
+    assert {"sample_M0_c0", "sample_M1_c0", "grad_M0_c0", "grad_M1_c0", "grad_M1"} <= set(units)
+    with open(os.path.join(out, "verdict.json")) as fh:
+        written = json.load(fh)
+    assert set(written["claims"]) == {"1", "2_selection", "2_accumulation", "3"}
+    assert "sample_M1_c3" in written["missing_units"]  # the registered sizes: incomplete
+    # Every sampled response token is in exactly one bin and one prefix sum of the last T.
+    rec = units["sample_M1_c0"]
+    with np.load(os.path.join(root, "samples", "M1_c0.npz")) as f:
+        tokens = int(f["response_mask"].sum())
+    assert np.sum(rec["bins"]["sampled"]["count"]) == tokens
+    assert np.sum(np.asarray(rec["accumulation"]["D"]["n"])[:, -1]) == tokens
+    assert {"sampled", "sampled_tf", "reference"} <= set(rec["bins"])
+    ratio = np.asarray(rec["bins"]["sampled_tf"]["within_exact"]).sum()
+    assert ratio == np.sum(rec["bins"]["sampled_tf"]["count"])  # E10 holds for every token
+    # The same reading at the smoke's sizes: each status is its rule applied to the records.
+    res = v.verdict_from_units(units, chunks=1, min_a=0, min_d=0)
+    fig = v.rung_figures(v.merge_chunks([rec]))
+    c1 = res["claims"]["1"]["per_rung"].get("M1")
+    if fig["head_abs"] is None or fig["tail_abs"] is None:  # a random init has no p > 0.9
+        assert c1 is None
+    else:
+        assert c1 == v.claim1(fig["head_abs"], fig["tail_abs"])
+    sel = res["claims"]["2_selection"]["per_rung"]["M1"]
+    assert sel == v.claim2_selection(fig["tail"], fig["control"])
+    c3 = res["claims"]["3"]["per_rung"]["M1"]
+    assert c3 == v.claim3(units["grad_M1"]["T"])
+    acc = res["claims"]["2_accumulation"]["per_rung"]["M1"]
+    assert acc["b_per_token"] == pytest.approx(
+        np.sum(rec["bins"]["sampled"]["sum"]) / tokens, rel=1e-6
+    )
+    for t in v.T_GRID:
+        row = units["grad_M1"]["T"][str(t)]
+        assert set(v.METHODS) <= set(row) and math.isfinite(row["dvp_objective"]["B2"])
+    m0 = grads.combine(root, "M0", 1, samples=2)  # M0 against itself: no pruned sample
+    assert set(m0["T"]["48"]) & set(v.METHODS) == {"rloo"}
+
+
+def test_gradient_sketch_equals_the_sketched_library_vjp():
+    """The closed-form unembedding gradient, sketched, against the sketch of the VJP of the
+    library's chunked log-probs (pruned and full) with respect to W, for random cotangents."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    from dvp_jax.dvp.chunked import chunked_token_stats
+    from experiments import e005_gradients as grads
+    from tests.helpers import padded_batch, tiny_model
+
+    model = tiny_model(tie_embeddings=True)
+    cfg = types.SimpleNamespace(loss=types.SimpleNamespace(temperature=1.0))
+    params, sketch, (m_v, m_d) = grads._sketch_fns(model, cfg)
+    rng = np.random.default_rng(0)
+    tokens, positions, valid = padded_batch(rng, model.cfg.vocab_size, [9, 12], 12)
+    c_pruned, c_full = (jnp.asarray(rng.normal(size=(2, 2, 11)), jnp.float32) for _ in "ab")
+    got = np.asarray(sketch(params, tokens, positions, valid, c_pruned, c_full))
+    h = model(tokens, positions, valid, return_hidden=True)[:, :-1].reshape(22, -1)
+    y = tokens[:, 1:].reshape(22)
+
+    def logps(w):
+        tl = chunked_token_stats(h, w, y, log_rho=-13.0)[0]
+        return tl.logp, tl.logp_full
+
+    _, vjp = jax.vjp(logps, model.unembedding())
+    for c in range(2):
+        (dw,) = vjp((c_pruned[c].reshape(22), c_full[c].reshape(22)))  # [d, V]
+        want = (m_d.T @ np.asarray(dw) @ m_v).T.reshape(-1)  # [K_V, K_D] flattened
+        np.testing.assert_allclose(got[c], want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
+
+def test_prefix_reward_counts_correct_steps_in_order():
+    from experiments.e005_gradients import prefix_reward
+
+    words = "+ 12 = 12 kobe + 7 = 19 babe".split()
+    assert prefix_reward(words, [12, 7]) == 1.0
+    assert prefix_reward(words[:5], [12, 7]) == 0.5
+    assert prefix_reward("+ 11 = 11 + 7 = 18".split(), [12, 7]) == 0.0
+    assert prefix_reward("+ 12 = 12 + 7 = 20".split(), [12, 7]) == 0.5
