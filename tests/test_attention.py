@@ -162,13 +162,15 @@ KINDS = [("right", 16), ("right", 9), ("left", 5), ("none",)]
         # to fp32 rounding; observed 0.
         ("float32", 1e-6),
         # bf16 q, k, v and probabilities: a different fusion may round one bf16 value
-        # differently (one bf16 ulp at |x| ~ 2 is 1.6e-2); observed 0.
+        # differently (one bf16 ulp at |x| ~ 2 is 1.6e-2); observed 0. "mixed_bf16" runs the
+        # same attention program (asserted below), so it is not compiled again.
         ("bfloat16", 1.6e-2),
-        ("mixed_bf16", 1.6e-2),
     ],
 )
 def test_dot_product_equals_explicit_forward_and_gradients(name, atol):
     policy = DTypePolicy.named(name)
+    mixed, bf16 = DTypePolicy.named("mixed_bf16"), DTypePolicy.named("bfloat16")
+    assert (mixed.compute_dtype, mixed.precision) == (bf16.compute_dtype, bf16.precision)
     q, k, v = _qkv(16, policy.compute_dtype)
     valid = _valid(16, KINDS)
     explicit, fused = _attend("xla", name), _attend("dot_product", name)
@@ -325,9 +327,9 @@ def test_splash_per_shard_on_a_mesh_equals_one_kernel(tensor, kv):
     than tensor shards (tensor 4, 2 KV heads), each query head given its own KV head copy."""
     from dvp_jax.sharding import TRAIN_RULES, MeshConfig, Sharder, make_mesh
 
-    t = 256
+    t = 128  # one kernel block: the sharding, not the block loop, is under test here
     q, k, v = _qkv(t, F32, b=4, n=4, kv=kv)
-    valid = _valid(t, [("right", 200), ("right", 256), ("left", 30), ("right", 7)])
+    valid = _valid(t, [("right", 100), ("right", 128), ("left", 30), ("right", 7)])
     sharder = Sharder(make_mesh(MeshConfig(1, 8 // tensor, tensor)), TRAIN_RULES)
     one = functools.partial(kernels.splash_attention, block=128, interpret=True)
     sharded = functools.partial(one, sharder=sharder)
@@ -383,11 +385,11 @@ def test_model_forward_gradients_and_prefill_equal_under_xla_and_dot_product():
 
     def run(params, graphdef):
         def loss(params):
-            logp = jax.nn.log_softmax(nnx.merge(graphdef, params)(tokens, positions, valid))
-            return jnp.sum(jnp.where(valid, logp[..., 5], 0.0))
+            logits = nnx.merge(graphdef, params)(tokens, positions, valid)
+            logp = jax.nn.log_softmax(logits)
+            return jnp.sum(jnp.where(valid, logp[..., 5], 0.0)), logits
 
-        logits = nnx.merge(graphdef, params)(tokens, positions, valid)
-        value, grads = jax.value_and_grad(loss)(params)
+        (value, logits), grads = jax.value_and_grad(loss, has_aux=True)(params)
         prefill = nnx.merge(graphdef, params).prefill(tokens[:2], jnp.array([12, 7]), 16)
         return logits, value, grads, prefill
 
