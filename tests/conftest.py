@@ -29,3 +29,6 @@ os.environ.setdefault("DVP_JAX_COMPILATION_CACHE", tempfile.mkdtemp(prefix="dvp_
 jax.config.update("jax_compilation_cache_dir", os.environ["DVP_JAX_COMPILATION_CACHE"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+# Runs shared across test files (built on first use, once per session).
+from tests.shared_runs import tiny_run  # noqa: E402, F401

@@ -1,4 +1,4 @@
-"""Workdir paths through etils.epath (issue 12): gs:// stays remote, a path with spaces keeps
+"""Workdir paths through etils.epath: gs:// stays remote, a path with spaces keeps
 everything inside the workdir, and an unwritable workdir fails by name before any work."""
 
 import os
@@ -21,21 +21,13 @@ def test_remote_paths_are_not_made_local():
     assert os.fspath(as_path("run")) == os.path.join(os.getcwd(), "run")
 
 
-def test_a_run_in_a_path_with_spaces_writes_only_inside_its_workdir(tmp_path, monkeypatch):
-    cwd = tmp_path / "cwd"
-    cwd.mkdir()
-    monkeypatch.chdir(cwd)
-    workdir = tmp_path / "my runs" / "run 1"
-    cfg = ExperimentConfig.from_config_dict(tiny_config_dict(**{"train.steps": 1}), VOCAB)
-    trainer = Trainer(cfg, str(workdir))
-    try:
-        summary = trainer.run()
-    finally:
-        trainer.close()
-    assert summary["steps"] == 1
-    assert os.listdir(cwd) == []
-    assert sorted(os.listdir(tmp_path)) == ["cwd", "my runs"]
-    names = set(os.listdir(workdir))
+def test_a_run_in_a_path_with_spaces_writes_only_inside_its_workdir(tiny_run):
+    # The shared run trains in ".../my runs/run 1", started from the empty directory "cwd".
+    assert tiny_run.workdir.name == "run 1" and tiny_run.workdir.parent.name == "my runs"
+    assert tiny_run.summary["steps"] == 6
+    assert os.listdir(tiny_run.root / "cwd") == []
+    assert sorted(os.listdir(tiny_run.root)) == ["cwd", "my runs"]
+    names = set(os.listdir(tiny_run.workdir))
     assert {"metrics.jsonl", "summary.json", "config.json", "checkpoints"} <= names
     assert not [n for n in names if n.startswith(".tmp.") or n.startswith(".write_probe")]
 

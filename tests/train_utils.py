@@ -77,8 +77,19 @@ def synthetic_batch(
     )
 
 
-def main_command(workdir, *extra, **overrides) -> tuple[list[str], dict[str, str]]:
-    """(argv, env) of `python -m dvp_jax.main` on the test-size tiny config, one CPU device."""
+# The processes tests start see this session's devices and matmul precision (tests/conftest.py),
+# so their tiny runs are the programs the session compiled once (one compilation cache): a run in a
+# process and the same run in the test process are the same programs on the same inputs.
+SESSION_DEVICES = 8
+
+
+def main_command(
+    workdir, *extra, devices: int | None = SESSION_DEVICES, **overrides
+) -> tuple[list[str], dict[str, str]]:
+    """(argv, env) of `python -m dvp_jax.main` on the test-size tiny config.
+
+    `devices`: fake CPU devices of the process (None: set none, for `--cpu_devices`).
+    """
     import sys
 
     cmd = [
@@ -90,4 +101,11 @@ def main_command(workdir, *extra, **overrides) -> tuple[list[str], dict[str, str
         *cli_overrides(**overrides),
         *extra,
     ]
-    return cmd, {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    xla = f"--xla_force_host_platform_device_count={devices}" if devices else ""
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": xla,
+        "JAX_DEFAULT_MATMUL_PRECISION": "highest",
+    }
+    return cmd, env
