@@ -24,22 +24,50 @@ _IMPORTS = [
 ]
 
 
-@pytest.mark.parametrize("modules", _IMPORTS)
-def test_no_tensorflow_is_imported_by_the_trainer_engine_server_or_benchmarks(modules):
-    code = f"""
+_IMPORT_CHECK = """
 import json, sys
 sys.path.insert(0, "benchmarks")
 import {modules}
-heavy = sorted({{m.split(".")[0] for m in sys.modules}} & set({HEAVY!r}))
+heavy = sorted({{m.split(".")[0] for m in sys.modules}} & set({heavy!r}))
 seqio = sys.modules.get("seqio")
 print(json.dumps({{"heavy": heavy, "seqio": seqio.__doc__ if seqio else None}}))
 """
+
+
+def _libtpu_env():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TPU_", "JAX_PLATFORMS"))}
+    env.pop("ALLOW_MULTIPLE_LIBTPU_LOAD", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def fresh_interpreters():
+    """The fresh interpreters of this file, started at once: modules -> (returncode, stdout,
+    stderr); "libtpu" -> the same for `import dvp_jax, jax` without JAX_PLATFORMS."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    found = json.loads(out.stdout.strip().splitlines()[-1])
+    codes = {m: (_IMPORT_CHECK.format(modules=m, heavy=HEAVY), env) for m in _IMPORTS}
+    codes["libtpu"] = ("import dvp_jax, jax; print(jax.default_backend())", _libtpu_env())
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-c", code],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, (code, env) in codes.items()
+    }
+    return {name: (p, *p.communicate(timeout=300)) for name, p in procs.items()}
+
+
+@pytest.mark.parametrize("modules", _IMPORTS)
+def test_no_tensorflow_is_imported_by_the_trainer_engine_server_or_benchmarks(
+    modules, fresh_interpreters
+):
+    proc, stdout, stderr = fresh_interpreters[modules]
+    assert proc.returncode == 0, stderr[-3000:]
+    found = json.loads(stdout.strip().splitlines()[-1])
     # seqio may be in sys.modules, but only as dvp_jax's stand-in (rollout/jetstream_compat.py).
     assert set(found["heavy"]) <= {"seqio"} and "torch" not in found["heavy"], found
     if found["seqio"] is not None:
@@ -87,20 +115,11 @@ def test_the_installed_jax_and_libtpu_are_the_pinned_pair():
     assert importlib.metadata.version("libtpu") == pins["LIBTPU_VERSION"]
 
 
-def test_a_cpu_process_prints_no_libtpu_start_up_errors():
+def test_a_cpu_process_prints_no_libtpu_start_up_errors(fresh_interpreters):
     """With libtpu installed and no TPU, jax's backend search starts libtpu; importing dvp_jax
     first tells it there is no TPU to look for, so nothing is printed (without that, libtpu
     asks the metadata server and logs errors about TPU_WORKER_HOSTNAMES)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TPU_", "JAX_PLATFORMS"))}
-    env.pop("ALLOW_MULTIPLE_LIBTPU_LOAD", None)
-    out = subprocess.run(
-        [sys.executable, "-c", "import dvp_jax, jax; print(jax.default_backend())"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "cpu"
-    assert out.stderr.strip() == "", out.stderr[-2000:]
+    proc, stdout, stderr = fresh_interpreters["libtpu"]
+    assert proc.returncode == 0, stderr[-2000:]
+    assert stdout.strip() == "cpu"
+    assert stderr.strip() == "", stderr[-2000:]
