@@ -1,7 +1,8 @@
 """One accelerator check: the benchmarks' accelerator commands in one run, one markdown table.
 
   python benchmarks/accelerator_check.py --out check.md          # on a GPU or TPU, < 10 min
-  python benchmarks/accelerator_check.py --smoke --out check.md  # tiny sizes, any machine (CI)
+  python benchmarks/accelerator_check.py --smoke --out check.md  # tiny sizes, any machine (CI;
+                                                                 # --jobs 3 runs them at once)
 
 Runs, each in its own process (one JSON line each, parsed here):
 
@@ -27,6 +28,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -99,15 +101,28 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU, CI)")
     parser.add_argument("--out", default="", help="also write the markdown table here")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per check")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="checks run at once (default 1: a measurement shares the machine with nothing; "
+        "more only to see that each script works, e.g. with --smoke)",
+    )
     args = parser.parse_args(argv)
 
     import jax  # the device this machine has, for the table's title
 
     device = f"{jax.default_backend()} ({jax.devices()[0].device_kind})"
+    todo = checks(args.smoke)
+
+    def one(check):
+        print(f"running {check[0]} ...", file=sys.stderr, flush=True)
+        return run(*check, args.timeout)
+
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        results = list(pool.map(one, todo))  # in the order of `checks`
     rows, ok = [], True
-    for name, command in checks(args.smoke):
-        print(f"running {name} ...", file=sys.stderr, flush=True)
-        figures, passed, seconds = run(name, command, args.timeout)
+    for (name, command), (figures, passed, seconds) in zip(todo, results, strict=True):
         ok &= passed
         shown = " ".join(Path(c).name if c.endswith(".py") else c for c in command[1:])
         rows.append(f"| {name} | `{shown}` | {figures} | {seconds:.0f} |")

@@ -10,7 +10,15 @@ from tests.train_utils import REPO
 def test_accelerator_check_smoke_writes_one_table_of_every_check(tmp_path):
     out = tmp_path / "check.md"
     run = subprocess.run(
-        [sys.executable, "benchmarks/accelerator_check.py", "--smoke", "--out", str(out)],
+        [
+            sys.executable,
+            "benchmarks/accelerator_check.py",
+            "--smoke",
+            "--jobs",  # the scripts at once: this checks that each works, it measures nothing
+            "3",
+            "--out",
+            str(out),
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,

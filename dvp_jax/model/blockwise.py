@@ -7,14 +7,11 @@ key-padded mask, without holding the T x T scores: the forward keeps one `[B, B]
 per (row, head) and, per query, the running max m, the running sum of exp(s - m) and the output
 accumulator; it saves only the output and lse = m + log(sum). The backward recomputes each block's
 probabilities from lse (`p = exp(s - lse)`) and accumulates dq, dk, dv (FlashAttention-2's
-algorithm). Key blocks after a query block are skipped (`lax.cond`): about half the work of the
-explicit path at long T. Every dot, forward and backward, takes the policy's precision and
-accumulates in float32, so the float32 trainer stays true fp32 (`highest`) at 16k tokens, where
-the explicit path's scores alone are 1 GiB per head and row.
-
-A query with no visible key (a padding position before a row's first token) gets a finite output,
-the average of the values in its own and earlier key blocks, where the explicit path averages
-all keys; both are padding, never read by the loss.
+algorithm). Key blocks after a query block are skipped (`lax.cond`). Every dot, forward and
+backward, takes the policy's precision and accumulates in float32, so the float32 trainer stays
+true fp32 (`highest`) at 16k tokens. A query with no visible key (padding before a row's first
+token) gets a finite output, the average of the values in its own and earlier key blocks (the
+explicit path averages all keys); both are padding, never read by the loss.
 """
 
 from __future__ import annotations
