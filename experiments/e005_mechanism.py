@@ -119,15 +119,15 @@ def sample(cfg, model, examples, first: int, log_rho: float, samples: int = SAMP
     from dvp_jax.rollout.offline import generate_rollouts
 
     engine = engine_for(cfg, model, log_rho, slots=min(64, len(examples) * samples))
-    batch = generate_rollouts(
-        engine,
+    prompts, key, width = (
         [ex.prompt for ex in examples],
-        samples,
         jax.random.key(SEED),
-        prompt_len=cfg.data.max_prompt_len,
-        first_prompt_index=first,
+        cfg.data.max_prompt_len,
     )
-    return engine, batch
+    rows = generate_rollouts(
+        engine, prompts, samples, key, prompt_len=width, first_prompt_index=first
+    )
+    return engine, rows
 
 
 def trainer_stats(cfg, model, rl, rows: int = 16) -> dict:
