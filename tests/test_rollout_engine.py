@@ -20,6 +20,7 @@ from jetstream.engine import engine_api
 
 from dvp_jax.dvp.pruning import pruned_token_logprobs
 from dvp_jax.model import TRAIN_POLICY, ModelConfig, Transformer
+from dvp_jax.rollout import weights
 from dvp_jax.rollout.engine import EngineConfig, Prefix, RolloutEngine
 from dvp_jax.rollout.jetstream import JetStreamEngine
 from dvp_jax.rollout.offline import RolloutBatch, generate_rollouts
@@ -57,6 +58,15 @@ def _engine_config(dtype: str) -> EngineConfig:
 @pytest.fixture(scope="module")
 def fp32(master):
     return RolloutEngine(CFG, _engine_config("float32"), params=nnx.state(master))
+
+
+@pytest.fixture(scope="module")
+def fp32_long(master):
+    """fp32, 40 tokens per response and no stop token (the decode-loop tests)."""
+    config = EngineConfig(
+        **{**_engine_config("float32").__dict__, "max_decode_length": 40, "stop_tokens": ()}
+    )
+    return RolloutEngine(CFG, config, params=nnx.state(master))
 
 
 @pytest.fixture(scope="module")
@@ -285,12 +295,15 @@ def test_weight_sync_into_a_tensor_row_of_the_trainer_mesh_stays_on_the_devices(
     leaves = jax.tree.leaves(nnx.state(trainer, nnx.Param))
     assert engine.trainer_row_mesh(leaves) == trainer_mesh
     params = engine.update_params(nnx.state(trainer, nnx.Param))
-    # The copying path: an engine on devices that are not a row of the trainer's mesh.
-    other = RolloutEngine(CFG, config, mesh=make_mesh(MeshConfig(1, 1, 2), jax.devices()[1:3]))
-    assert other.trainer_row_mesh(leaves) is None
-    reference = other.update_params(nnx.state(trainer, nnx.Param))
+    # Devices that are not, in order, a row of the trainer's mesh take the copying path
+    # (`update_params` for them): the cast where the trainer's arrays are, then device_put.
+    assert (
+        weights.trainer_row_mesh(make_mesh(MeshConfig(1, 1, 2), jax.devices()[1:3]), leaves) is None
+    )
+    cast = engine.programs.cast(leaves)
+    reference = [jax.device_put(x, s) for x, s in zip(cast, engine.param_shardings, strict=True)]
     for x, ref, sharding in zip(
-        jax.tree.leaves(params), jax.tree.leaves(reference), engine.param_shardings, strict=True
+        jax.tree.leaves(params), reference, engine.param_shardings, strict=True
     ):
         assert x.sharding == sharding and x.sharding.device_set == set(mesh.devices.flat)
         np.testing.assert_allclose(
@@ -357,14 +370,13 @@ def test_steps_per_sync_gives_the_same_rollouts(fp32, k):
         )
 
 
-def test_decode_loop_stops_where_a_slot_finishes(fp32):
+def test_decode_loop_stops_where_a_slot_finishes(fp32_long):
     """`generate_steps(..., stop_at_finish=True)` ends the dispatch after the step in which a
     slot finishes (here slot 0 reaches max_decode_length M three steps before slot 1), so the
     host can refill it at once; without the flag the loop runs on until every slot is done.
     Either way the loop never runs past `num_steps`, and stops once every slot is done."""
-    m = fp32.config.max_decode_length
-    config = EngineConfig(**{**fp32.config.__dict__, "stop_tokens": ()})
-    engine = RolloutEngine(CFG, config, params=fp32.params)
+    engine = fp32_long
+    m = engine.config.max_decode_length
     keys = _raw_keys(4, 2)
 
     def two_slots():
@@ -486,22 +498,20 @@ def test_batched_prefill_and_insert_equal_per_prompt(fp32):
     assert len({tuple(k) for k in np.asarray(group.key)}) == 4
 
 
-def test_length_buckets_equal_the_whole_cache_and_bound_the_compiles(master):
+def test_length_buckets_equal_the_whole_cache_and_bound_the_compiles(fp32_long):
     """Rollouts whose decode attends over length buckets (`kv_buckets`, chosen on the host per
     dispatch) equal rollouts attending over the whole cache: the same tokens, log-probs within
     1e-5 (float32; only the attention softmax's summation order differs, and its few-ulp
     differences in O(10) logits carry through 40 decode steps; observed <= 2.9e-6 over 60).
     One compiled decode loop per bucket reached (2 of `kv_buckets` (32, 56)), and a second
     batch (new key, weights unchanged) compiles nothing."""
-    config = EngineConfig(
-        **{**_engine_config("float32").__dict__, "max_decode_length": 40, "stop_tokens": ()}
-    )
-    engine = RolloutEngine(CFG, config, params=nnx.state(master))
+    engine, config = fp32_long, fp32_long.config
     assert config.kv_buckets == (32, 56)
     key = jax.random.key(11)
+    loops = engine.compile_cache_sizes()["loop"]  # other tests' loops (other step counts)
     bucketed = generate_rollouts(engine, PROMPTS, 1, key, steps_per_sync=4)
     sizes = engine.compile_cache_sizes()
-    assert sizes["loop"] == len(config.kv_buckets), sizes
+    assert sizes["loop"] - loops == len(config.kv_buckets), sizes
     generate_rollouts(engine, PROMPTS, 1, jax.random.key(12), steps_per_sync=4)
     assert engine.compile_cache_sizes() == sizes
     with pytest.MonkeyPatch.context() as m:  # every dispatch over the whole cache
@@ -579,3 +589,30 @@ def test_logit_noise_is_shared_by_a_prompts_samples_and_fixed_across_calls(bf16)
     y = int(clean.tokens[0, col])
     if y in first:  # the noise really moved the distribution
         assert float(clean.behaviour_logp_full[0, col]) not in first[y]
+
+
+def test_engine_config_has_one_builder_and_errors_name_its_fields():
+    """`EngineConfig.take` (what `builders.engine_config` and the server's flags use) copies
+    the same-named fields of a config section or a mapping; a bad value names the class it
+    was given to, with the min-p rule's message from `pruning.check_log_rho`."""
+    from dvp_jax.train.builders import engine_config
+    from dvp_jax.train.config import ExperimentConfig, default_config
+
+    c = default_config("dvp")
+    c.rollout.temperature, c.rollout.max_concurrent_decodes, c.train.seed = 0.7, 6, 3
+    cfg = ExperimentConfig.from_config_dict(c, CFG.vocab_size)
+    got = engine_config(cfg, "float32")
+    assert (got.dtype, got.temperature, got.max_concurrent_decodes) == ("float32", 0.7, 6)
+    assert (got.seed, got.log_rho, got.max_prefill_length) == (
+        3,
+        cfg.rollout_log_rho,
+        cfg.data.max_prompt_len,
+    )
+    assert got.max_decode_length == cfg.rollout.max_decode_length
+    assert EngineConfig.take({"greedy": True, "unrelated": 1}) == EngineConfig(greedy=True)
+    with pytest.raises(ValueError, match=r"EngineConfig\.log_rho"):
+        EngineConfig(log_rho=0.5)
+    with pytest.raises(ValueError, match=r"EngineConfig\.temperature"):
+        EngineConfig.take({"temperature": 0.0})
+    with pytest.raises(ValueError, match=r"SamplingParams\.log_rho"):
+        ENGINE.sampling_params(log_rho=0.5)

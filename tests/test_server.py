@@ -264,6 +264,17 @@ class _FakeDriver:
         self.thread.join()
 
 
+def test_engine_flags_are_engine_config_fields_with_its_defaults():
+    from dvp_jax.dvp.pruning import DEFAULT_LOG_RHO
+    from dvp_jax.rollout import server
+    from dvp_jax.rollout.engine import EngineConfig
+
+    defaults = EngineConfig()
+    for name in server._ENGINE_FLAGS:
+        assert server.FLAGS[name].default == getattr(defaults, name), name
+    assert server.FLAGS["log_rho"].default == DEFAULT_LOG_RHO
+
+
 def test_serve_stops_the_driver_on_every_failure(monkeypatch):
     """`serve` itself: a port taken between main's check and the gRPC bind raises before any
     driver exists; a failure after the driver started, or a cancellation while serving, stops
