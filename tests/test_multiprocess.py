@@ -1,5 +1,6 @@
 """Two CPU processes (gloo collectives on loopback) run the whole `main` loop, with a checkpoint
-and a resume, and compute what one process with as many devices does."""
+and a resume, and compute what one process with as many devices does (the session's `tiny_run`,
+tests/shared_runs.py)."""
 
 import subprocess
 
@@ -8,20 +9,20 @@ import portpicker
 from safetensors import safe_open
 
 from dvp_jax.metrics import read_metrics
-from tests.train_utils import REPO, main_command
+from tests.shared_runs import TIMING, TINY_RUN
+from tests.train_utils import REPO, SESSION_DEVICES, main_command
 
 # ----------------------------------------------------------------------------------------------
-# The whole `main` loop (issue 12): warm-up, rollouts, evaluation, checkpoint, resume, export.
+# The whole `main` loop: warm-up, rollouts, evaluation, checkpoint, resume, export.
 # ----------------------------------------------------------------------------------------------
-# Wall-clock figures differ between any two runs; every other metric must agree.
-TIMING = ("rollout_s", "train_s", "rollout_tok_s")
-# Data parallel over hosts and FSDP within each: params and optimizer state are sharded over
-# both processes' devices, so every collective of the step crosses the process boundary.
-MAIN_OVERRIDES = {"mesh.data": 2, "mesh.fsdp": 2, "train.steps": 2, "eval.every": 1}
+# Each process holds half the session's devices: the mesh (FSDP over all of them) is the one
+# `tiny_run` trains on, its params and optimizer state sharded over both processes' devices, so
+# every collective of the step crosses the process boundary.
+LOCAL_DEVICES = SESSION_DEVICES // 2
 
 
 def _main(workdir, *extra, **overrides):
-    cmd, env = main_command(workdir, *extra, **{**MAIN_OVERRIDES, **overrides})
+    cmd, env = main_command(workdir, *extra, devices=None, **overrides)
     return subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -43,12 +44,12 @@ def _rl_rows(workdir):
     return merged
 
 
-def test_main_loop_two_processes_match_one_process(tmp_path):
-    """2 processes x 2 CPU devices (gloo on loopback) run the warm-up and 2 RL steps, checkpoint,
-    then resume to 4: metrics and exported parameters equal one process with 4 devices running
-    4 steps."""
-    single, multi = tmp_path / "single", tmp_path / "multi"
-    one = _main(single, "--cpu_devices=4", **{"train.steps": 4})
+def test_main_loop_two_processes_match_one_process(tmp_path, tiny_run):
+    """2 processes x 4 CPU devices (gloo on loopback) run the warm-up and 2 RL steps, checkpoint,
+    then resume to 6: metrics and exported parameters equal one process with 8 devices running
+    6 steps (`tiny_run`)."""
+    single, multi = tiny_run.workdir, tmp_path / "multi"
+    steps = TINY_RUN["train.steps"]
 
     def two_processes(steps):
         port = portpicker.pick_unused_port()
@@ -58,7 +59,7 @@ def test_main_loop_two_processes_match_one_process(tmp_path):
                 f"--coordinator_address=127.0.0.1:{port}",
                 "--num_processes=2",
                 f"--process_id={pid}",
-                "--cpu_devices=2",
+                f"--cpu_devices={LOCAL_DEVICES}",
                 **{"train.steps": steps},
             )
             for pid in range(2)
@@ -68,10 +69,10 @@ def test_main_loop_two_processes_match_one_process(tmp_path):
     first_rows = _rl_rows(multi)
     assert max(first_rows) == 2 and (multi / "summary.json").exists()
     assert "eval_accuracy" in first_rows[2]
-    _finish(*two_processes(4), one)  # resumes from the step-2 checkpoint
+    _finish(*two_processes(steps))  # resumes from the step-2 checkpoint
 
     a, b = _rl_rows(single), _rl_rows(multi)
-    assert sorted(a) == sorted(b) == [-2, -1, 0, 1, 2, 3, 4]
+    assert sorted(a) == sorted(b) == list(range(-2, steps + 1))
     # Step 2 ended the first attempt: its final evaluation (redone by no one: the resumed run
     # drops that row) matches the one-process evaluation after step 2.
     assert set(a[2]) - set(b[2]) == {"eval_accuracy", "eval_pass_at_k"}
@@ -79,8 +80,8 @@ def test_main_loop_two_processes_match_one_process(tmp_path):
     for step in a:
         assert set(a[step]) == set(b[step]), step
         for name, value in a[step].items():
-            # Same programs on the same mesh shape; the collectives differ (in-process vs gloo)
-            # and each host's engine batches only its own prompts, which may reorder float
+            # Different programs on the same mesh shape: the collectives differ (in-process vs
+            # gloo) and each host's engine batches only its own prompts, which may reorder float
             # sums. Sampled tokens are discrete and agree exactly (so do rewards, lengths and
             # accuracies); float metrics agree to 1e-5 relative.
             if isinstance(value, str):
@@ -91,9 +92,9 @@ def test_main_loop_two_processes_match_one_process(tmp_path):
                 )
     for step in (-2, -1, 0, 1):  # the resumed attempt left the first attempt's rows alone
         assert first_rows[step] == b[step]
-    for step in (0, 2, 4):
+    for step in range(0, steps + 1, 2):  # every evaluation
         assert a[step]["eval_accuracy"] == b[step]["eval_accuracy"], step
-    assert a[4]["reward_mean"] == b[4]["reward_mean"]
+    assert a[steps]["reward_mean"] == b[steps]["reward_mean"]
 
     with safe_open(str(single / "hf_export" / "model.safetensors"), "np") as fa:
         with safe_open(str(multi / "hf_export" / "model.safetensors"), "np") as fb:
@@ -101,7 +102,7 @@ def test_main_loop_two_processes_match_one_process(tmp_path):
             moved = 0
             for name in fa.keys():
                 # Adam turns a ~1e-9 reordering difference of a near-zero gradient entry into
-                # up to ~1e-7 of parameter per step (see the single-step test above).
+                # up to ~1e-7 of parameter per step.
                 np.testing.assert_allclose(
                     fb.get_tensor(name), fa.get_tensor(name), rtol=1e-5, atol=1e-6, err_msg=name
                 )
