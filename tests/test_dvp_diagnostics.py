@@ -32,7 +32,7 @@ def test_mismatch_metrics_match_reference():
 
 def test_identical_logprobs_give_zero_mismatch():
     lt, _, mask = _logprobs(seed=1)
-    got = diagnostics.mismatch_metrics(lt, lt, mask)
+    got = jax.jit(diagnostics.mismatch_metrics)(lt, lt, mask)
     for k in ("ppl_gap", "log_ppl_diff", "kl_k1", "kl_k3", "chi2_token", "chi2_seq"):
         assert got[k] == 0.0, k
     assert got["rollout_ppl"] == got["training_ppl"] > 1.0
@@ -43,7 +43,9 @@ def test_lt_bins_match_reference():
     lt, lr, mask = _logprobs(seed=2)
     p = rng.random((B, T)).astype(np.float32)
     p[0, 0], p[0, 1] = 1.0, 0.0  # the edges: 1 - p = 0 -> bin 0, 1 - p = 1 -> last bin
-    got = diagnostics.lt_by_p_bins(lt - lr, p, mask, num_bins=5)
+    got = jax.jit(diagnostics.lt_by_p_bins, static_argnames="num_bins")(
+        lt - lr, p, mask, num_bins=5
+    )
     expect = ref.lt_by_p_bins(lt - lr, p, mask, num_bins=5)
     assert set(got) == set(expect)
     for k, v in expect.items():
@@ -52,12 +54,12 @@ def test_lt_bins_match_reference():
 
 def test_is_weight_stats_and_exclusion_by_hand():
     # w = (1, 2) kept, 7 masked out: mean 1.5, max 2, ESS = (1 + 2)^2 / (2 * (1 + 4)) = 0.9.
-    got = diagnostics.is_weight_stats(jnp.array([1.0, 2.0, 7.0]), jnp.array([True, True, False]))
+    got = jax.jit(diagnostics.is_weight_stats)(jnp.array([1.0, 2.0, 7.0]), jnp.array([1, 1, 0]))
     np.testing.assert_allclose([got[k] for k in ("is_weight_mean", "is_weight_max")], [1.5, 2.0])
     np.testing.assert_allclose(got["is_weight_ess"], 0.9, rtol=1e-6)
     # 3 responses with tokens (the 4th is padding): 1 excluded, 1 masked; 1 of 5 tokens masked.
     mask = jnp.array([[1, 1], [1, 0], [1, 1], [0, 0]], bool)
-    got = diagnostics.exclusion_metrics(
+    got = jax.jit(diagnostics.exclusion_metrics)(
         mask,
         excluded=jnp.array([True, False, False, True]),
         seq_masked=jnp.array([False, True, False, False]),
@@ -130,7 +132,7 @@ def test_frac_tokens_outside_train_safe_is_always_reported():
     # method's run logs it.
     assert diagnostics.pruning_metrics(mask) == {"frac_tokens_outside_train_safe": 0.0}
     lp = jnp.full((2, 3), -1.0)
-    diag = diagnostics.mismatch_diagnostics(logp=lp, behaviour_logp=lp, response_mask=mask)
+    diag = jax.jit(diagnostics.mismatch_diagnostics)(logp=lp, behaviour_logp=lp, response_mask=mask)
     assert diag["frac_tokens_outside_train_safe"] == 0.0
 
 
@@ -148,7 +150,7 @@ def test_bound_holds_for_random_perturbations(eps):
     # Gathered at sampled tokens: the same numbers (another program: float32 rounding of
     # values of size eps, 1e-6 relative).
     y = rng.integers(0, V, size=64)
-    at_y = bound.mismatch_bound(z + d, z, y)
+    at_y = jax.jit(bound.mismatch_bound)(z + d, z, y)
     np.testing.assert_allclose(
         at_y.abs_logp_diff, report.abs_logp_diff[np.arange(64), y], rtol=1e-6, atol=1e-7 * eps
     )
@@ -161,7 +163,7 @@ def test_bound_from_bf16_forward():
     w = rng.normal(size=(16, V)).astype(np.float32)
     z = h @ w
     z_bf16 = jnp.einsum("nd,dv->nv", jnp.asarray(h, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16))
-    report = bound.mismatch_bound(z_bf16.astype(jnp.float32), z, temperature=0.7)
+    report = jax.jit(bound.mismatch_bound)(z_bf16.astype(jnp.float32), z, temperature=0.7)
     assert report.frac_within == 1.0 and float(report.eps.max()) > 0
 
 
@@ -173,8 +175,9 @@ def test_a_wrong_one_x_bound_is_caught():
     eps = 0.05
     d = np.full(z.shape, -eps, np.float32)
     d[:, 3] = eps
-    assert bound.mismatch_bound(z + d, z).frac_within == 1.0
-    wrong = bound.mismatch_bound(z + d, z, factor=1.0)
+    check = jax.jit(bound.mismatch_bound)
+    assert check(z + d, z).frac_within == 1.0
+    wrong = check(z + d, z, factor=1.0)
     assert not np.asarray(wrong.within)[:, 3].any()
     assert wrong.frac_within < 1.0
 
@@ -291,6 +294,7 @@ def test_tail_share_is_bounded_and_zero_without_mismatch():
     lp = jnp.array([[-1.0, -1.0, -3.0]])
     lm = jnp.array([[-2.0, -2.0, -2.0]])
 
+    @jax.jit
     def tail(behaviour):  # pruned and unpruned log-probs alike on both sides
         return diagnostics.tail_metrics(
             logp=lp,

@@ -264,7 +264,7 @@ def test_response_with_a_token_outside_the_safe_set_is_excluded_by_hand():
     assert metrics["kept_tokens"] == 3
     # The count of outside tokens is a diagnostic, computed once in `diagnostics`.
     assert "frac_tokens_outside_train_safe" not in metrics
-    diag = diagnostics.mismatch_diagnostics(
+    diag = jax.jit(diagnostics.mismatch_diagnostics)(  # one program, not many eager ops
         logp=lp, behaviour_logp=lr, response_mask=mask, in_safe=in_safe
     )
     np.testing.assert_allclose(diag["frac_tokens_outside_train_safe"], 1 / 5)

@@ -48,7 +48,8 @@ def test_four_token_vocab_by_hand():
     # delta_S = (e^-1 + e^-3) / (e^2 + e^1 + e^-1 + e^-3) = 0.4176665 / 10.5250036 = 0.0396833.
     z = jnp.array([[2.0, 1.0, -1.0, -3.0]])
     every = jnp.arange(4)  # each token of the vocabulary as a target, one row each
-    out = pruning.pruned_token_logprobs(jnp.repeat(z, 4, axis=0), every, -2.5)
+    token_logprobs = jax.jit(pruning.pruned_token_logprobs, static_argnums=(2, 3))
+    out = token_logprobs(jnp.repeat(z, 4, axis=0), every, -2.5)
     np.testing.assert_array_equal(out.in_safe, [True, True, False, False])
     lse = 2.0 + math.log1p(math.exp(-1.0))
     np.testing.assert_allclose(out.logp[:2], [2.0 - lse, 1.0 - lse], rtol=1e-6)
@@ -57,7 +58,7 @@ def test_four_token_vocab_by_hand():
     np.testing.assert_array_equal(out.safe_size, [2] * 4)
     # The gradient of a pruned log-prob is zero outside V_S (the floor is a constant) and, inside,
     # that of z_a - logsumexp over V_S: 1[b = a] - q_b, q = softmax over V_S = (e^2, e^1) / sum.
-    grad = jax.grad(lambda z: pruning.pruned_token_logprobs(z, every[:3], -2.5).logp.sum())
+    grad = jax.jit(jax.grad(lambda z: pruning.pruned_token_logprobs(z, every[:3], -2.5).logp.sum()))
     q = np.exp(np.array([2.0, 1.0]) - lse)
     np.testing.assert_allclose(
         grad(jnp.repeat(z, 3, axis=0)),
@@ -67,7 +68,7 @@ def test_four_token_vocab_by_hand():
     )
     # tau = 2: z / tau = [1, 0.5, -0.5, -1.5], threshold 1 - 2.5 = -1.5 (exact in binary), and
     # E1 is ">=": token 3 sits exactly on the threshold, so all four are safe and delta_S = 0.
-    hot = pruning.pruned_token_logprobs(jnp.repeat(z, 4, axis=0), every, -2.5, temperature=2.0)
+    hot = token_logprobs(jnp.repeat(z, 4, axis=0), every, -2.5, 2.0)
     np.testing.assert_array_equal(hot.in_safe, [True] * 4)
     np.testing.assert_array_equal(hot.pruned_mass, [0.0] * 4)
     # The same case through the chunked path (h = [[1], [1]], W = z, so h W = z): y = 1 is
