@@ -1,48 +1,17 @@
-"""Orbax checkpoints of the train state and the data iterator, and reading a run's policy params.
+"""Orbax checkpoints of the train state and the data iterator: the trainer saves and resumes
+(reading only a run's policy params, for the rollout server: `dvp_jax.run_params`).
 
-Used by the trainer (save / resume) and by the rollout server (serve a run's latest params);
-it sits at the package top so neither imports the other.
-
-One `CheckpointManager` per workdir (`<workdir>/checkpoints`), keeping the last `keep` steps and
-deciding which steps to save: `save_interval_steps=every` (multiples of `every`; `every=0`: no
-interval, only the steps the caller forces), plus Orbax's own initial-save and preemption
-policies. The trainer asks at every step and forces step 0, the final step and the SIGTERM step.
-Each checkpoint holds three items:
-
-- `state`: the `TrainState` pytree (params, optimizer, step, RNG), `StandardSave`;
-- `data`: the data iterator through Grain's Orbax handler (`grain.checkpoint.CheckpointSave`),
-  which writes one `process_<i>-of-<n>.json` per host, so every host resumes its own shard's
-  position. The file holds the iterator's `get_state()` dict as JSON (for a `PromptIterator`
-  that includes its pipeline fingerprint, so a resume with a differently configured pipeline
-  fails naming the differing fields; a resume with another number of processes finds no
-  `process_<i>-of-<n>.json` and fails naming the file);
-- `extra`: small JSON (start-of-run eval, wall time).
-
-Atomicity: Orbax writes each step into a temporary directory and renames it when complete, so a
-checkpoint is never half-written; an interrupted save leaves the previous one as the latest
-(old steps beyond `keep` are deleted only after the new one is complete).
-
-Saves are asynchronous (`enable_async_checkpointing=True`): `save` returns once the arrays
-are copied to host memory and the data and extra items are written (Grain's handler is
-synchronous, so the iterator position is the one at the `save` call), and the array files are
-written in a background thread while the next step runs. What is guaranteed:
-the state saved is the one passed (the device-to-host copy is done before `save` returns, so
-the trainer may donate the buffers to the next step); a new save first waits for the previous
-one; `wait()` blocks until the last save is on disk and re-raises its error, and `close()`
-calls it, so the trainer waits before it preempts or exits. A SIGKILL during the background
-write leaves an uncommitted step (a temporary directory, or on gs:// a step without its commit
-file), which Orbax does not list: the resume starts from the previous complete step, bit-exact
-(tests/test_trainer.py, tests/test_faults.py). Pass `asynchronous=False` for saves that are on
-disk when `save` returns.
-
-Resuming (`Checkpointer.restore_latest`) tries the steps newest first. A step whose files were
-damaged after the fact (a truncated array file, a missing `state/_METADATA`, a missing item
-directory or `data/process_<i>-of-<n>.json`, unparsable JSON) is logged with its path and error
-and the next older step is tried. Once an intact step is restored, every newer damaged step
-directory is moved, not deleted, to `<workdir>/checkpoints/damaged/<step>-<UTC time>`, where
-Orbax no longer lists it, so the next save of that step number writes a fresh checkpoint and
-the next resume does not try it again. When every step is damaged nothing is moved and a
-`NoRestorableCheckpointError` (a `RuntimeError`) lists the paths.
+One `CheckpointManager` per workdir (`<workdir>/checkpoints`) keeps the last `keep` steps; a
+step holds `state` (the `TrainState` pytree), `data` (the iterator through Grain's handler: one
+`process_<i>-of-<n>.json` per host, carrying the pipeline's fingerprint) and `extra` (small
+JSON). Orbax writes a step into a temporary directory and renames it when complete, so a kill
+leaves the previous step as the latest. Saves are asynchronous: `save` returns once the arrays
+are on the host (the caller may donate them), `wait()` and `close()` block until the last one
+is on disk and re-raise its error. `restore_latest` tries the steps newest first; a damaged
+step (a truncated array file, missing metadata or item, bad JSON) is logged and moved to
+`checkpoints/damaged/<step>-<UTC time>` once an older one restored; when none restores,
+`NoRestorableCheckpointError` lists the paths.
+It does not decide when to save (the trainer forces step 0, the last step and a SIGTERM step).
 """
 
 from __future__ import annotations
@@ -50,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import os
 import shutil
 import sys
 import time
@@ -66,6 +34,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from dvp_jax.errors import RunFailure, UserError, one_line, root_cause
+from dvp_jax.run_params import restore_params, state_item_dir  # noqa: F401 - their old home
 from dvp_jax.workdir import as_path, is_remote
 
 ITEMS = ("state", "data", "extra")
@@ -97,7 +66,8 @@ class Checkpointer:
           every: `save_interval_steps`: `save` writes the multiples of `every` (and forced
             steps); 0 means no interval, only forced steps (and Orbax's preemption and
             initial saves).
-          asynchronous: write the arrays in a background thread (module docstring).
+          asynchronous: write the arrays in a background thread (`False`: a save is on disk
+            when `save` returns).
         """
         if every < 0:
             raise ValueError(f"checkpoint.every must be >= 0 (0: only forced saves), got {every}")
@@ -231,11 +201,12 @@ class Checkpointer:
 
         Steps are tried newest first. A step that fails to restore is logged (one warning line
         naming its directory and the error) and the next older one is tried. After a success,
-        the newer damaged step directories are moved to `checkpoints/damaged/<step>-<time>`
-        (see the module docstring) and the manager re-lists the directory, so `latest_step`
-        and `save` see only intact steps. With several processes every process tries the same
-        step and they agree (all must succeed) before a step is accepted; only process 0 moves
-        directories.
+        the newer damaged step directories are moved (not deleted) to
+        `checkpoints/damaged/<step>-<time>`, where Orbax no longer lists them, so the next save
+        of that step number writes a fresh checkpoint; the manager re-lists the directory, so
+        `latest_step` and `save` see only intact steps. With several processes every process
+        tries the same step and they agree (all must succeed) before a step is accepted; only
+        process 0 moves directories.
 
         Args:
           abstract_state: as for `restore`.
@@ -472,39 +443,3 @@ def abstract_like(state: Any, shardings: Any | None) -> Any:
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
     )
-
-
-def state_item_dir(path: str | os.PathLike) -> epath.Path:
-    """The `state` item of the latest step under a run workdir, a checkpoints dir or a step dir.
-
-    Step directories set aside as damaged (`checkpoints/damaged/`) are not steps.
-    """
-    path = as_path(path)
-    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    if (root / "state").is_dir():
-        return root / "state"
-    steps = [int(d.name) for d in root.iterdir() if d.name.isdigit() and (d / "state").is_dir()]
-    if not steps:
-        raise FileNotFoundError(f"no trainer checkpoint (<step>/state) under {path}")
-    return root / str(max(steps)) / "state"
-
-
-def restore_params(path: str, target: Any) -> Any:
-    """Restores only the policy params of a trainer checkpoint (no optimizer state is read).
-
-    Args:
-      path: a run workdir, its `checkpoints` dir, or one step's dir.
-      target: pure dict of `jax.ShapeDtypeStruct` (dtype and sharding to restore into, e.g.
-        bf16 on the rollout mesh: Orbax casts while reading).
-    """
-    item_dir = state_item_dir(path)
-    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-    with ocp.PyTreeCheckpointer() as checkpointer:
-        out = checkpointer.restore(
-            item_dir,
-            args=ocp.args.PyTreeRestore(
-                item={"params": target}, restore_args={"params": restore_args}, partial_restore=True
-            ),
-        )
-    logging.info("restored policy params from %s", item_dir)
-    return out["params"]

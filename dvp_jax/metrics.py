@@ -68,7 +68,7 @@ METRICS: dict[str, str] = {
     "safe_size_rollout_mean": "mean rollout safe-set size |V_S| (E1, E4)",
     "safe_size_rollout_max": "max rollout safe-set size |V_S| (E1, E4)",
     "frac_tokens_outside_train_safe": "sampled response tokens outside the trainer safe set (E5)",
-    # ----- entropy, tail and sequence log-ratio (dvp.diagnostics.tail_metrics, issue 14). "The
+    # ----- entropy, tail and sequence log-ratio (dvp.diagnostics.tail_metrics). "The
     # trainer safe set" here is V_S at LossConfig.log_rho (E1) also when the objective does not
     # prune; l_t = log pi(y_t) - log mu(y_t) unpruned, L = sum_t l_t per response (E6).
     "entropy": "mean over response tokens of the trainer policy's entropy H(pi), full vocabulary",

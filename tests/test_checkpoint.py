@@ -1,5 +1,5 @@
 """Checkpoints: the save interval, the data iterator through Grain's handler, async saves, and
-resuming from damaged checkpoints (`Checkpointer.restore_latest`, issues 12 and 13).
+resuming from damaged checkpoints (`Checkpointer.restore_latest`).
 
 Steps 1, 2 and 3 of a tiny `TrainState` (real AdamW state, one 128x128 float32 matrix of random
 values so its array file is the largest file of the `state` item and does not compress) and of
