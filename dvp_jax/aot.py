@@ -255,11 +255,19 @@ def engine_specs(
 # Running and reporting
 # ==============================================================================================
 def compile_config(
-    cfg, topology: str, all_buckets: bool = False, programs: tuple[str, ...] = (), log=print
+    cfg,
+    topology: str,
+    all_buckets: bool = False,
+    programs: tuple[str, ...] = (),
+    log=print,
+    skip: tuple[str, ...] = (),
 ) -> list[Program]:
-    """Every program of `cfg` compiled for `topology` (`programs`: names or prefixes to keep)."""
+    """Every program of `cfg` compiled for `topology` (`programs`: names or prefixes to keep;
+    `skip`: exact names to leave out)."""
     devices = topology_devices(topology)
-    keep = lambda name: not programs or any(name.startswith(p) for p in programs)
+    keep = lambda name: (
+        name not in skip and (not programs or any(name.startswith(p) for p in programs))
+    )
     specs, trainer = train_specs(cfg, devices)
     engine, engine_weights = engine_specs(cfg, devices, trainer, all_buckets)
     for spec in specs:
