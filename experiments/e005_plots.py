@@ -43,11 +43,12 @@ def plot_bins(rungs: dict, path: str) -> None:
 def plot_accumulation(units: dict, path: str) -> None:
     """E[L_T] (= -E[D_T]) and its spread against T per rung, from the sample chunks."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in rules.RUNGS:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))  # the real rungs; M0 and M4 (own scale)
+    for r in ("M0", *rules.RUNGS):
         chunks = [u for n, u in units.items() if n.startswith(f"sample_{r}_c")]
         if not chunks:
             continue
+        ax = axes[1] if r in ("M0", "M4") else axes[0]
         acc = rules.merge_chunks(chunks)["accumulation"]
         t = np.asarray(acc["T"])
         n_resp = sum(c["responses"] for c in chunks)
@@ -55,9 +56,10 @@ def plot_accumulation(units: dict, path: str) -> None:
         mean = -s / n_resp
         std = np.sqrt(np.maximum(sq / n_resp - (s / n_resp) ** 2, 0))
         ax.errorbar(t, mean, yerr=std / math.sqrt(n_resp), marker="o", capsize=2, label=r)
-    ax.axhline(0, color="k", lw=0.5)
-    ax.set(xlabel="T (response tokens)", ylabel="E[L_T] (± s.e.)", title="accumulation")
-    ax.legend(fontsize=7)
+    for ax, title in zip(axes, ("real rungs", "M0 and the synthetic M4"), strict=True):
+        ax.axhline(0, color="k", lw=0.5)
+        ax.set(xlabel="T (response tokens)", ylabel="E[L_T] (± s.e.)", title=title)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
