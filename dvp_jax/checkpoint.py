@@ -34,7 +34,6 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from dvp_jax.errors import RunFailure, UserError, one_line, root_cause
-from dvp_jax.run_params import restore_params, state_item_dir  # noqa: F401 - their old home
 from dvp_jax.workdir import as_path, is_remote
 
 ITEMS = ("state", "data", "extra")

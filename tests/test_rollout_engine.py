@@ -605,7 +605,7 @@ def test_engine_config_has_one_builder_and_errors_name_its_fields():
     assert (got.dtype, got.temperature, got.max_concurrent_decodes) == ("float32", 0.7, 6)
     assert (got.seed, got.log_rho, got.max_prefill_length) == (
         3,
-        cfg.rollout_log_rho,
+        cfg.loss.effective_log_rho,
         cfg.data.max_prompt_len,
     )
     assert got.max_decode_length == cfg.rollout.max_decode_length

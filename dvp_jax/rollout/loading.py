@@ -16,6 +16,7 @@ from flax import nnx
 from dvp_jax.errors import UserError
 from dvp_jax.model.config import DTypePolicy, ModelConfig
 from dvp_jax.model.transformer import Transformer
+from dvp_jax.run_params import restore_params
 from dvp_jax.sharding import Sharder, state_shardings
 from dvp_jax.workdir import as_path
 
@@ -43,8 +44,6 @@ def load_orbax_params(path: str, cfg: ModelConfig, policy: DTypePolicy, sharder:
 def load_trainer_params(path: str, cfg: ModelConfig, policy: DTypePolicy, sharder: Sharder):
     """The policy params of a trainer checkpoint (a `dvp_jax.main` workdir, its
     `checkpoints/` or one step's directory: the latest step)."""
-    from dvp_jax.run_params import restore_params
-
     graphdef, target = _rollout_target(cfg, policy, sharder)
     return nnx.state(nnx.merge(graphdef, restore_params(path, nnx.to_pure_dict(target))))
 

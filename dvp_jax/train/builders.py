@@ -181,7 +181,7 @@ def engine_config(cfg: ExperimentConfig, dtype: str = "") -> EngineConfig:
         cfg.rollout,
         dtype=dtype or cfg.rollout.dtype,
         max_prefill_length=cfg.data.max_prompt_len,
-        log_rho=cfg.rollout_log_rho,
+        log_rho=cfg.loss.effective_log_rho,  # the trainer's rule (E1): -inf when pruning is off
         seed=cfg.train.seed,
     )
 

@@ -50,11 +50,6 @@ class ExperimentConfig:
     plots: bool = True
     init_hf_path: str = ""  # a local Hugging Face Qwen3 directory to start from (model.hf_path)
 
-    @property
-    def rollout_log_rho(self) -> float:
-        """The rollout prunes with the same rule as the trainer (E1): -inf when pruning is off."""
-        return self.loss.effective_log_rho
-
     @classmethod
     def from_config_dict(cls, cd: ml_collections.ConfigDict, vocab_size: int) -> ExperimentConfig:
         """Validates a ConfigDict once; `vocab_size` is the tokenizer's (model.vocab_size=-1).
