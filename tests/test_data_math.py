@@ -141,7 +141,7 @@ def test_prompt_iterator_over_a_file(tmp_path, tok):
 
 
 def test_rows_that_break_the_json_parser_are_skipped(tmp_path, tok):
-    """Issue 13: a 5,000-digit integer (over Python's 4,300-digit int-string limit) or JSON
+    """A 5,000-digit integer (over Python's 4,300-digit int-string limit) or JSON
     nested 200k deep (RecursionError) aborted the whole load; each is now one skipped row."""
     huge = "9" * 5000
     lines = [
