@@ -75,10 +75,11 @@ def plot_gradients(units: dict, path: str) -> None:
         for j, t in enumerate(rules.T_GRID):
             per = rec["T"][str(t)]
             x = np.arange(len(rules.METHODS)) + 0.25 * (j - 1)
-            bias = [per[m]["rel_bias"] for m in rules.METHODS]
-            lo = [b - per[m]["rel_bias_ci95"][0] for b, m in zip(bias, rules.METHODS, strict=True)]
-            hi = [per[m]["rel_bias_ci95"][1] - b for b, m in zip(bias, rules.METHODS, strict=True)]
-            row[0].bar(x, bias, 0.25, yerr=[lo, hi], capsize=2, label=f"T={t}")
+            # An undefined bias (the reference's norm below its noise) is drawn as 0, no bar.
+            bias = np.nan_to_num([per[m]["rel_bias"] for m in rules.METHODS])
+            ci = np.nan_to_num([per[m]["rel_bias_ci95"] for m in rules.METHODS])  # [M, 2]
+            err = np.clip([bias - ci[:, 0], ci[:, 1] - bias], 0, None)
+            row[0].bar(x, bias, 0.25, yerr=err, capsize=2, label=f"T={t}")
             row[1].bar(x, [per[m]["rel_mse"] or 0 for m in rules.METHODS], 0.25, label=f"T={t}")
         for ax, title in zip(row, ("relative bias", "relative MSE"), strict=True):
             ax.set_xticks(range(len(rules.METHODS)), rules.METHODS)

@@ -189,7 +189,10 @@ def test_config_meets_the_task_budget():
         cfg.data.max_prompt_len + cfg.rollout.max_decode_length
     )
     assert cfg.eval.dtype == "float32" and cfg.eval.k == 16
-    assert cfg.rollout.dtype == "bfloat16_fp8kv_fp8w" and cfg.data.running_sum["min_response_len"] >= 150
+    assert (
+        cfg.rollout.dtype == "bfloat16_fp8kv_fp8w"
+        and cfg.data.running_sum["min_response_len"] >= 150
+    )
     with pytest.raises(ValueError, match="level 'M9'"):
         measure_lib.config_module().get_config("rloo:M9")
     m4 = measure_lib.level_config("M4")
