@@ -38,7 +38,7 @@ Expected: see experiments/README.md (e004) and experiments/results/e004/.
 from dvp_jax.data.running_sum import tokenizer_spec
 from dvp_jax.train.config import default_config
 
-# The mismatch ladder of issue 14 (rollout.dtype of each level).
+# The mismatch ladder M0-M3 (rollout.dtype of each level).
 LEVELS = {
     "M0": "float32",
     "M1": "bfloat16_fp8kv",

@@ -4,7 +4,7 @@ Command:
   python -m dvp_jax.main --config configs/gpu_mid.py --workdir /tmp/dvp_gpu_mid
   Method: `--config configs/gpu_mid.py:mis_dvp` (rloo | tis | mis | dvp | mis_dvp) or
   `--config.method=...`. A sweep over methods and seeds: an experiment file with this CONFIG,
-  run by `python -m experiments.launch experiments/eNNN_*.py`.
+  run by `python -m dvp_jax.launch local experiments/eNNN_*.py`.
 Hardware: one GPU with >= 24 GB (H100 / H200 / A100 class); jax[cuda12] installed. The fp32
   trainer state (params + AdamW moments) is ~0.9 GB; the rollout KV cache (1024 slots x 24
   positions) is tiny; the activations of a 1024 x 24-token train step are a few GB.

@@ -7,8 +7,8 @@
   `sft.steps=0`), like the paper where every method starts from the same base model. Seeds then
   vary only the RL randomness (rollout sampling keys and the prompt order).
 * `sweep_parser`, `run_sweep`: the command line of e002/e003 and its sweep: prepare_init, then
-  the experiment's units through experiments/launch.py's local runner, the warm start passed to
-  `get_sweep(init_hf=...)`.
+  the experiment's units through the launcher's local runner (`dvp_jax.launch.local`), the
+  warm start passed to `get_sweep(init_hf=...)`.
 * `load_runs`, `mean_curve`, `tail_mean`, `markdown_table`: analysis of the unit workdirs
   (metrics.jsonl through `dvp_jax.metrics.read_metrics`, summary.json, launch.log).
 * `load_policy`, `sample_rewards`, `clean_accuracy`: post-hoc evaluation of an exported policy.
@@ -30,8 +30,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from dvp_jax import metrics
+from dvp_jax.launch import local, sweep
 from dvp_jax.pyfile import load_file
-from experiments import launch
 
 TINY_CPU = "configs/tiny_cpu.py"  # relative to the repository root
 # CI sizes of a unit (e000, and the smoke variants of e002/e003): 2 SFT + 2 RL steps, 4 prompts
@@ -63,7 +63,7 @@ def tiny_config(overrides: dict | None = None):
     from dvp_jax.rollout.tokenizers import load_tokenizer
     from dvp_jax.train.config import ExperimentConfig
 
-    cd = load_file(os.path.join(launch.REPO, TINY_CPU)).get_config()
+    cd = load_file(os.path.join(sweep.REPO, TINY_CPU)).get_config()
     cd.lock()  # as main.py does: an override of an undeclared field fails
     cd.update_from_flattened_dict(overrides or {})
     return ExperimentConfig.from_config_dict(cd, load_tokenizer("char").vocab_size)
@@ -75,8 +75,8 @@ def tiny_config(overrides: dict | None = None):
 def init_overrides(init_hf: str) -> dict:
     """Start-from overrides of a unit: the shared warm start `init_hf` (an hf_export directory).
 
-    With `init_hf=""` (a plain `launch.py` run), each unit does its own 600-step warm-up from its
-    own random init (slower, and seeds then also vary the init).
+    With `init_hf=""` (a plain `python -m dvp_jax.launch local` run), each unit does its own
+    600-step warm-up from its own random init (slower, and seeds then also vary the init).
     """
     if init_hf:
         return {"model.hf_path": os.path.abspath(init_hf), "sft.steps": 0}
@@ -93,9 +93,9 @@ def prepare_init(root: str) -> str:
     export = os.path.join(workdir, "hf_export")
     if os.path.exists(os.path.join(export, "config.json")):
         return export
-    argv = launch.unit_argv(TINY_CPU, INIT_OVERRIDES.items(), workdir, sys.executable)
+    argv = sweep.unit_argv(TINY_CPU, INIT_OVERRIDES.items(), workdir, sys.executable)
     print("[init] " + shlex.join(argv), flush=True)
-    rc = launch.run_logged(argv, workdir)
+    rc = local.run_logged(argv, workdir)
     if rc:
         raise RuntimeError(f"the warm start failed (exit {rc}); see {workdir}/launch.log")
     return export
@@ -104,7 +104,7 @@ def prepare_init(root: str) -> str:
 def sweep_parser(doc: str, out: str, seeds: int, noise: float) -> argparse.ArgumentParser:
     """The command line of e002/e003: where units run, the sweep's inputs, what to skip."""
     p = argparse.ArgumentParser(description=doc.split("\n")[0])
-    p.add_argument("--root", default=launch.DEFAULT_ROOT, help="root of the unit workdirs")
+    p.add_argument("--root", default=sweep.DEFAULT_ROOT, help="root of the unit workdirs")
     p.add_argument("--out", default=out, help="where the analysis writes its results")
     p.add_argument("--parallel", type=int, default=2, help="units run at a time")
     p.add_argument("--seeds", type=int, default=seeds, help="get_sweep(seeds=...)")
@@ -116,13 +116,13 @@ def sweep_parser(doc: str, out: str, seeds: int, noise: float) -> argparse.Argum
 
 def run_sweep(path: str, args: argparse.Namespace):
     """Unless `--analyze_only`: the shared warm start, then the experiment's work units (the
-    `--only` ones) through launch.py, with `get_sweep(seeds, noise, init_hf=<warm start>)`."""
+    `--only` ones) through the launcher, with `get_sweep(seeds, noise, init_hf=<warm start>)`."""
     if args.analyze_only:
         return
     sweep_args = {"seeds": args.seeds, "noise": args.noise, "init_hf": prepare_init(args.root)}
-    exp = launch.select(launch.load_experiment(path, sweep_args), launch.parse_only(args.only))
-    results = launch.run_local(exp, args.root, args.parallel, dry_run=False, timeout=None)
-    print(launch.summary_table(results, exp.summary_keys), flush=True)
+    exp = sweep.select(sweep.load_experiment(path, sweep_args), sweep.parse_only(args.only))
+    results = local.run_local(exp, args.root, args.parallel, dry_run=False, timeout=None)
+    print(local.summary_table(results, exp.summary_keys), flush=True)
 
 
 def sweep_main(argv, path: str, doc: str, out: str, seeds: int, noise: float, skip: str, analyse):
@@ -155,7 +155,7 @@ def unit_overrides(workdir: str) -> dict:
 
 
 def _parse_flag_value(value: str):
-    """The inverse of `launch.format_value` for scalars."""
+    """The inverse of `sweep.format_value` for scalars."""
     if value in ("true", "false"):
         return value == "true"
     for cast in (int, float):
@@ -169,14 +169,14 @@ def _parse_flag_value(value: str):
 def load_runs(root: str, experiment: str) -> list[dict]:
     """Every finished unit under `root/experiment` (name, workdir, overrides, summary, rows).
 
-    Scans the unit workdirs (not launch.py's results.json, which only lists the last launch),
+    Scans the unit workdirs (not the launcher's results.json, which only lists the last launch),
     so units run in several batches (`--only`) are all found.
     """
     base = os.path.join(os.path.abspath(root), experiment)
     runs = []
     for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
         workdir = os.path.join(base, name)
-        summary = launch.read_summary(workdir)
+        summary = local.read_summary(workdir)
         if name.startswith("_") or summary is None:
             continue
         runs.append(

@@ -3,7 +3,7 @@
 Question: does the whole loop (SFT warm-up, rollout, train step, eval, checkpoint, summary.json)
   run end to end for a pruned and an unpruned method? Not a science experiment.
 Command (from the repository root):
-  python -m experiments.launch experiments/e000_smoke.py --root /tmp/dvp_smoke [--parallel 2]
+  python -m dvp_jax.launch local experiments/e000_smoke.py --root /tmp/dvp_smoke [--parallel 2]
 Hardware: 2 CPU cores.
 Expected: both units exit 0 and write summary.json; the table shows their (meaningless, 2-step)
   accuracies. Time: ~40 s per unit on 2 shared CPU cores (measured: 42 s and 38 s).

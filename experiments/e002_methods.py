@@ -17,7 +17,7 @@ Setup: the default task and tiny model (configs/tiny_cpu.py). Every unit starts 
 Command (from the repository root; the committed results, experiments/results/e002/):
   python -m experiments.e002_methods --root /tmp/dvp_jax_runs --parallel 2 \
       --out experiments/results/e002
-  (= the warm start, then `python -m experiments.launch experiments/e002_methods.py --sweep
+  (= the warm start, then `python -m dvp_jax.launch local experiments/e002_methods.py --sweep
   init_hf=<init> --parallel 2`, then the analysis; `--analyze_only` redoes only the plots and
   the table, from the unit workdirs under --root: metrics.jsonl and launch.log are not
   committed). Full version: `--seeds 3` (the default). Smoke (CI): `--sweep smoke=True`.

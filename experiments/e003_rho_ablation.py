@@ -23,7 +23,7 @@ The bias check (`bias_check`, run after training on each unit's final policy, in
 Command (from the repository root):
   python -m experiments.e003_rho_ablation --root /tmp/dvp_jax_runs --parallel 2 \
       --out experiments/results/e003
-  (= the shared warm start, then `python -m experiments.launch experiments/e003_rho_ablation.py
+  (= the shared warm start, then `python -m dvp_jax.launch local experiments/e003_rho_ablation.py
   --sweep init_hf=<init> --parallel 2`, then the bias check and the table; `--analyze_only`
   skips training but needs the unit workdirs under --root: metrics.jsonl, launch.log and
   hf_export are not committed). Smoke (CI): `--sweep smoke=True`.

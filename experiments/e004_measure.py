@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 
+from dvp_jax.launch import sweep
 from experiments import e004_verdict as gates
-from experiments import launch
 
 CONFIG = "configs/e004_running_sum.py"
 LOG_RHO = -13.0  # the trainer's safe set of the tail statistics (LossConfig default)
@@ -27,7 +27,7 @@ LOG_RHO = -13.0  # the trainer's safe set of the tail statistics (LossConfig def
 def config_module():
     from dvp_jax.pyfile import load_file
 
-    return load_file(os.path.join(launch.REPO, CONFIG))
+    return load_file(os.path.join(sweep.REPO, CONFIG))
 
 
 def level_config(level: str, overrides: dict | None = None):

@@ -1,6 +1,6 @@
 """e004: does the paper's effect appear under a systematic mismatch with long responses?
 
-Question (issue 14): with ~170-token high-entropy responses (the running-sum task) and a
+Question: with ~170-token high-entropy responses (the running-sum task) and a
 deterministic rollout mismatch (the ladder M0 fp32, M1 bf16 + fp8 KV, M2 + fp8 weights, M3 +
 int4 weights), does unpruned RLOO degrade (the premise), do DVP and MIS+DVP stay stable (C1), and
 does MIS+DVP beat the best unpruned estimator (C2)? Config: configs/e004_running_sum.py (every
@@ -31,7 +31,7 @@ Commands (from the repository root):
   python -m experiments.e004_running_sum --stage 1 --root /tmp/e004/root [--levels M0,M1]
   python -m experiments.e004_running_sum --stage gain --root /tmp/e004/root
   python -m experiments.e004_running_sum --stage 2 --root /tmp/e004/root   # then 3
-  (units also run alone: python -m experiments.launch experiments/e004_running_sum.py
+  (units also run alone: python -m dvp_jax.launch local experiments/e004_running_sum.py
    --sweep stage=gain --sweep init_hf=/tmp/e004/root/e004_running_sum/_init_sft<N>/hf_export)
   Smoke (CI): `--sweep smoke=True` (tests/test_experiments_e004.py).
   (`--sft_steps N` picks another warm start, workdir _init_sft<N>; default `SFT_STEPS`.)
@@ -50,9 +50,10 @@ import threading
 
 import numpy as np
 
+from dvp_jax.launch import local
+from dvp_jax.launch import sweep as sweeps
 from experiments import e004_measure as measure_lib
 from experiments import e004_verdict as gates
-from experiments import launch
 
 CONFIG = measure_lib.CONFIG
 CONFIG_ARG = "rloo:M0"
@@ -71,9 +72,10 @@ LEVEL = "M4"  # the default level of a stage sweep (the stages pass the verdict'
 # The pre-registered lengths: stages 2-3 run as long as the gain run that shows M0 RLOO learns.
 GAIN_STEPS = gates.GAIN_STEPS
 STEPS = gates.FINAL_STEPS
-# Each RL run is launched in segments of UNIT_STEPS steps (issue 14's <= 15-minute units on 2 CPU
-# cores, at ~7 s per step): a segment resumes the run from its last checkpoint, and its end
-# evaluates held-out accuracy, so a run's record also holds its accuracy after every segment.
+# Each RL run is launched in segments of UNIT_STEPS steps (the pre-registered <= 15-minute
+# units on 2 CPU cores, at ~7 s per step): a segment resumes the run from its last
+# checkpoint, and its end evaluates held-out accuracy, so a run's record also holds its
+# accuracy after every segment.
 UNIT_STEPS = 100
 # The evaluation protocol of every RL unit (fp32, without logit noise): held-out accuracy on all
 # of the task's held-out problems with EVAL_K samples each, at the start and after every segment.
@@ -170,9 +172,9 @@ def prepare_init(root: str, extra: dict | None = None, sft_steps: int = SFT_STEP
     if os.path.exists(os.path.join(export, "config.json")):
         return export
     overrides = {"train.steps": 0, "sft.steps": sft_steps, "checkpoint.every": 0, **(extra or {})}
-    argv = launch.unit_argv(f"{CONFIG}:{CONFIG_ARG}", overrides.items(), workdir, sys.executable)
+    argv = sweeps.unit_argv(f"{CONFIG}:{CONFIG_ARG}", overrides.items(), workdir, sys.executable)
     print("[e004 stage 0] " + shlex.join(argv), flush=True)
-    rc = launch.run_logged(argv, workdir)
+    rc = local.run_logged(argv, workdir)
     if rc:
         raise RuntimeError(f"the warm start failed (exit {rc}); see {workdir}/launch.log")
     return export
@@ -205,7 +207,7 @@ def scan_m4(
 
 
 # ------------------------------------------------------------------------------------------------
-# RL units: run through launch.py, then one compact record each (units/<unit>.json).
+# RL units: run through the launcher, then one compact record each (units/<unit>.json).
 # ------------------------------------------------------------------------------------------------
 def unit_record(workdir: str, overrides: dict, previous: dict | None = None) -> dict | None:
     """The record the gates read, from a finished unit's summary.json, config.json and
@@ -213,7 +215,7 @@ def unit_record(workdir: str, overrides: dict, previous: dict | None = None) -> 
     held-out evaluations (`evals`, [step, accuracy] pairs) this one keeps."""
     from dvp_jax import metrics
 
-    summary = launch.read_summary(workdir)
+    summary = local.read_summary(workdir)
     if summary is None:
         return None
     with open(os.path.join(workdir, "config.json")) as fh:
@@ -272,7 +274,7 @@ def segment_ends(steps: int, unit_steps: int) -> list[int]:
 
 def reached(root: str, name: str) -> int:
     """The steps of the last finished segment of run `name` under `root` (0 if none)."""
-    summary = launch.read_summary(os.path.join(os.path.abspath(root), EXPERIMENT, name))
+    summary = local.read_summary(os.path.join(os.path.abspath(root), EXPERIMENT, name))
     return int(summary["steps"]) if summary else 0
 
 
@@ -286,7 +288,7 @@ def run_stage(
     segment no new segment starts; the stage raises once the running ones end. The premise stage
     also starts no new segment once its gate is decided before all seeds have run
     (`e004_verdict.premise_gate`: a collapse majority out of reach); the segments in flight end."""
-    path = os.path.join(launch.REPO, "experiments", f"{EXPERIMENT}.py")
+    path = os.path.join(sweeps.REPO, "experiments", f"{EXPERIMENT}.py")
     length = "gain_steps" if stage == "gain" else "steps"
     lock = threading.Lock()  # the records and the failure and decided lists
     failures: list[str] = []
@@ -299,9 +301,9 @@ def run_stage(
                 return
             if reached(root, unit.name) >= end:
                 continue
-            exp = launch.load_experiment(path, {**sweep, length: end})
+            exp = sweeps.load_experiment(path, {**sweep, length: end})
             print(f"[e004 {stage}] {unit.name}: segment to step {end}", flush=True)
-            result = launch.run_unit(exp, exp.units[unit.index], workdir, None)
+            result = local.run_unit(exp, exp.units[unit.index], workdir, None)
             held_out = (result.summary or {}).get("eval_accuracy")
             print(
                 f"[e004 {stage}] {unit.name}: step {end} "
@@ -328,7 +330,7 @@ def run_stage(
                     return
 
     levels = gates.read_levels(out)  # stage 1's figures: fixed while a stage runs
-    units = launch.load_experiment(path, sweep).units
+    units = sweeps.load_experiment(path, sweep).units
     with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
         list(pool.map(run, units))
     if failures:
@@ -372,7 +374,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--stage", required=True, choices=("0", "1", "m4scan", "gain", "2", "3", "verdict")
     )
-    p.add_argument("--root", default=launch.DEFAULT_ROOT, help="root of the unit workdirs")
+    p.add_argument("--root", default=sweeps.DEFAULT_ROOT, help="root of the unit workdirs")
     p.add_argument("--out", default=OUT, help="results folder")
     p.add_argument("--levels", default="M0,M1,M2,M3,M4", help="stage 1: levels to measure")
     p.add_argument("--m4_noise", default="1,2,3", help="m4scan: tail-noise strengths (sigma)")

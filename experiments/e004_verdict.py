@@ -9,8 +9,8 @@ Inputs (written by experiments/e004_running_sum.py as each stage finishes):
   units/<unit>.json   one RL unit each: method, level, seed, role ("gain", "final"), start and
                       final held-out avg@16 (fp32 evaluation), collapse indicators, tail means.
 
-The gates (issue 14), each a pure function of plain numbers below (tests/test_experiments_e004.py
-checks each passing and failing on synthetic inputs):
+The pre-registered gates, each a pure function of plain numbers below
+(tests/test_experiments_e004.py checks each passing and failing on synthetic inputs):
 
 * Power (`power_gate`): from the warm start, mean response length >= 150 tokens; policy entropy
   >= 1 nat; |E[L]| >= 2 nats and the share of E[L] from tokens outside the trainer's e^-13 safe
@@ -43,7 +43,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 # ------------------------------------------------------------------------------------------------
-# Thresholds (issue 14).
+# Thresholds (pre-registered).
 # ------------------------------------------------------------------------------------------------
 MIN_LENGTH = 150.0  # mean response length, tokens
 MIN_ENTROPY = 1.0  # nats per response token
@@ -67,7 +67,7 @@ FINAL_STEPS = 300
 N_FINAL_SEEDS = 5
 # Weakest to strongest; M4 is the synthetic tail-noise rung (configs/e004_running_sum.py).
 LEVEL_ORDER = ("M0", "M1", "M2", "M3", "M4")
-# Collapse indicators (issue 14): over the RL steps of one unit, with windows of WINDOW steps.
+# Collapse indicators (pre-registered): over the RL steps of one unit, with windows of WINDOW steps.
 WINDOW = 50
 PPL_FACTOR = 2.0  # mean |log PPL diff| of the last window >= 2x the first window's
 GRAD_FACTOR = 3.0  # p95 of grad_norm over the run >= 3x the initial grad norm

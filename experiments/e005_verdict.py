@@ -11,7 +11,7 @@ eps; reference tokens teacher-forced on both sides, `reference`, the control) an
 of D_T = sum_{t <= T} d_t (L_T = -D_T); `grad_<rung>.json`, the coupled gradient statistics.
 A figure's s.e. is clustered by prompt group (groups are independent; tokens are not).
 
-Rules (issue: e005), per rung; a claim's overall status reads the real rungs M1-M3 (`REAL`): it
+Rules (pre-registered), per rung; a claim's overall status reads the real rungs M1-M3 (`REAL`): it
 holds where it holds at >= 2 of them, is refuted where it fails at >= 2 (bf16 is reported beside
 them, M4 is the positive control and never counts).
 * claim 1 ((1 - p) shape): holds if mean |d| of sampled tokens with p > 0.9 <= 0.2x that with
@@ -43,7 +43,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 # ------------------------------------------------------------------------------------------------
-# Design and thresholds (issue: e005).
+# Design and thresholds (pre-registered).
 # ------------------------------------------------------------------------------------------------
 RUNGS = ("bf16", "M1", "M2", "M3", "M4")  # M4: the synthetic positive control
 REAL = ("M1", "M2", "M3")

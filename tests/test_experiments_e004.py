@@ -1,11 +1,11 @@
 """e004 (experiments/e004_running_sum.py, e004_measure.py, e004_verdict.py): smoke run, gates.
 
-The smoke run is real and minimal: one MIS+DVP work unit at M3 through experiments/launch.py
-(random init, 2 RL steps, 2 prompts x 2 responses of <= 17 tokens, tiny model) in a subprocess,
-while this process runs stage 1's measurement (`measure`: engine sampling at M4, i.e. M3's int4
-weights plus the synthetic tail-shaped logit noise, and the trainer's teacher-forced statistics)
-on a random tiny model exported here. Then the
-unit's record and the verdict are built from the real outputs. The gates are pure functions,
+The smoke run is real and minimal: one MIS+DVP work unit at M3 through the launcher
+(`python -m dvp_jax.launch local`; random init, 2 RL steps, 2 prompts x 2 responses of <= 17
+tokens, tiny model) in a subprocess, while this process runs stage 1's measurement (`measure`:
+engine sampling at M4, i.e. M3's int4 weights plus the synthetic tail-shaped logit noise, and
+the trainer's teacher-forced statistics) on a random tiny model exported here. Then the unit's
+record and the verdict are built from the real outputs. The gates are pure functions,
 each checked passing and failing on synthetic numbers.
 """
 
@@ -21,17 +21,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dvp_jax.launch import local, sweep
 from experiments import e004_measure as measure_lib
 from experiments import e004_running_sum as e004
 from experiments import e004_verdict as v
-from experiments import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 E004 = os.path.join("experiments", "e004_running_sum.py")
 
 
 def _smoke_overrides() -> dict:
-    return dict(launch.load_experiment(E004, {"smoke": True}).units[0].overrides)
+    return dict(sweep.load_experiment(E004, {"smoke": True}).units[0].overrides)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def smoke(tmp_path_factory):
     root = tmp_path_factory.mktemp("e004")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
     env["JAX_PLATFORMS"] = "cpu"
-    argv = [sys.executable, "-m", "experiments.launch", E004, "--sweep", "smoke=True"]
+    argv = [sys.executable, "-m", "dvp_jax.launch", "local", E004, "--sweep", "smoke=True"]
     proc = subprocess.Popen(
         [*argv, "--root", str(root)],
         cwd=REPO,
@@ -63,7 +63,7 @@ def smoke(tmp_path_factory):
 
 
 def test_stage_sweeps_name_roles_levels_and_seeds():
-    premise = launch.load_experiment(E004, {"stage": "premise", "init_hf": "/x/hf_export"})
+    premise = sweep.load_experiment(E004, {"stage": "premise", "init_hf": "/x/hf_export"})
     names = [u.name for u in premise.units]
     assert names[0] == "00_final_rloo_M4_s0" and names[-1] == "09_final_rloo_M0_s4"
     assert names[1] == "01_final_rloo_M0_s0"  # seed-major: both arms of a seed, then the next
@@ -72,10 +72,10 @@ def test_stage_sweeps_name_roles_levels_and_seeds():
         assert ov["model.hf_path"] == "/x/hf_export" and ov["sft.steps"] == 0
         assert ov["rollout.dtype"] in ("bfloat16_fp8kv_int4w", "float32")
         measure_lib.level_config("M0", ov)  # every override is a declared field with a valid value
-    gain = launch.load_experiment(E004, {"stage": "gain", "init_hf": "/x/hf_export"}).units
+    gain = sweep.load_experiment(E004, {"stage": "gain", "init_hf": "/x/hf_export"}).units
     assert [dict(u.overrides)["train.seed"] for u in gain] == list(e004.PILOT_SEEDS)
     assert not set(e004.PILOT_SEEDS) & set(e004.FINAL_SEEDS)
-    methods = launch.load_experiment(E004, {"stage": "methods", "level": "M1"}).units
+    methods = sweep.load_experiment(E004, {"stage": "methods", "level": "M1"}).units
     assert {dict(u.overrides)["method"] for u in methods} == {"tis", "mis", "dvp", "mis_dvp"}
     assert {dict(u.overrides)["rollout.dtype"] for u in methods} == {"bfloat16_fp8kv"}
     with pytest.raises(ValueError, match="want 'gain', 'premise' or 'methods'"):
@@ -89,7 +89,7 @@ def test_stage_sweeps_name_roles_levels_and_seeds():
     with pytest.raises(ValueError, match="found only 39 distinct held-out problems"):
         task.heldout_examples(40)
     # The synthetic rung: M3's precision plus the tail-shaped noise, and back from a unit.
-    m4 = launch.load_experiment(E004, {"stage": "methods", "level": "M4", "seeds": 1}).units
+    m4 = sweep.load_experiment(E004, {"stage": "methods", "level": "M4", "seeds": 1}).units
     conf = measure_lib.config_module()
     for u in m4:
         ov = dict(u.overrides)
@@ -109,9 +109,9 @@ def test_a_stage_runs_whole_runs_in_segments_and_stops_at_a_failure(monkeypatch,
         assert workdir.endswith(os.path.join("e004_running_sum", unit.name))
         calls.append(([unit.name], steps))
         failed = "M0_s0" in unit.name and steps == 200
-        return launch.UnitResult(unit, workdir, 1 if failed else 0, 0.0, {})
+        return local.UnitResult(unit, workdir, 1 if failed else 0, 0.0, {})
 
-    monkeypatch.setattr(launch, "run_unit", run_unit)
+    monkeypatch.setattr(local, "run_unit", run_unit)
     monkeypatch.setattr(e004, "write_records", lambda root, out: [])
     sweep = {"stage": "premise", "level": "M4", "seeds": 1, "steps": 250}
     with pytest.raises(RuntimeError, match="01_final_rloo_M0_s0 failed at the segment to step 200"):
@@ -139,7 +139,7 @@ def test_the_premise_stage_stops_once_its_gate_is_decided(monkeypatch, tmp_path)
 
     def run_unit(exp, unit, workdir, timeout):
         done.append(unit.name)
-        return launch.UnitResult(unit, workdir, 0, 0.0, {})
+        return local.UnitResult(unit, workdir, 0, 0.0, {})
 
     def write_records(root, out):
         recs = []
@@ -159,7 +159,7 @@ def test_the_premise_stage_stops_once_its_gate_is_decided(monkeypatch, tmp_path)
             )
         return recs
 
-    monkeypatch.setattr(launch, "run_unit", run_unit)
+    monkeypatch.setattr(local, "run_unit", run_unit)
     monkeypatch.setattr(e004, "write_records", write_records)
     levels = {"M0": _level(seq_log_ratio=0.0), "M4": _level()}
     (tmp_path / "stage1_levels.json").write_text(json.dumps({"levels": levels}))

@@ -1,7 +1,7 @@
 """CI smoke variants of the science experiments (e001 mismatch bound, e002 methods, e003 rho).
 
 Real runs at minimal sizes: e001 `--smoke` (3 SFT steps, 16 held-out sequences, one setting) and
-one 2-step work unit of e002 and of e003 through experiments/launch.py (2 SFT steps, 4 prompts x
+one 2-step work unit of e002 and of e003 through the launcher (2 SFT steps, 4 prompts x
 2 responses, 8 eval prompts). e001 runs beside the two units, which run one after the other so
 that e003's unit loads the programs it shares with e002's (warm-up, rollouts, evaluation) from
 the session's compilation cache (subprocesses without the session's 8 fake devices); the
@@ -19,8 +19,9 @@ import sys
 
 import pytest
 
+from dvp_jax.launch import cli, sweep
 from dvp_jax.metrics import read_metrics
-from experiments import analyze, launch
+from experiments import analyze
 from experiments import e002_methods as e002
 from experiments import e003_rho_ablation as e003
 
@@ -45,7 +46,8 @@ def smoke_runs(tmp_path_factory):
         # Unit 1 of e002's smoke sweep is mis_dvp (pruning + sequence MIS + logit noise).
         "e002": [
             *module,
-            "experiments.launch",
+            "dvp_jax.launch",
+            "local",
             E002,
             "--sweep",
             "smoke=True",
@@ -54,7 +56,16 @@ def smoke_runs(tmp_path_factory):
             "--only",
             "1",
         ],
-        "e003": [*module, "experiments.launch", E003, "--sweep", "smoke=True", "--root", str(root)],
+        "e003": [
+            *module,
+            "dvp_jax.launch",
+            "local",
+            E003,
+            "--sweep",
+            "smoke=True",
+            "--root",
+            str(root),
+        ],
     }
     # Without the test session's 8 fake devices.
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -86,7 +97,7 @@ def _finite(x) -> bool:
 # Sweeps (no runs).
 # ------------------------------------------------------------------------------------------------
 def test_full_sweeps_expand_to_the_documented_units(tmp_path, capsys):
-    exp = launch.load_experiment(E002, {"init_hf": "/nonexistent/hf_export"})
+    exp = sweep.load_experiment(E002, {"init_hf": "/nonexistent/hf_export"})
     assert exp.config_flag == "configs/tiny_cpu.py:dvp"
     methods = [dict(u.overrides)["method"] for u in exp.units]
     noisy = [dict(u.overrides) for u in exp.units if dict(u.overrides)["rollout.noise_std"]]
@@ -99,7 +110,7 @@ def test_full_sweeps_expand_to_the_documented_units(tmp_path, capsys):
         ov = dict(u.overrides)
         assert ov["model.hf_path"] == "/nonexistent/hf_export" and ov["sft.steps"] == 0
         assert ov["train.steps"] == e002.STEPS
-    exp3 = launch.load_experiment(E003, {"init_hf": "/nonexistent/hf_export"})
+    exp3 = sweep.load_experiment(E003, {"init_hf": "/nonexistent/hf_export"})
     rhos = {dict(u.overrides).get("loss.log_rho", "off") for u in exp3.units}
     assert rhos == {-8.0, -10.0, -13.0, -16.0, "off"}
     assert all(dict(u.overrides)["method"] == "dvp" for u in exp3.units)
@@ -110,11 +121,11 @@ def test_full_sweeps_expand_to_the_documented_units(tmp_path, capsys):
         cfg = analyze.tiny_config(dict(u.overrides))
         assert cfg.train.steps == e002.STEPS and cfg.init_hf_path == "/nonexistent/hf_export"
     # Without a warm start each unit does its own 600-step SFT; the sweep's inputs are arguments.
-    ov = dict(launch.load_experiment(E003).units[0].overrides)
+    ov = dict(sweep.load_experiment(E003).units[0].overrides)
     assert "model.hf_path" not in ov and ov["sft.steps"] == 600
-    assert len(launch.load_experiment(E002, {"seeds": 1, "noise": 0.0}).units) == len(e002.METHODS)
+    assert len(sweep.load_experiment(E002, {"seeds": 1, "noise": 0.0}).units) == len(e002.METHODS)
     # The launcher's dry run prints one trainer command per unit and creates nothing.
-    assert launch.main([E002, "--dry_run", "--root", str(tmp_path)]) == 0
+    assert cli.main(["local", E002, "--dry_run", "--root", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert out.count("-m dvp_jax.main") == len(exp.units)
     assert "--config configs/tiny_cpu.py:dvp" in out and "--config.sft.steps=600" in out

@@ -18,7 +18,6 @@ from unittest import mock
 import pytest
 
 from dvp_jax.launch import cli, sweep, xm
-from experiments import launch as old_launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 E000 = os.path.join(REPO, "experiments", "e000_smoke.py")
@@ -200,13 +199,6 @@ def test_local_run_collects_summaries_and_fails_on_a_failed_unit(tmp_path, monke
     assert log.startswith("$ sh -c 'exit 3'\n")
     # --only reruns a subset.
     assert cli.main(["local", E000, "--root", str(tmp_path), "--only", "0"]) == 0
-
-
-def test_the_old_import_path_runs_the_local_launcher(tmp_path, capsys):
-    """`experiments.launch` (still imported by experiment files) is the local runner."""
-    assert old_launch.load_experiment is sweep.load_experiment
-    assert old_launch.main([E000, "--dry_run", "--root", str(tmp_path)]) == 0
-    assert len(_commands(capsys.readouterr().out)) == 2
 
 
 def test_the_module_entry_point_runs(tmp_path):
