@@ -41,15 +41,6 @@ def level_config(level: str, overrides: dict | None = None):
     return ExperimentConfig.from_config_dict(cd, load_tokenizer(cd.data.tokenizer).vocab_size)
 
 
-def engine_quantizes() -> bool:
-    """Whether the rollout engine applies `DTypePolicy.weight_quant` at weight sync itself."""
-    import inspect
-
-    from dvp_jax.rollout import engine
-
-    return "quantize_leaves" in inspect.getsource(engine)
-
-
 def measure(
     hf_dir: str,
     level: str,
@@ -63,10 +54,9 @@ def measure(
     returns the trainer's teacher-forced statistics of them.
 
     The rollout is RLOO's (unpruned, temperature 1, `max_decode_length` of the config); the same
-    train prompts (train examples 0..num_prompts-1 of stream 0) and keys at every level. Where the
-    engine does not quantize weights yet (`engine_quantizes`), the M2 / M3 kernels are
-    fake-quantized here with `dvp_jax.rollout.quantize.quantize_leaves` before they reach the
-    engine, so the engine samples from (and records log mu of) exactly the quantized model.
+    train prompts (train examples 0..num_prompts-1 of stream 0) and keys at every level. The
+    engine fake-quantizes the M2 / M3 kernels itself when it takes the weights, so it samples
+    from (and records log mu of) exactly the quantized model.
     Statistics: `token_stats` at log_rho = LOG_RHO on the fp32 trainer (the trainer's safe set
     and entropy), then `diagnostics.tail_metrics` on all responses at once.
     """
@@ -81,7 +71,6 @@ def measure(
     from dvp_jax.model.hf_import import load_hf
     from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
     from dvp_jax.rollout.offline import generate_rollouts
-    from dvp_jax.rollout.quantize import quantize_leaves
     from dvp_jax.rollout.tokenizers import load_tokenizer
     from dvp_jax.train import evaluation
     from dvp_jax.train.batch import from_rollouts
@@ -90,31 +79,21 @@ def measure(
     cfg = level_config(level, overrides)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     model = load_hf(hf_dir, TRAIN_POLICY, cfg=cfg.model)
-    graphdef, params = nnx.split(model, nnx.Param)
+    params = nnx.state(model, nnx.Param)
     policy = DTypePolicy.named(cfg.rollout.dtype)
-    rollout_params = params
-    quantized_here = policy.weight_quant != "none" and not engine_quantizes()
-    if quantized_here:
-        flat = nnx.to_flat_state(params)
-        paths = [p for p, _ in flat]
-        leaves = [v.get_value() if isinstance(v, nnx.Variable) else v for _, v in flat]
-        new = quantize_leaves(leaves, paths, policy)
-        rollout_params = nnx.from_flat_state(list(zip(paths, new, strict=True)))
+    # The level's rollout section (dtype; M4's tail-shaped noise) as the run would take it.
     engine = RolloutEngine(
         cfg.model,
-        EngineConfig(
-            dtype=cfg.rollout.dtype,
-            noise_std=cfg.rollout.noise_std,  # 0 on the ladder; the synthetic M4 adds it
-            noise_tail_gap=cfg.rollout.noise_tail_gap,  # M4: shaped to the tail
+        EngineConfig.take(
+            cfg.rollout,
             max_concurrent_decodes=rows_per_pass,
             max_prefill_length=cfg.data.max_prompt_len,
             prefill_buckets=(cfg.data.max_prompt_len,),
-            max_decode_length=cfg.rollout.max_decode_length,
             log_rho=-math.inf,  # RLOO's rollout: the whole vocabulary
             seed=seed,
         ),
         tokenizer=tokenizer,
-        params=rollout_params,
+        params=params,
     )
     task = cfg.data.make_task()
     examples = task.train_examples(num_prompts)
@@ -162,11 +141,7 @@ def measure(
         "rollout_dtype": cfg.rollout.dtype,
         "noise_std": cfg.rollout.noise_std,
         "noise_tail_gap": cfg.rollout.noise_tail_gap,
-        "weights_quantized_by": (
-            "this script (engine without quantization)"
-            if quantized_here
-            else ("the engine" if policy.weight_quant != "none" else "none")
-        ),
+        "weights_quantized_by": "the engine" if policy.weight_quant != "none" else "none",
         "responses": int(batch.num_rows),
         "prompts": num_prompts,
         "samples_per_prompt": samples,
