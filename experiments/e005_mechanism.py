@@ -91,14 +91,11 @@ def engine_for(cfg, model, log_rho: float, slots: int = 64):
     from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
     from dvp_jax.rollout.tokenizers import load_tokenizer
 
-    ec = EngineConfig(
-        dtype=cfg.rollout.dtype,
-        noise_std=cfg.rollout.noise_std,
-        noise_tail_gap=cfg.rollout.noise_tail_gap,
+    ec = EngineConfig.take(
+        cfg.rollout,
         max_concurrent_decodes=slots,
         max_prefill_length=cfg.data.max_prompt_len,
         prefill_buckets=(cfg.data.max_prompt_len,),
-        max_decode_length=cfg.rollout.max_decode_length,
         log_rho=log_rho,
         seed=0,
     )
