@@ -1,23 +1,15 @@
 """One accelerator check: the benchmarks' accelerator commands in one run, one markdown table.
 
   python benchmarks/accelerator_check.py --out check.md          # on a GPU or TPU, < 10 min
-  python benchmarks/accelerator_check.py --smoke --out check.md  # tiny sizes, any machine (CI;
-                                                                 # --jobs 3 runs them at once)
+  python benchmarks/accelerator_check.py --smoke --out check.md  # tiny sizes, any machine (CI)
 
-Runs, each in its own process (one JSON line each, parsed here):
-
-* `train_step.py`: qwen3_0_6b, 8 x 4096 tokens, remat save_dots_no_batch, under each trainer
-  policy (`float32`, `float32_x3`, `mixed_bf16`): tokens/s, MFU against the device's bf16 peak,
-  peak memory, compile seconds;
-* `rollout_throughput.py`: qwen3_0_6b, 64 slots, 128-token prompts, 256 new tokens: engine
-  tokens/s, the ratio to Hugging Face `generate` on the same weights, the fraction of the memory
-  roofline;
-* `pruned_logprobs.py`: the chunked pruned log-probs against the naive full-logits version
-  (N 2048, d 512, V 151,936): time and memory ratios, gradient error.
-
-`--smoke` runs the same scripts at tiny sizes (seconds each on a CPU; the train step under
-`float32_x3` only). A check that fails gets a
-row saying so (its last error line) and the exit status is 1; the table is written either way.
+Runs `train_step.py` (qwen3_0_6b, 8 x 4096 tokens, under each trainer policy),
+`rollout_throughput.py` (qwen3_0_6b, 64 slots, 256 new tokens, against HF `generate`) and
+`pruned_logprobs.py` (chunked vs naive, N 2048, d 512, V 151,936), each in its own process,
+and tabulates their JSON lines. `--smoke` runs the same scripts at tiny sizes (the train step
+under `float32_x3` only; `--jobs 3` runs them at once). A failed check gets a row with its last
+error line and the exit status is 1; the table is written either way. What each figure means
+is in the docstring of the script that measures it.
 """
 
 from __future__ import annotations

@@ -3,17 +3,12 @@
   python benchmarks/matmul_precision.py            # Qwen3-14B unembedding shapes, 256 rows
   python benchmarks/matmul_precision.py --quick    # smaller
 
-A TPU multiplies float32 matrices from bfloat16 pieces: x = hi + mid + lo, each a bf16, the
-products of pieces exact in float32 and accumulated in float32. DEFAULT is one pass (hi.hi,
-what `mixed_bf16`'s matmuls and a default-precision fp32 matmul compute), BF16_BF16_F32_X3
-three (hi.hi + hi.lo + lo.hi with a two-piece split; `float32_x3` on TPU), HIGHEST six
-(three-piece split; `float32`). This script computes each algorithm from explicit bf16 pieces
-with float32 accumulation (so it runs the same arithmetic on a CPU, where the algorithms
-themselves are exact float32) for the logits h W of the unembedding (d = 5120, the largest
-contraction of Qwen3-14B) and reports, against float64: the largest logit error over the
-largest |logit|, and the mean and largest |error| of the log-softmax over the vocabulary (the
-quantity the loss and the min-p threshold read). TF32 (`float32_x3` on an NVIDIA GPU: 3xTF32)
-is not emulated. Prints one JSON line.
+A TPU multiplies float32 matrices from bfloat16 pieces (x = hi + mid + lo) with float32
+accumulation: DEFAULT is one product (hi.hi; `mixed_bf16`), BF16_BF16_F32_X3 three
+(`float32_x3`), HIGHEST six (`float32`). This script computes each from explicit bf16 pieces,
+so a CPU runs the same arithmetic, for the logits h W at d = 5120 (Qwen3-14B's largest
+contraction), and reports against float64 the largest logit error over the largest |logit| and
+the mean and largest log-softmax error. 3xTF32 (`float32_x3` on NVIDIA) is not emulated.
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """Chunked pruned token log-probabilities vs the naive full-logits version, forward + backward.
 
-Measures `jax.grad` of sum_n c_n log pi_S(y_n) (E2) with respect to the hidden states h [N, d] and
-the unembedding W [d, V], both ways, on the same inputs in one process:
-
-* naive: full `[N, V]` float32 logits, the min-p mask (E1), `jax.nn.log_softmax(where=mask)`,
-  gather at y;
-* chunked: `dvp_jax.dvp.chunked.chunked_pruned_logprobs` (vocabulary chunks, custom VJP).
-
-Both use the matmul precision of `--precision` (default: the backend's; the trainer's fp32
-policy uses "highest"). Prints one JSON line: naive_s, chunked_s (median of --runs timed runs
-after one warm-up, the two interleaved), time_ratio = chunked_s / naive_s, naive_bytes,
-chunked_bytes (peak temporary memory from the compiled executables'
-`memory_analysis().temp_size_in_bytes`), mem_ratio, and max_grad_rel_err (largest |difference|
-between the two gradients over the largest |gradient|). Targets on GPU:
-time_ratio <= 1.35 (4 matmuls against 3 is the floor of any recompute scheme), mem_ratio <= 0.05.
+Times `jax.grad` of sum_n c_n log pi_S(y_n) (E2) with respect to h [N, d] and W [d, V] both
+ways on the same inputs: naive (full [N, V] float32 logits, the E1 mask, masked log_softmax)
+and `dvp.chunked.chunked_pruned_logprobs` (vocabulary chunks, custom VJP), at `--precision`.
+One JSON line: naive_s, chunked_s (medians of interleaved runs after a warm-up), time_ratio,
+naive_bytes / chunked_bytes (compiled temp bytes), mem_ratio, max_grad_rel_err. Targets on
+GPU: time_ratio <= 1.35 (4 matmuls against 3), mem_ratio <= 0.05.
 
     python benchmarks/pruned_logprobs.py                   # N=2048, d=512, V=151936
     python benchmarks/pruned_logprobs.py --quick           # N=256, d=128, V=32000, 3 runs
-    python benchmarks/pruned_logprobs.py --n 64 --d 32 --v 4096 --runs 1   # a smoke run
     python benchmarks/pruned_logprobs.py --chunk-sizes 4096,8192,16384   # pick the fastest
     python benchmarks/pruned_logprobs.py --precision highest   # true fp32 matmuls on GPU/TPU
 """

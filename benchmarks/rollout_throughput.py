@@ -1,32 +1,16 @@
 r"""Rollout throughput: our JetStream engine vs Hugging Face `generate` on the same weights.
 
   python benchmarks/rollout_throughput.py                 # 'bench' size, bf16 engine, CPU
-  python benchmarks/rollout_throughput.py --preset=tiny --dtype=float32
-
-GPU (one line; HF runs on CUDA in bfloat16 when a GPU is present):
-
   python benchmarks/rollout_throughput.py --preset=qwen3_0_6b --batch=64 --group=1 --prompt_len=128 --new_tokens=256 --steps_per_sync=8 --repeats=2
 
-A random Qwen3 model of the chosen preset is exported with `save_hf`, then loaded by
-`transformers.Qwen3ForCausalLM` (PyTorch; CPU float32, or CUDA bfloat16 with a GPU) and by our
-`RolloutEngine` (through `hf_import.load_hf`). P = batch / group prompts get `group` samples each,
-so `batch` rows fill the `batch` decode slots once; both sides sample with temperature 1 and the
-same min-p rule (HF `min_p = rho = e^-13`, top-k and top-p off, `num_return_sequences = group`);
-neither stops early (HF `min_new_tokens = new_tokens`, engine `stop_tokens = ()`), so both produce
-exactly batch * new_tokens tokens. Our side is `offline.generate_rollouts` (batched prefill,
-continuous batching, per-token behaviour log-probs recorded). Each side runs once to warm up (JIT
-compile), then `--repeats` times, interleaved with the other side; the best time counts.
-
-Prints one JSON line: engine_tok_s, hf_tok_s, ratio_vs_hf (target >= 3 on CPU at 'bench'),
-ms_per_step (engine wall time per decode step, prefill included), roofline_tok_s (batch tokens
-per step over the time to read the rollout-dtype weights plus the live KV cache of the mean
-context once at the device's memory bandwidth), frac_of_roofline, bandwidth_Bps and its source
-(a table per device kind, e.g. H200 4.8e12 B/s; on CPU measured with a large array copy), the
-settings and every run's time.
-
-Presets: 'bench' (default) is a small but not degenerate model: d 256, 4 layers, 8 heads / 4 KV
-heads of 32, ffw 768, vocab 4096; every `ModelConfig.preset` name works too ('tiny', the test
-preset, and the Qwen3 presets such as 'qwen3_0_6b').
+A random model of `--preset` ('bench': d 256, 4 layers, vocab 4096; or any `ModelConfig`
+preset) is saved with `save_hf` and loaded by `transformers.Qwen3ForCausalLM` (CPU float32,
+CUDA bfloat16) and by `offline.generate_rollouts` on our engine. Both sample at temperature 1
+with the same min-p rule and never stop early, so both make batch x new_tokens tokens; the
+sides run interleaved after a warm-up and the best time counts. One JSON line: engine_tok_s,
+hf_tok_s, ratio_vs_hf (target >= 3 on CPU at 'bench'), ms_per_step, roofline_tok_s (weights
+plus the mean live KV cache read once per step at the memory bandwidth), frac_of_roofline,
+bandwidth_Bps and its source (a per-device table; measured by a copy on CPU), every run's time.
 """  # noqa: E501 (the GPU command is one line)
 
 from __future__ import annotations

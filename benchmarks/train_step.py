@@ -1,36 +1,19 @@
 """Train-step throughput, MFU, compile time and peak memory of the jitted DVP-RLOO step.
 
-Times `dvp_jax.train.step.rl_update` (forward + chunked pruned log-probs + loss + backward +
-AdamW; the MIS+DVP preset) jitted by `step.jit_step` with the state donated, on one device of
-the default backend, on a random batch. Prints one JSON line with, per configuration:
+Times `train.step.rl_update` (forward, chunked pruned log-probs, MIS+DVP loss, backward, AdamW)
+jitted by `step.jit_step` with donated state, on one device and a random batch. One JSON line
+per configuration: tok_s (batch x seq per median step), mfu (6 N_matmul + 6 L T n h FLOPs per
+token over the device's dense bf16 peak on GPU/TPU, a measured `jnp.dot` on CPU; recompute not
+counted), compile_s, peak memory (the allocator's peak, else argument + output + temp less
+donated: `peak_memory_source`) and temp_gib.
 
-* `tok_s`: tokens (batch x seq, every position goes through the model) per second, median step;
-* `mfu`: model FLOP/s over the peak. Model FLOPs per token are 6 N_matmul (matmul parameters of
-  the blocks and the unembedding, forward + backward) + 6 L T n_heads head_dim (causal
-  attention); recomputation (remat, the chunked loss's fourth matmul) is not counted. The peak
-  is the device's dense bf16 peak from `PEAK_BF16` on GPU/TPU (whatever `--policy`), and a
-  `jnp.dot` measured in this process in the policy's compute dtype on CPU;
-* `compile_s`: wall seconds of `.lower(...).compile()` of the step;
-* peak memory: the device allocator's `peak_bytes_in_use` where the backend has one, else the
-  executable's argument + output + temp bytes less the donated ones (`peak_memory_source`);
-  `temp_gib` is the executable's scratch on every backend.
-
-Commands:
-
-  python benchmarks/train_step.py [--quick]        # CPU: "d128" and "50m", and the time
-                                                   # ratio at 2x the tokens
-  python benchmarks/train_step.py --preset qwen3_0_6b --batch 1 --seq 128 --quick   # CPU
+  python benchmarks/train_step.py [--quick]        # CPU: "d128" and "50m"
   python benchmarks/train_step.py --preset d256 --compile-layers 2,24   # compile vs depth
-  # GPU target: qwen3_0_6b at 8 x 4096 tokens, mixed policy. Remat is needed unless attention
-  # is fused (the fp32 [8, 16, 4096, 4096] scores of 28 layers would be kept: 240 GB).
-  python benchmarks/train_step.py --preset qwen3_0_6b --policy mixed_bf16 --batch 8 \
-      --seq 4096 --remat save_dots_no_batch
+  python benchmarks/train_step.py --preset qwen3_0_6b --policy mixed_bf16 --batch 8 --seq 4096 --remat save_dots_no_batch
 
-`--preset` is a benchmark size ("d128": d=128, 2 layers, V=64; "d256": d=256, 2 layers,
-V=8192; "50m": d=512, 12 layers, V=8192) or a `ModelConfig` preset ("tiny", the test size,
-and `qwen3_0_6b` ... `qwen3_14b`). `--layers` overrides the depth. Default batch x seq:
-`DEFAULT_SHAPE`, 8 x 4096 for the Qwen3 presets.
-"""
+The last is the GPU target (remat is needed unless attention is fused). `--preset`: a size
+in SIZES ("d128", "d256", "50m") or a `ModelConfig` preset; `--layers` overrides the depth.
+"""  # noqa: E501 (the GPU command is one line)
 
 from __future__ import annotations
 
