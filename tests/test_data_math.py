@@ -223,3 +223,113 @@ def test_file_level_errors_name_the_path(tmp_path, tok):
     corrupt.write_bytes(b"not a parquet file")
     with pytest.raises(ValueError, match="corrupt.parquet: cannot read as parquet"):
         load_math_dataset(corrupt, tok, max_prompt_tokens=MAX_PROMPT_TOKENS)
+
+
+# ----------------------------------------------------------------------------------------------
+# Configurable fields, a datasets save_to_disk directory
+# ----------------------------------------------------------------------------------------------
+
+
+def write_hf_dataset(directory, table, shards: int = 2) -> None:
+    """`table` laid out as `datasets.Dataset.save_to_disk` writes it: arrow IPC stream shards
+    data-0000i-of-0000n.arrow, state.json listing them in order, dataset_info.json."""
+    directory.mkdir(parents=True)
+    per = -(-table.num_rows // shards)
+    names = [f"data-{i:05d}-of-{shards:05d}.arrow" for i in range(shards)]
+    for i, name in enumerate(names):
+        with pa.OSFile(str(directory / name), "wb") as sink:
+            with pa.ipc.new_stream(sink, table.schema) as writer:
+                writer.write_table(table.slice(i * per, per))
+    state = {
+        "_data_files": [{"filename": n} for n in names],
+        "_fingerprint": "0123456789abcdef",
+        "_format_columns": None,
+        "_format_kwargs": {},
+        "_format_type": None,
+        "_output_all_columns": False,
+        "_split": "train",
+    }
+    (directory / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
+    features = {c: {"dtype": "string", "_type": "Value"} for c in table.column_names}
+    info = {"citation": "", "description": "", "features": features, "homepage": ""}
+    (directory / "dataset_info.json").write_text(json.dumps(info, indent=2))
+
+
+def test_configured_fields_and_system_prompt(tmp_path, tok):
+    from dvp_jax.data.math_data import RowFields
+
+    rows = [
+        {"question": "what is 1+2?", "meta": {"gold": 3}, "sys": "solve the problem."},  # 0
+        {"question": msgs("what is 2+2?"), "meta": {"gold": "4"}},  # 1 no system: none
+        {"question": "what is 3+3?", "meta": {}, "sys": "solve"},  # 2 no answer: malformed
+        {"problem": "two?", "meta": {"gold": "2"}},  # 3 no configured prompt: malformed
+    ]
+    path = tmp_path / "own.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fields = RowFields(prompt="question", answer="meta.gold", system="sys")
+    examples, report = load_math_dataset(
+        path, tok, max_prompt_tokens=MAX_PROMPT_TOKENS, fields=fields
+    )
+    assert [(ex.index, ex.answer) for ex in examples] == [(0, "3"), (1, "4")]
+    system = [{"role": "system", "content": "solve the problem."}]
+    assert examples[0].prompt == render_messages(system + msgs("what is 1+2?"), "chatml")
+    assert examples[1].prompt == render_messages(msgs("what is 2+2?"), "chatml")
+    assert report.malformed_indices == [2, 3]
+    reasons = dict(report.malformed)
+    assert "missing ground truth (meta.gold)" in reasons[2]
+    assert "missing prompt (none of ['question'])" in reasons[3]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "hf_dir"])
+def test_a_field_the_file_lacks_is_one_line_before_any_row(tmp_path, tok, kind):
+    from dvp_jax.data.math_data import RowFields
+
+    rows = [{"problem": "what is 1+2?", "reward_model": {"ground_truth": "3"}, "id": "a"}] * 3
+    table = pa.Table.from_pylist(rows)
+    path = tmp_path / {"jsonl": "d.jsonl", "parquet": "d.parquet", "hf_dir": "d"}[kind]
+    if kind == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif kind == "parquet":
+        pq.write_table(table, path)
+    else:
+        write_hf_dataset(path, table)
+    have = "id, problem, reward_model, reward_model.ground_truth"
+    for fields, message in [
+        (RowFields(prompt="question"), f"prompt_key='question' is not a field of {path}"),
+        (RowFields(answer="solution"), f"answer_key='solution' is not a field of {path}"),
+        (RowFields(system="system"), f"system_key='system' is not a field of {path}"),
+    ]:
+        with pytest.raises(ValueError) as err:
+            load_math_dataset(path, tok, max_prompt_tokens=MAX_PROMPT_TOKENS, fields=fields)
+        assert str(err.value) == f"{message}; its fields: {have}"
+    # The defaults find `problem` and `reward_model.ground_truth`.
+    examples, _ = load_math_dataset(path, tok, max_prompt_tokens=MAX_PROMPT_TOKENS)
+    assert [(ex.index, ex.answer) for ex in examples] == [(0, "3"), (1, "3"), (2, "3")]
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text(json.dumps({"text": "x", "answer": "1"}) + "\n")
+    with pytest.raises(
+        ValueError, match=r"none of the default prompt fields .* fields: answer, text"
+    ):
+        load_math_dataset(bare, tok, max_prompt_tokens=MAX_PROMPT_TOKENS)
+
+
+def test_datasets_directory_reads_shards_in_order(tmp_path, tok):
+    """A save_to_disk directory loads as the same rows as the parquet file of its table; a
+    DatasetDict root or a directory of something else is one error naming the path."""
+    rows = [{"prompt": msgs(f"what is {i}+1?"), "answer": str(i + 1)} for i in range(5)]
+    rows[3]["prompt"] = []  # malformed: an empty message list
+    table = pa.Table.from_pylist(rows)
+    write_hf_dataset(tmp_path / "ds" / "train", table, shards=3)
+    (tmp_path / "ds" / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
+    pq.write_table(table, tmp_path / "same.parquet")
+    got, report = load_math_dataset(tmp_path / "ds" / "train", tok, max_prompt_tokens=64)
+    want, _ = load_math_dataset(tmp_path / "same.parquet", tok, max_prompt_tokens=64)
+    assert [(e.index, e.prompt, e.answer) for e in got] == [
+        (e.index, e.prompt, e.answer) for e in want
+    ]
+    assert [e.index for e in got] == [0, 1, 2, 4] and report.malformed_indices == [3]
+    with pytest.raises(ValueError, match=r"is a DatasetDict; give one split's directory: .*/train"):
+        load_math_dataset(tmp_path / "ds", tok, max_prompt_tokens=64)
+    (tmp_path / "other").mkdir()
+    with pytest.raises(ValueError, match="without state.json"):
+        load_math_dataset(tmp_path / "other", tok, max_prompt_tokens=64)

@@ -1,12 +1,16 @@
-"""Math datasets: the prompts and ground truths of a local jsonl / parquet file (DAPO-Math layout).
+"""Math datasets: the prompts and ground truths of a local jsonl / parquet file or a local
+Hugging Face datasets directory (`Dataset.save_to_disk`: arrow stream shards + state.json).
 
-`load_math_dataset` reads this host's rows (row r goes to host r % process_count) into `Example`s:
-the prompt is `prompt` (else `problem` / `question`), a string or chat messages rendered by
-`render_messages`; the ground truth is `reward_model.ground_truth`, else `answer` (a string or an
-integer). A malformed row (bad JSON or UTF-8, a missing or mistyped field, text the tokenizer
+`load_math_dataset` reads this host's rows (row r goes to host r % process_count) into `Example`s.
+Which fields hold the prompt (a string or chat messages rendered by `render_messages`), the
+ground truth and an optional system prompt is `RowFields`; the defaults read the DAPO-Math layout
+(`prompt`, else `problem` / `question`; `reward_model.ground_truth`, else `answer`). A configured
+field the file does not have is one error naming it, the file and the file's fields, before any
+row is read. A malformed row (bad JSON or UTF-8, a missing or mistyped field, text the tokenizer
 rejects, a prompt over `max_prompt_tokens`) is skipped, logged and listed with its index in the
-`LoadReport`; it never stops the load. A file-level problem (missing, unreadable, corrupt parquet)
-raises an error naming the path. Not here: the generated tasks (`tasks`), the batching (`pipeline`).
+`LoadReport`; it never stops the load. A file-level problem (missing, unreadable, corrupt)
+raises an error naming the path. Not here: the generated tasks (`tasks`), the batching
+(`pipeline`), converting public datasets to this layout (`prepare`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,11 @@ from dvp_jax.data.tasks import Example
 from dvp_jax.workdir import as_path
 
 _CHAT_FORMATS = ("chatml", "plain")
+# The DAPO-Math layout: where the default `RowFields` look, in order.
 _PROMPT_FIELDS = ("prompt", "problem", "question")
+_ANSWER_FIELDS = ("reward_model.ground_truth", "answer")
+# Rows of a jsonl file whose fields are the file's fields (the check of `RowFields`).
+_FIELD_SCAN_ROWS = 100
 _LOG_FIRST_N = 20
 # What one bad row can raise while it is parsed, converted and tokenized: json's errors (a
 # JSONDecodeError, or a ValueError for an integer over sys.get_int_max_str_digits() digits), a
@@ -38,6 +46,84 @@ _ROW_ERRORS = (ValueError, TypeError, OverflowError, RecursionError)
 
 class _Malformed(Exception):
     """A row problem; the message is the reason stored in the report."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RowFields:
+    """Which fields of a row hold what; a dotted name reaches into a nested object
+    ("reward_model.ground_truth"). Empty: the DAPO-Math layout's fields (`_PROMPT_FIELDS`,
+    `_ANSWER_FIELDS`, the first a row has) and no system prompt.
+
+    Attributes:
+      prompt: a string (used as it is) or a chat messages list [{"role", "content"}, ...].
+      answer: the ground truth, a string or an integer.
+      system: a system prompt string put before the prompt's messages (a string prompt then
+        becomes the user message); a row without it has none.
+    """
+
+    prompt: str = ""
+    answer: str = ""
+    system: str = ""
+
+    def prompt_fields(self) -> tuple[str, ...]:
+        return (self.prompt,) if self.prompt else _PROMPT_FIELDS
+
+    def answer_fields(self) -> tuple[str, ...]:
+        return (self.answer,) if self.answer else _ANSWER_FIELDS
+
+    def used(self) -> tuple[str, ...]:
+        """Every field a row is read from."""
+        return self.prompt_fields() + self.answer_fields() + ((self.system,) if self.system else ())
+
+    def check(self, path: str, present: set[str]) -> None:
+        """Raises ValueError, one line, unless the file's fields `present` (dotted names) hold
+        each configured field (for the defaults: one of the layout's prompt fields)."""
+        have = ", ".join(sorted(present)) or "none"
+        for key, name in (("prompt_key", self.prompt), ("answer_key", self.answer)):
+            if name and name not in present:
+                raise ValueError(f"{key}={name!r} is not a field of {path}; its fields: {have}")
+        if self.system and self.system not in present:
+            raise ValueError(
+                f"system_key={self.system!r} is not a field of {path}; its fields: {have}"
+            )
+        if not self.prompt and not present & set(_PROMPT_FIELDS):
+            raise ValueError(
+                f"{path} has none of the default prompt fields {list(_PROMPT_FIELDS)} (set "
+                f"prompt_key); its fields: {have}"
+            )
+
+
+def _lookup(row: dict, name: str) -> Any:
+    """row["a"]["b"] for "a.b" (None where a level is missing or not an object)."""
+    value = row
+    for part in name.split("."):
+        if not isinstance(value, dict):
+            return None
+        value = value.get(part)
+    return value
+
+
+def _dotted_fields(row: Any, prefix: str = "") -> set[str]:
+    """The dotted names of a row's fields, nested objects included."""
+    if not isinstance(row, dict):
+        return set()
+    out = set()
+    for k, v in row.items():
+        out.add(prefix + str(k))
+        out |= _dotted_fields(v, f"{prefix}{k}.")
+    return out
+
+
+def _schema_fields(schema, prefix: str = "") -> set[str]:
+    """The dotted names of an arrow schema's fields, struct members included."""
+    import pyarrow as pa
+
+    out = set()
+    for field in schema:
+        out.add(prefix + field.name)
+        if pa.types.is_struct(field.type):
+            out |= _schema_fields(list(field.type), f"{prefix}{field.name}.")
+    return out
 
 
 @dataclasses.dataclass
@@ -103,41 +189,86 @@ def _check_text(value: Any, what: str) -> str:
     return value
 
 
-def _row_to_example(row: Any, index: int, chat_format: str) -> Example:
+def _messages(value: Any, field: str) -> list[dict[str, str]]:
+    if not value:
+        raise _Malformed(f"{field}: empty message list")
+    messages = []
+    for j, m in enumerate(value):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise _Malformed(f"{field}[{j}]: expected {{'role', 'content'}}, got {m!r:.60}")
+        messages.append(
+            {
+                "role": _check_text(m["role"], f"{field}[{j}].role"),
+                "content": _check_text(m["content"], f"{field}[{j}].content"),
+            }
+        )
+    return messages
+
+
+def _row_to_example(row: Any, index: int, chat_format: str, fields: RowFields) -> Example:
     if not isinstance(row, dict):
         raise _Malformed(f"row is a {type(row).__name__}, not an object")
-    field = next((f for f in _PROMPT_FIELDS if row.get(f) is not None), None)
+    names = fields.prompt_fields()
+    field = next((f for f in names if _lookup(row, f) is not None), None)
     if field is None:
-        raise _Malformed(f"missing prompt (none of {list(_PROMPT_FIELDS)})")
-    prompt = row[field]
+        raise _Malformed(f"missing prompt (none of {list(names)})")
+    prompt = _lookup(row, field)
+    system = _lookup(row, fields.system) if fields.system else None
+    if system is not None:
+        system = _check_text(system, fields.system)
     if isinstance(prompt, (list, tuple)):
-        if not prompt:
-            raise _Malformed(f"{field}: empty message list")
-        messages = []
-        for j, m in enumerate(prompt):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise _Malformed(f"{field}[{j}]: expected {{'role', 'content'}}, got {m!r:.60}")
-            messages.append(
-                {
-                    "role": _check_text(m["role"], f"{field}[{j}].role"),
-                    "content": _check_text(m["content"], f"{field}[{j}].content"),
-                }
-            )
-        text = render_messages(messages, chat_format)
+        messages = _messages(prompt, field)
+    elif system is not None:  # a string prompt with a system prompt: the user's message
+        messages = [{"role": "user", "content": _check_text(prompt, field)}]
     else:
+        messages = None
         text = _check_text(prompt, field)
+    if messages is not None:
+        if system is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": system}, *messages]
+        text = render_messages(messages, chat_format)
 
-    reward_model = row.get("reward_model")
-    if isinstance(reward_model, dict) and reward_model.get("ground_truth") is not None:
-        truth, where = reward_model["ground_truth"], "reward_model.ground_truth"
-    elif row.get("answer") is not None:
-        truth, where = row["answer"], "answer"
-    else:
-        raise _Malformed("missing ground truth (reward_model.ground_truth or answer)")
+    names = fields.answer_fields()
+    where = next((f for f in names if _lookup(row, f) is not None), None)
+    if where is None:
+        raise _Malformed(f"missing ground truth ({' or '.join(names)})")
+    truth = _lookup(row, where)
     if isinstance(truth, (int, np.integer)) and not isinstance(truth, (bool, np.bool_)):
         truth = str(int(truth))
     truth = _check_text(truth, where).strip()
     return Example(prompt=text, answer=truth, key=f"row{index}", index=index)
+
+
+def _parse_line(raw: bytes) -> Any:
+    """One jsonl line -> its object, or a `_Malformed` saying why not."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return _Malformed(f"undecodable UTF-8 ({e.reason} at byte {e.start})")
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        return _Malformed(f"invalid JSON ({e.msg} at column {e.colno})")
+    except RecursionError:
+        return _Malformed(
+            f"invalid JSON: nested deeper than Python's recursion limit ({sys.getrecursionlimit()})"
+        )
+    except ValueError as e:  # e.g. an integer over the int-string digit limit.
+        return _Malformed(f"invalid JSON value ({_short(e)})")
+
+
+def _jsonl_fields(path: str) -> set[str]:
+    """The fields of a jsonl file: those of its first `_FIELD_SCAN_ROWS` object rows."""
+    present, seen = set(), 0
+    with as_path(path).open("rb") as f:
+        for raw in f:
+            if seen == _FIELD_SCAN_ROWS:
+                break
+            row = _parse_line(raw) if raw.strip() else None
+            if isinstance(row, dict):
+                present |= _dotted_fields(row)
+                seen += 1
+    return present
 
 
 def _jsonl_rows(path: str, process_index: int, process_count: int):
@@ -146,39 +277,58 @@ def _jsonl_rows(path: str, process_index: int, process_count: int):
         for index, raw in enumerate(f):
             if index % process_count != process_index or not raw.strip():
                 continue
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                yield index, _Malformed(f"undecodable UTF-8 ({e.reason} at byte {e.start})")
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                row = _Malformed(f"invalid JSON ({e.msg} at column {e.colno})")
-            except RecursionError:
-                row = _Malformed(
-                    f"invalid JSON: nested deeper than Python's recursion limit "
-                    f"({sys.getrecursionlimit()})"
-                )
-            except ValueError as e:  # e.g. an integer over the int-string digit limit.
-                row = _Malformed(f"invalid JSON value ({_short(e)})")
-            yield index, row
+            yield index, _parse_line(raw)
 
 
-def _parquet_rows(path: str, process_index: int, process_count: int):
-    """Yields (row index, row dict or _Malformed) for this host's rows."""
+def _pyarrow():
     try:
+        import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError as e:  # pyarrow is a test extra; a parquet user needs it installed.
-        raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from e
-    import pyarrow as pa
+        raise ImportError("reading parquet or a datasets directory needs pyarrow") from e
+    return pa, pq
 
+
+def read_table(path: str):
+    """The arrow table of a parquet file or of a `Dataset.save_to_disk` directory (its
+    state.json lists the arrow stream shards in order); ValueError naming the path if it is
+    neither or cannot be read."""
+    pa, pq = _pyarrow()
+    root = as_path(path)
     try:
-        with as_path(path).open("rb") as f:  # any epath backend (gs://...)
-            table = pq.read_table(f)
-    except pa.ArrowException as e:  # A file-level problem: corrupt or not parquet.
-        raise ValueError(f"{path}: cannot read as parquet: {e}") from e
-    used = [c for c in (*_PROMPT_FIELDS, "reward_model", "answer") if c in table.column_names]
+        if not root.is_dir():
+            with root.open("rb") as f:  # any epath backend (gs://...)
+                return pq.read_table(f)
+        if (root / "dataset_dict.json").exists():
+            splits = json.loads((root / "dataset_dict.json").read_text()).get("splits", [])
+            raise ValueError(
+                f"{path} is a DatasetDict; give one split's directory: "
+                + ", ".join(f"{path}/{s}" for s in splits)
+            )
+        if not (root / "state.json").exists():
+            raise ValueError(
+                f"{path} is a directory without state.json: not a datasets save_to_disk "
+                "directory (give a .jsonl, .parquet or such a directory)"
+            )
+        state = json.loads((root / "state.json").read_text())
+        tables = []
+        for entry in state.get("_data_files", []):
+            with (root / entry["filename"]).open("rb") as f:
+                tables.append(pa.ipc.open_stream(f).read_all())
+        if not tables:
+            raise ValueError(f"{path}/state.json lists no data files")
+        return pa.concat_tables(tables)
+    except pa.ArrowException as e:  # A file-level problem: corrupt or not parquet / arrow.
+        kind = "a datasets directory" if root.is_dir() else "parquet"
+        raise ValueError(f"{path}: cannot read as {kind}: {e}") from e
+    except (KeyError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}/state.json: not a datasets state file ({e})") from e
+
+
+def _table_rows(table, fields: RowFields, process_index: int, process_count: int):
+    """Yields (row index, row dict or _Malformed) for this host's rows of the columns used."""
+    top = {name.split(".")[0] for name in fields.used()}
+    used = [c for c in table.column_names if c in top]
     indices = np.arange(process_index, table.num_rows, process_count)
     shard = table.select(used).take(indices)
     try:
@@ -202,14 +352,18 @@ def load_math_dataset(
     add_bos: bool | None = None,
     process_index: int = 0,
     process_count: int = 1,
+    fields: RowFields = RowFields(),
 ) -> tuple[list[Example], LoadReport]:
-    """Loads this host's shard of a math `.jsonl` / `.json` (one object a line) or `.parquet` file.
+    """Loads this host's shard of a math `.jsonl` / `.json` (one object a line), `.parquet` file
+    or `Dataset.save_to_disk` directory, reading the `fields` of each row.
 
     Row `r` (the 0-based line number of a jsonl file, whitespace-only lines keeping their
-    number; the row number of a parquet table) is parsed by host `r % process_count ==
-    process_index` only. A parquet file is converted for the columns used only, so a bad value
-    in another column costs no row. Only the errors one row can cause (`_ROW_ERRORS`) mark it
-    malformed; any other exception is a bug and propagates with the path and row in a note.
+    number; the row number of a table) is parsed by host `r % process_count == process_index`
+    only. A table is converted for the columns used only, so a bad value in another column
+    costs no row. The fields are checked against the file's (a table's schema, the first
+    `_FIELD_SCAN_ROWS` rows of a jsonl file) first: a missing one raises ValueError. Only the
+    errors one row can cause (`_ROW_ERRORS`) mark it malformed; any other exception is a bug
+    and propagates with the path and row in a note.
 
     Returns:
       (examples, report): the loaded `Example`s (key "row<r>", index r) and the `LoadReport`.
@@ -225,11 +379,17 @@ def load_math_dataset(
         raise FileNotFoundError(f"math dataset {path!r} does not exist; check the data path")
     ext = as_path(path).suffix.lower()
     if ext in (".jsonl", ".json"):
+        fields.check(path, _jsonl_fields(path))
         rows = _jsonl_rows(path, process_index, process_count)
-    elif ext == ".parquet":
-        rows = _parquet_rows(path, process_index, process_count)
+    elif ext == ".parquet" or as_path(path).is_dir():
+        table = read_table(path)
+        fields.check(path, _schema_fields(table.schema))
+        rows = _table_rows(table, fields, process_index, process_count)
     else:
-        raise ValueError(f"{path}: unsupported extension {ext!r}; use .jsonl, .json or .parquet")
+        raise ValueError(
+            f"{path}: unsupported extension {ext!r}; use .jsonl, .json, .parquet or a datasets "
+            "save_to_disk directory"
+        )
     add_bos = getattr(tokenizer, "add_bos", True) if add_bos is None else add_bos
 
     report = LoadReport(path=path)
@@ -239,7 +399,7 @@ def load_math_dataset(
         try:
             if isinstance(row, _Malformed):
                 raise row
-            ex = _row_to_example(row, index, chat_format)
+            ex = _row_to_example(row, index, chat_format, fields)
             try:
                 n_tokens = len(tokenizer.encode_ids(ex.prompt)) + int(add_bos)
             except _ROW_ERRORS as e:  # The tokenizer's message is the reason.

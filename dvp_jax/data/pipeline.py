@@ -156,14 +156,15 @@ def make_prompt_iterator(
     process_index: int | None = None,
     process_count: int | None = None,
     chat_format: str = "chatml",
+    fields: math_data.RowFields | None = None,
     read_threads: int = 0,
 ) -> PromptIterator:
     """An endless (`num_epochs=None`) or finite iterator of this host's `PromptBatch`es.
 
     Args:
       source: a `tasks.GeneratedTask` (its train split, stream 0, an endless index space), a
-        jsonl / parquet math file (loaded whole; its `LoadReport` is `iterator.report`), or a
-        sequence of `Example`s.
+        jsonl / parquet / datasets-directory math file (loaded whole, its rows read at
+        `fields`; its `LoadReport` is `iterator.report`), or a sequence of `Example`s.
       batch_size: prompts per host per batch; the global batch is batch_size * process_count.
       max_prompt_len: L; a generated prompt longer than this raises ValueError (a file row
         that long was skipped at load as malformed).
@@ -199,6 +200,7 @@ def make_prompt_iterator(
             tokenizer,
             max_prompt_tokens=max_prompt_len,
             chat_format=chat_format,
+            fields=fields or math_data.RowFields(),
             add_bos=bos,
             process_index=0,
             process_count=1,
