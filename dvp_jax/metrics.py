@@ -108,8 +108,14 @@ METRICS: dict[str, str] = {
     "phase_sft": "1 on supervised warm-up rows",
 }
 
-# (1 - p)-binned token log-ratios (`diagnostics.lt_by_p_bins`): lt_bin{k}_{mean_signed,...}.
-_FAMILIES = (re.compile(r"lt_bin\d+_(mean_signed|mean_abs|count)"),)
+_FAMILIES = (
+    # (1 - p)-binned token log-ratios (`diagnostics.lt_by_p_bins`): lt_bin{k}_{mean_signed,...}.
+    re.compile(r"lt_bin\d+_(mean_signed|mean_abs|count)"),
+    # Per reward term (`evaluation.reward_metrics`; <name> a built-in or "module.function"):
+    # reward/<name> its unweighted mean over the rollout batch, reward_failures/<name> the
+    # responses on which it raised or returned a non-finite value (scored 0).
+    re.compile(r"reward(_failures)?/[\w.]+"),
+)
 
 
 def declared(name: str) -> str:

@@ -107,7 +107,7 @@ def measure(
     t_sample = time.time() - t0
     texts = evaluation.response_texts(tokenizer, batch)
     answers = [ex.answer for ex in examples for _ in range(samples)]
-    reward = rewards.compute_rewards(cfg.data.reward_kind, texts, answers)
+    reward = rewards.compute_rewards(cfg.data.reward_spec, texts, answers)
 
     rl = from_rollouts(batch, np.zeros(batch.num_rows, np.float32))
     a = trainer_token_stats(cfg, model, rl, rows_per_pass)

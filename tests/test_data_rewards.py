@@ -102,5 +102,5 @@ def test_compute_rewards():
     assert r.dtype == np.float32
     r = rewards.compute_rewards("marked_answer", ["a <ans> 12", "12"], ["12", "12"])
     np.testing.assert_array_equal(r, np.array([1, 0], np.float32))
-    with pytest.raises(ValueError, match="reward kind"):
-        rewards.get_reward_fn("nope")
+    with pytest.raises(ValueError, match="'nope' is neither a built-in"):
+        rewards.compute_rewards("nope", ["1"], ["1"])

@@ -211,10 +211,10 @@ def test_config_makes_the_task_and_checks_decode_length():
     task = data.make_task()
     assert task == RunningSumTask(seed=2, n_words=4000)
     assert data.running_sum == {**task_knobs(RunningSumTask), "n_words": 4000}
-    assert load_tokenizer(data.tokenizer).vocab_size == 5008 and data.reward_kind == "marked_answer"
+    assert load_tokenizer(data.tokenizer).vocab_size == 5008 and data.reward_spec == "marked_answer"
     assert DataConfig().make_task() == ArithmeticTask()
     assert DataConfig(task="math", path="x.jsonl").make_task() is None
-    assert [DataConfig(task=t, path="p").reward_kind for t in ("arithmetic", "math")] == [
+    assert [DataConfig(task=t, path="p").reward_spec for t in ("arithmetic", "math")] == [
         "exact_match",
         "math_verify",
     ]

@@ -1,4 +1,4 @@
-"""Rewards and held-out evaluation on the host: responses -> text -> verifier -> scores."""
+"""Rewards and held-out evaluation on the host: responses -> text -> reward terms -> scores."""
 
 from __future__ import annotations
 
@@ -27,12 +27,61 @@ def response_texts(tokenizer, batch: RolloutBatch) -> list[str]:
 
 
 def rollout_rewards(
-    tokenizer, batch: RolloutBatch, answers: Sequence[str], kind: str
+    tokenizer,
+    batch: RolloutBatch,
+    answers: Sequence[str],
+    spec: str | Sequence[rewards.RewardTerm],
+    *,
+    max_decode_length: int | None = None,
 ) -> np.ndarray:
-    """[N] float rewards of a rollout batch against each row's reference answer; a response cut
-    at `max_decode_length` (no stop token) gets 0 whatever it contains."""
-    r = rewards.compute_rewards(kind, response_texts(tokenizer, batch), list(answers))
-    return np.where(batch.finished, r, 0.0).astype(r.dtype)
+    """[N] float32 weighted rewards of a rollout batch against each row's reference answer
+    (`rollout_reward_terms(...).total`); a response cut at `max_decode_length` (no stop token)
+    gets 0 from every text term whatever it contains."""
+    return rollout_reward_terms(
+        tokenizer, batch, answers, spec, max_decode_length=max_decode_length
+    ).total
+
+
+def rollout_reward_terms(
+    tokenizer,
+    batch: RolloutBatch,
+    answers: Sequence[str],
+    spec: str | Sequence[rewards.RewardTerm],
+    *,
+    max_decode_length: int | None = None,
+) -> rewards.RewardScores:
+    """Each reward term's values and failures and the weighted total of a rollout batch.
+
+    `spec` is a reward spec string ("math_verify", "exact_match=1,integer_format=0.1", ...) or
+    parsed terms (`DataConfig.reward_terms`). Text terms are not called on a response cut at
+    `max_decode_length` (no stop token) and give it 0; length terms see every response's
+    length in tokens (its stop token included); "soft_overlong" needs `max_decode_length`.
+    """
+    terms = rewards.parse_rewards(spec) if isinstance(spec, str) else tuple(spec)
+    return rewards.score(
+        terms,
+        response_texts(tokenizer, batch),
+        list(answers),
+        finished=batch.finished,
+        lengths=batch.response_lengths,
+        max_decode_length=max_decode_length,
+    )
+
+
+def reward_metrics(scores: rewards.RewardScores) -> dict[str, float]:
+    """Per-term metrics of the global batch, summed over hosts (every host calls this with the
+    same terms): `reward/<name>`, the term's unweighted mean, and `reward_failures/<name>`, the
+    responses on which it raised or returned a non-finite value."""
+    names = list(scores.values)
+    sums = sum_over_hosts(
+        [scores.total.size]
+        + [scores.values[n].sum(dtype=np.float64) for n in names]
+        + [scores.failures[n] for n in names]
+    )
+    rows, values, failures = sums[0], sums[1 : 1 + len(names)], sums[1 + len(names) :]
+    out = {f"reward/{n}": v / max(rows, 1.0) for n, v in zip(names, values, strict=True)}
+    out |= {f"reward_failures/{n}": f for n, f in zip(names, failures, strict=True)}
+    return out
 
 
 def sum_over_hosts(values: Sequence[float]) -> list[float]:

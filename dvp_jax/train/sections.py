@@ -13,6 +13,7 @@ import dataclasses
 import math
 from typing import Any
 
+from dvp_jax.data import rewards as rewards_lib
 from dvp_jax.data import running_sum
 from dvp_jax.data.running_sum import RunningSumTask
 from dvp_jax.data.tasks import ArithmeticTask, GeneratedTask
@@ -27,7 +28,7 @@ from dvp_jax.model.config import (
 # The generated tasks by `data.task` name; "math" reads a file instead.
 GENERATED_TASKS = {"arithmetic": ArithmeticTask, "running_sum": RunningSumTask}
 TASKS = (*GENERATED_TASKS, "math")
-# The verifier of each task (`dvp_jax.data.rewards` kinds).
+# The reward of each task when `data.rewards` is "" (`dvp_jax.data.rewards` built-ins).
 TASK_REWARDS = {"arithmetic": "exact_match", "running_sum": "marked_answer", "math": "math_verify"}
 
 
@@ -93,7 +94,7 @@ class RolloutConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """The prompts and their verifier: a generated task (`GENERATED_TASKS`) or a math file.
+    """The prompts and their reward: a generated task (`GENERATED_TASKS`) or a math file.
 
     `arithmetic` and `running_sum` hold each generated task's knobs under the task's own field
     names (`ArithmeticTask`, `RunningSumTask`; their seed is `data.seed`); the task owns their
@@ -101,7 +102,7 @@ class DataConfig:
     whichever `task` runs, and `make_task()` returns the one that does.
     """
 
-    task: str = "arithmetic"  # one of TASKS; the reward kind follows (TASK_REWARDS)
+    task: str = "arithmetic"  # one of TASKS
     path: str = ""  # jsonl / parquet in the DAPO-Math layout, for task="math"
     eval_path: str = ""  # held-out math file (e.g. AIME25) for avg@k; generated tasks have a split
     # "char", "running_sum:<n_words>" (task="running_sum") or a path to a tokenizer.json
@@ -111,6 +112,10 @@ class DataConfig:
     seed: int = 0
     arithmetic: dict = dataclasses.field(default_factory=dict)
     running_sum: dict = dataclasses.field(default_factory=dict)
+    # Weighted reward terms "name[=weight],..." (`dvp_jax.data.rewards.parse_rewards`), e.g.
+    # "math_verify=1.0,math_format=0.1,my_pkg.my_mod:my_fn=0.5"; "" is the task's verifier
+    # (TASK_REWARDS).
+    rewards: str = ""
 
     def __post_init__(self):
         check_one_of("data.task", self.task, TASKS)
@@ -123,6 +128,12 @@ class DataConfig:
         built = {name: self._build_task(name, cls) for name, cls in GENERATED_TASKS.items()}
         object.__setattr__(self, "_tasks", built)  # not a field: derived from the knobs
         self._check_tokenizer(built["running_sum"])
+        check_field(isinstance(self.rewards, str), "data.rewards", "a string", self.rewards)
+        try:  # user functions are imported here, before any work
+            terms = rewards_lib.parse_rewards(self.reward_spec)
+        except ValueError as e:
+            raise ValueError(f"config.data.rewards: {e}") from None
+        object.__setattr__(self, "_reward_terms", terms)  # not a field: parsed from `rewards`
 
     def _build_task(self, name: str, cls):
         """The task of `data.<name>`'s knobs; the knob dict is completed with its defaults."""
@@ -170,9 +181,14 @@ class DataConfig:
         )
 
     @property
-    def reward_kind(self) -> str:
-        """The verifier of the task (TASK_REWARDS)."""
-        return TASK_REWARDS[self.task]
+    def reward_spec(self) -> str:
+        """`rewards`, or the task's verifier (TASK_REWARDS) when it is ""."""
+        return self.rewards or TASK_REWARDS[self.task]
+
+    @property
+    def reward_terms(self) -> tuple[rewards_lib.RewardTerm, ...]:
+        """The parsed terms of `reward_spec` (`rewards_lib.parse_rewards`)."""
+        return self._reward_terms
 
     def make_task(self) -> GeneratedTask | None:
         """The generated task `task` names, or None for "math": the same problems and held-out

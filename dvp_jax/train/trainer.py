@@ -151,7 +151,7 @@ class Trainer:
             self.cfg.eval.k,
             self._key(step, _EVAL_STREAM),
             prompt_len=self.cfg.data.max_prompt_len,
-            kind=self.cfg.data.reward_kind,
+            kind=self.cfg.data.reward_spec,
             sampling=sampling,
             should_stop=self.preemption.requested,
         )
@@ -205,11 +205,16 @@ class Trainer:
         )
         t_rollout = time.time() - t0
 
-        # Rewards on host (0 for a truncated response), then RLOO advantages (E8).
+        # Weighted rewards on host (text terms give a truncated response 0), then RLOO (E8).
         answers = [a for a in prompts.answers for _ in range(cfg.train.group_size)]
-        reward = evaluation.rollout_rewards(
-            self.parts.tokenizer, rollouts, answers, cfg.data.reward_kind
+        scores = evaluation.rollout_reward_terms(
+            self.parts.tokenizer,
+            rollouts,
+            answers,
+            cfg.data.reward_terms,
+            max_decode_length=cfg.rollout.max_decode_length,
         )
+        reward = scores.total
         advantages = np.asarray(adv.rloo(jnp.asarray(reward), cfg.train.group_size))
         host_batch = batch_lib.from_rollouts(rollouts, advantages)
 
@@ -238,6 +243,7 @@ class Trainer:
             rollout_tok_s=tokens / max(t_rollout, 1e-9),  # global tokens / this host's time
             train_precision=cfg.train.precision,
         )
+        metrics.update(evaluation.reward_metrics(scores))  # reward/<term>, reward_failures/<term>
         return metrics
 
     def _with_old_policy(self, host_batch: batch_lib.RLBatch) -> batch_lib.RLBatch:
