@@ -19,16 +19,15 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from absl import logging
 
+from dvp_jax.data.chat import chat_renderer, render_messages
 from dvp_jax.data.tasks import Example
 from dvp_jax.workdir import as_path
 
-_CHAT_FORMATS = ("chatml", "plain")
 # The DAPO-Math layout: where the default `RowFields` look, in order.
 _PROMPT_FIELDS = ("prompt", "problem", "question")
 _ANSWER_FIELDS = ("reward_model.ground_truth", "answer")
@@ -154,16 +153,6 @@ class LoadReport:
             f"{self.path}: {self.num_rows} rows read, {self.num_loaded} loaded, "
             f"{self.num_malformed} malformed skipped (rows: {head}{more})"
         )
-
-
-def render_messages(messages: Sequence[dict[str, str]], chat_format: str = "chatml") -> str:
-    """Chat messages -> prompt text ending where the assistant's answer starts."""
-    if chat_format == "chatml":
-        turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        return turns + "<|im_start|>assistant\n"
-    if chat_format == "plain":
-        return "\n".join(m["content"] for m in messages)
-    raise ValueError(f"chat_format must be one of {_CHAT_FORMATS}, got {chat_format!r}")
 
 
 def _short(e: BaseException, limit: int = 300) -> str:
@@ -348,7 +337,7 @@ def load_math_dataset(
     tokenizer,
     *,
     max_prompt_tokens: int,
-    chat_format: str = "chatml",
+    chat_format: str = "auto",
     add_bos: bool | None = None,
     process_index: int = 0,
     process_count: int = 1,
@@ -369,8 +358,8 @@ def load_math_dataset(
       (examples, report): the loaded `Example`s (key "row<r>", index r) and the `LoadReport`.
     """
     path = os.fspath(path)
-    if chat_format not in _CHAT_FORMATS:
-        raise ValueError(f"chat_format must be one of {_CHAT_FORMATS}, got {chat_format!r}")
+    # Once per file: the tokenizer's chat template ("auto"), or a format name (`data.chat`).
+    chat_format = chat_renderer(chat_format, tokenizer)
     if not 0 <= process_index < process_count:
         raise ValueError(
             f"need 0 <= process_index < process_count, got {process_index}, {process_count}"

@@ -2,7 +2,8 @@
 
 `ModelConfig` mirrors the fields of Hugging Face's `Qwen3Config` that change the computation;
 `from_hf` / `to_hf` convert a `config.json` dict in both directions and refuse architectures this
-model does not implement (MoE, sliding-window attention, attention biases, RoPE scaling).
+model does not implement (MoE, sliding-window attention, attention biases, RoPE scaling);
+`check_matches_checkpoint` checks a preset and explicit fields against a file's architecture.
 """
 
 from __future__ import annotations
@@ -249,11 +250,12 @@ class ModelConfig:
         Raises:
           ValueError: naming the field, for architectures this model does not implement.
         """
-        model_type = hf.get("model_type")
-        if model_type != "qwen3":
+        model_type, archs = hf.get("model_type"), hf.get("architectures") or list(ARCHITECTURES)
+        if model_type != "qwen3" or any(a not in ARCHITECTURES for a in archs):
             raise ValueError(
-                f"config.json field 'model_type' is {model_type!r}; only 'qwen3' (dense) is "
-                "supported (MoE variants such as 'qwen3_moe' are not)"
+                f"config.json has model_type={model_type!r}, architectures={archs}; allowed: "
+                f"model_type 'qwen3' (dense Qwen3; not MoE such as 'qwen3_moe') with "
+                f"architectures {list(ARCHITECTURES)}"
             )
         unsupported = {
             "num_experts": lambda v: v not in (None, 0),
@@ -307,26 +309,74 @@ class ModelConfig:
     def to_hf(self) -> dict[str, Any]:
         """The Hugging Face `config.json` dict for this config (Qwen3ForCausalLM)."""
         return {
-            "architectures": ["Qwen3ForCausalLM"],
+            "architectures": list(ARCHITECTURES),
             "model_type": "qwen3",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.d_model,
-            "num_hidden_layers": self.n_layers,
-            "num_attention_heads": self.n_heads,
-            "num_key_value_heads": self.n_kv_heads,
-            "head_dim": self.head_dim,
-            "intermediate_size": self.d_ff,
-            "rope_theta": self.rope_theta,
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_embeddings,
-            "max_position_embeddings": self.max_position_embeddings,
-            "initializer_range": self.init_std,
+            **{hf: getattr(self, ours) for ours, hf in HF_FIELDS.items()},
             "hidden_act": "silu",
             "attention_bias": False,
             "attention_dropout": 0.0,
             "use_sliding_window": False,
             "torch_dtype": "float32",
         }
+
+
+# The `architectures` of a config.json this model implements.
+ARCHITECTURES = ("Qwen3ForCausalLM",)
+# Each ModelConfig field and its name in a Hugging Face config.json (`to_hf`, and the messages
+# of `check_matches_checkpoint`).
+HF_FIELDS = {
+    "vocab_size": "vocab_size",
+    "d_model": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "d_ff": "intermediate_size",
+    "rope_theta": "rope_theta",
+    "rms_norm_eps": "rms_norm_eps",
+    "tie_embeddings": "tie_word_embeddings",
+    "max_position_embeddings": "max_position_embeddings",
+    "init_std": "initializer_range",
+}
+# The fields a checkpoint's weights depend on: all but the context length and the init scale,
+# which a config may set to other values than its config.json's.
+ARCHITECTURE_FIELDS = tuple(
+    f for f in HF_FIELDS if f not in ("max_position_embeddings", "init_std")
+)
+
+
+def check_matches_checkpoint(
+    found: ModelConfig, source: str, preset: str | None = None, given: dict | None = None
+) -> None:
+    """Checks what a config states against the architecture `found` in `source` (a config.json).
+
+    Each of `ARCHITECTURE_FIELDS` stated by `given` (explicit model fields), else by the preset
+    (all of them but `vocab_size`, which runs without a checkpoint take from the tokenizer),
+    must equal the file's value.
+
+    Raises:
+      ValueError: one line naming each disagreeing field, the file's value and the given one.
+    """
+    stated = {}
+    if preset:
+        if preset not in PRESETS:
+            raise ValueError(f"unknown model preset {preset!r}; allowed: {sorted(PRESETS)}")
+        stated = {
+            f: (getattr(PRESETS[preset], f), f"model.preset={preset!r} gives")
+            for f in ARCHITECTURE_FIELDS
+            if f != "vocab_size"
+        }
+    stated |= {f: (v, "config gives") for f, v in (given or {}).items() if f in ARCHITECTURE_FIELDS}
+    diff = [
+        f"{f}: {where} {value!r}, the file has {HF_FIELDS[f]}={getattr(found, f)!r}"
+        for f, (value, where) in stated.items()
+        if value != getattr(found, f)
+    ]
+    if diff:
+        raise ValueError(
+            f"config.model disagrees with {source}: {'; '.join(diff)} (the architecture comes "
+            "from the file: drop model.preset and these model fields, or make them match)"
+        )
 
 
 def _qwen3(d_model: int, n_layers: int, n_heads: int, d_ff: int, tie: bool) -> ModelConfig:

@@ -2,10 +2,11 @@
 
 Three, each usable by the rollout engine, JetStream's orchestrator and the data pipeline:
 `CharTokenizer` (the generated arithmetic task's fixed characters), `HFTokenizer` (a local
-Hugging Face `tokenizer.json`, never the hub) and `WordTokenizer` (a word vocabulary built in
-memory; `running_sum_tokenizer` is the running-sum task's). `load_tokenizer(spec)` picks one
-from a config string. The API they share (JetStream's `encode` / `decode`, plus `encode_ids`,
-the special ids and `save_hf`) is documented on `_BucketTokenizer`. Callers running JetStream's
+`tokenizer.json` with its `tokenizer_config.json` and chat template) and `WordTokenizer` (a word
+vocabulary built in memory; `running_sum_tokenizer` is the running-sum task's).
+`load_tokenizer(spec)` picks one from a config string (a Hub repo id: its cached snapshot, as
+`model.hf_path`). The API they share (JetStream's `encode` / `decode`, plus `encode_ids`, the
+special ids and `save_hf`) is documented on `_BucketTokenizer`. Callers running JetStream's
 orchestrator: `encode` raises `ValueError` on text it cannot tokenise (characters outside the
 vocabulary, over-long prompts); validate requests before they reach the prefill thread.
 """
@@ -14,12 +15,15 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 from jetstream.engine import tokenizer_api
+
+from dvp_jax.model import hub
 
 # JetStream's default prefill buckets (jetstream.engine.token_utils.pad_tokens). Copied rather
 # than imported: token_utils imports seqio and with it TensorFlow.
@@ -114,13 +118,11 @@ class _BucketTokenizer(tokenizer_api.Tokenizer):
         `transformers.AutoTokenizer.from_pretrained(directory)` then gives a fast tokenizer whose
         `tokenizer(text).input_ids` are this tokenizer's ids (BOS first iff `add_bos`, no
         padding) and whose `decode` matches ours; `HFTokenizer(directory)` reads back the same
-        ids, EOS, pad, BOS and `add_bos`. Extra `stop_tokens` are not stored (pass them again).
-        Call it after `hf_import.save_hf(model, directory)`, which replaces the directory.
-        """
+        ids, EOS, pad, BOS, `add_bos` and chat template. Extra `stop_tokens` are not stored.
+        Call it after `hf_import.save_hf(model, directory)`, which replaces the directory."""
         from tokenizers import processors  # Local import: only the export needs the library.
 
-        tok = self._hf_backend()
-        bos = self._bos_token()
+        tok, bos = self._hf_backend(), self._bos_token()
         # BOS iff add_bos, nothing else: the template transformers (v5) itself builds from
         # `add_bos_token` / `add_eos_token`, stored in tokenizer.json too for versions that don't.
         if self.add_bos:
@@ -141,6 +143,8 @@ class _BucketTokenizer(tokenizer_api.Tokenizer):
             # transformers' default clean-up rewrites " ." as "." and so on: not our decode.
             "clean_up_tokenization_spaces": False,
         }
+        if getattr(self, "hf_config", {}).get("chat_template"):  # the prompts' template, kept
+            config["chat_template"] = self.hf_config["chat_template"]
         directory = os.fspath(directory)
         os.makedirs(directory, exist_ok=True)
         tok.save(os.path.join(directory, "tokenizer.json"))
@@ -220,7 +224,8 @@ class HFTokenizer(_BucketTokenizer):
 
     Args:
       path: a `tokenizer.json` file, or a directory containing one (and optionally a
-        `tokenizer_config.json` naming `eos_token`, `pad_token`, `bos_token`).
+        `tokenizer_config.json` naming `eos_token`, `pad_token`, `bos_token`, `chat_template`;
+        a `chat_template.jinja` replaces the last). `hf_config` keeps that dict.
       eos, pad, bos: token strings or ids; override the file. `pad` defaults to EOS when neither
         gives one. Without any BOS token, `bos_id` is EOS (the Qwen convention) and `add_bos` is
         False.
@@ -248,24 +253,22 @@ class HFTokenizer(_BucketTokenizer):
                 f"no tokenizer.json at {path!r}; pass a local tokenizer.json file or a directory "
                 "containing one (nothing is downloaded)"
             )
-        config = {}
-        config_file = os.path.join(os.path.dirname(file), "tokenizer_config.json")
-        if os.path.isfile(config_file):
-            with open(config_file, encoding="utf-8") as f:
-                config = json.load(f)
+        config, folder = {}, pathlib.Path(file).parent
+        if (folder / "tokenizer_config.json").is_file():
+            config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        if (folder / "chat_template.jinja").is_file():  # the file wins, as in transformers
+            config["chat_template"] = (folder / "chat_template.jinja").read_text(encoding="utf-8")
         tok = tokenizers.Tokenizer.from_file(file)
         self._setup(tok, file, config, eos, pad, bos, add_bos, stop_tokens)
 
     def _setup(self, tok, path: str, config: dict, eos, pad, bos, add_bos, stop_tokens) -> None:
-        """Special tokens from the arguments (`__init__`'s), else `config` (a
-        tokenizer_config.json's dict)."""
-        self.path = path  # Where the vocabulary came from, for error messages.
-        self._tok = tok
+        """Special tokens from the arguments (`__init__`'s), else from `config`."""
+        self.path, self._tok = path, tok  # path: where the vocabulary came from, for messages
+        self.hf_config = config  # tokenizer_config.json's (read by `data.chat`)
 
         def from_config(key: str) -> str | None:
-            value = config.get(key)
-            if isinstance(value, dict):  # {"content": "...", ...} in older configs.
-                value = value.get("content")
+            value = config.get(key)  # {"content": "...", ...} in older configs:
+            value = value.get("content") if isinstance(value, dict) else value
             return value if isinstance(value, str) else None
 
         eos = eos if eos is not None else from_config("eos_token")
@@ -413,8 +416,9 @@ def running_sum_tokenizer(n_words: int | None = None) -> WordTokenizer:
 def load_tokenizer(spec: str | os.PathLike | tokenizer_api.Tokenizer, **kwargs: Any):
     """A tokenizer from its spec: `"char"` -> `CharTokenizer()`; `"running_sum"` or
     `"running_sum:<n_words>"` -> `running_sum_tokenizer` (these names win over a path of the
-    same name); anything else is a path for `HFTokenizer(spec, **kwargs)`. A tokenizer instance
-    is returned unchanged."""
+    same name); a Hub repo id ('org/name', not an existing path) is resolved to its cached
+    snapshot (`model.hub`); anything else is a path for `HFTokenizer(spec, **kwargs)`. A
+    tokenizer instance is returned unchanged."""
     if isinstance(spec, tokenizer_api.Tokenizer):
         return spec
     builtin = spec == "char" or (isinstance(spec, str) and spec.split(":")[0] == RUNNING_SUM)
@@ -424,6 +428,8 @@ def load_tokenizer(spec: str | os.PathLike | tokenizer_api.Tokenizer, **kwargs: 
         return CharTokenizer()
     if builtin:
         return running_sum_tokenizer(parse_running_sum_spec(spec))
+    if isinstance(spec, str) and hub.is_repo_id(spec):  # its snapshot, as model.hf_path's
+        spec = hub.resolve_model_dir(spec, "config.data.tokenizer")
     return HFTokenizer(spec, **kwargs)
 
 

@@ -3,7 +3,6 @@ preemption signals. `Trainer` (train/trainer.py) wires them into the loop."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import signal
 
@@ -14,20 +13,13 @@ from flax import nnx
 
 from dvp_jax.checkpoint import Checkpointer
 from dvp_jax.errors import ConfigError, UserError
-from dvp_jax.model import DTypePolicy, ModelConfig, Transformer
-from dvp_jax.model.hf_import import load_hf, load_hf_config
+from dvp_jax.model import DTypePolicy, Transformer
+from dvp_jax.model.hf_import import load_hf
 from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
 from dvp_jax.sharding import MeshConfig, Sharder, init_sharded, make_mesh
 from dvp_jax.train import resume
 from dvp_jax.train.config import ExperimentConfig
 from dvp_jax.workdir import as_path
-
-# ModelConfig fields a checkpoint's weights depend on (not the context length or init scale).
-_ARCHITECTURE_FIELDS = tuple(
-    f.name
-    for f in dataclasses.fields(ModelConfig)
-    if f.name not in ("max_position_embeddings", "init_std")
-)
 
 
 class Preemption:
@@ -98,20 +90,6 @@ class Preemption:
 # ==============================================================================================
 # Building the pieces of a run
 # ==============================================================================================
-def _check_same_architecture(ours, theirs, path: str) -> None:
-    diff = [
-        f"{f}: config {getattr(ours, f)!r} vs checkpoint {getattr(theirs, f)!r}"
-        for f in _ARCHITECTURE_FIELDS
-        if getattr(ours, f) != getattr(theirs, f)
-    ]
-    if diff:
-        raise ConfigError(
-            f"config.model does not match the checkpoint {path!r}: "
-            + "; ".join(diff)
-            + " (set config.model.preset / fields to match)"
-        )
-
-
 def load_run_tokenizer(spec: str):
     """`config.data.tokenizer` loaded; a path that does not load is the user's mistake."""
     from dvp_jax.rollout.tokenizers import load_tokenizer
@@ -133,10 +111,10 @@ def train_policy(cfg: ExperimentConfig, platform: str) -> DTypePolicy:
 
 def build_model(cfg: ExperimentConfig, sharder: Sharder) -> Transformer:
     """The trainer model (`train.precision`: true fp32 by default), born sharded: from
-    `model.hf_path` or a random init."""
+    `model.hf_path` (resolved and its config.json checked by `ExperimentConfig`) or a random
+    init."""
     policy = train_policy(cfg, sharder.platform)
     if cfg.init_hf_path:
-        _check_same_architecture(cfg.model, load_hf_config(cfg.init_hf_path), cfg.init_hf_path)
         return load_hf(cfg.init_hf_path, policy, sharder, cfg=cfg.model, remat=cfg.train.remat)
     return init_sharded(
         lambda: Transformer(

@@ -18,6 +18,7 @@ from dvp_jax.dvp.losses import PRESETS as LOSS_PRESETS
 from dvp_jax.dvp.losses import LossConfig
 from dvp_jax.model.config import PRESETS as MODEL_PRESETS
 from dvp_jax.model.config import ModelConfig
+from dvp_jax.model.hub import checkpoint_config, resolve_model_dir
 from dvp_jax.sharding import MeshConfig
 from dvp_jax.train.sections import (
     GENERATED_TASKS,
@@ -48,14 +49,14 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig
     log_every: int = 1
     plots: bool = True
-    init_hf_path: str = ""  # a local Hugging Face Qwen3 directory to start from (model.hf_path)
+    init_hf_path: str = ""  # model.hf_path resolved: the local directory the weights are read from
 
     @classmethod
     def from_config_dict(cls, cd: ml_collections.ConfigDict, vocab_size: int) -> ExperimentConfig:
         """Validates a ConfigDict once; `vocab_size` is the tokenizer's (model.vocab_size=-1).
 
         `None` (an unset placeholder of `default_config`) means "not set here": the model field
-        comes from `model.preset`, the loss field from the method preset (or, for
+        comes from `model.hf_path`'s config.json or `model.preset`, the loss field from the method preset (or, for
         `loss.temperature`, from `rollout.temperature`).
         """
         d = cd.to_dict() if isinstance(cd, ml_collections.ConfigDict) else dict(cd)
@@ -68,21 +69,29 @@ class ExperimentConfig:
         unset = lambda section: {k: v for k, v in dict(d.get(section, {})).items() if v is not None}
 
         model_d = unset("model")
-        preset = model_d.pop("preset", "tiny")
+        preset = model_d.pop("preset", "") or ""  # "": "tiny", or with hf_path the file's
         hf_path = model_d.pop("hf_path", "") or ""
-        check_one_of("model.preset", preset, sorted(MODEL_PRESETS))
-        if model_d.get("vocab_size", -1) == -1:
-            # Round the tokenizer's vocabulary up to a multiple of 8 so it shards evenly.
-            model_d["vocab_size"] = -(-vocab_size // 8) * 8
+        if preset or not hf_path:
+            check_one_of("model.preset", preset or "tiny", sorted(MODEL_PRESETS))
+        if hf_path:
+            # The architecture is the checkpoint's config.json (a local directory or a Hub
+            # repo's snapshot, resolved once, here); a preset or a field stated too must agree.
+            hf_path = resolve_model_dir(hf_path)
+            if model_d.get("vocab_size") == -1:
+                del model_d["vocab_size"]  # the checkpoint's embedding rows
+            base = checkpoint_config(hf_path, preset, model_d)
+        else:
+            base = MODEL_PRESETS[preset or "tiny"]
+            if model_d.get("vocab_size", -1) == -1:
+                # Round the tokenizer's vocabulary up to a multiple of 8 so it shards evenly.
+                model_d["vocab_size"] = -(-vocab_size // 8) * 8
+        model = _build("model", ModelConfig, model_d, base=base)
         check_field(
-            model_d["vocab_size"] >= vocab_size,
+            model.vocab_size >= vocab_size,
             "model.vocab_size",
             f">= the tokenizer's vocabulary ({vocab_size})",
-            model_d["vocab_size"],
+            model.vocab_size,
         )
-        # With model.hf_path the preset must describe the checkpoint; the trainer checks it
-        # against the checkpoint's config.json when it loads the weights.
-        model = _build("model", ModelConfig, model_d, base=MODEL_PRESETS[preset])
 
         method = d.get("method", "dvp")
         check_one_of("method", method, LOSS_PRESETS)
@@ -163,9 +172,14 @@ def default_config(method: str = "dvp", **sections: dict[str, Any]) -> ml_collec
         c[section] = _fields_dict(cls, from_preset.get(section, ()))
     for name, cls in GENERATED_TASKS.items():  # each task's knobs under its own names
         c.data[name] = _fields_dict(cls, skip=("seed",))
-    c.model.preset = "tiny"  # a ModelConfig preset name; the fields above override it
-    c.model.vocab_size = -1  # -1: the tokenizer's vocabulary rounded up to a multiple of 8
-    c.model.hf_path = ""  # a local Hugging Face Qwen3 directory to start from ("" = random init)
+    # A ModelConfig preset name, the fields above overriding it; "": "tiny", or with hf_path
+    # the architecture of its config.json (a preset or field given too must agree with it).
+    c.model.preset = ""
+    # -1: the tokenizer's vocabulary rounded up to a multiple of 8 (with hf_path: the file's)
+    c.model.vocab_size = -1
+    # A Hugging Face Qwen3 model to start from: a local directory or a Hub repo id resolved
+    # through the HF cache (HF_HUB_OFFLINE=1: the cache only); "" = random init.
+    c.model.hf_path = ""
     for name in _TOP_LEVEL[1:]:
         c[name] = field_default(
             next(f for f in dataclasses.fields(ExperimentConfig) if f.name == name)

@@ -15,6 +15,7 @@ from typing import Any
 
 from dvp_jax.data import rewards as rewards_lib
 from dvp_jax.data import running_sum
+from dvp_jax.data.chat import CHAT_FORMATS
 from dvp_jax.data.running_sum import RunningSumTask
 from dvp_jax.data.tasks import ArithmeticTask, GeneratedTask
 from dvp_jax.model.config import (
@@ -105,9 +106,12 @@ class DataConfig:
     task: str = "arithmetic"  # one of TASKS
     path: str = ""  # jsonl / parquet in the DAPO-Math layout, for task="math"
     eval_path: str = ""  # held-out math file (e.g. AIME25) for avg@k; generated tasks have a split
-    # "char", "running_sum:<n_words>" (task="running_sum") or a path to a tokenizer.json
+    # "char", "running_sum:<n_words>" (task="running_sum"), a path to a tokenizer.json (or its
+    # directory) or a Hub repo id (resolved like model.hf_path, e.g. the same id)
     tokenizer: str = "char"
-    chat_format: str = "chatml"
+    # How chat-message prompts become text (CHAT_FORMATS, `dvp_jax.data.chat`): "auto" the
+    # tokenizer's own chat_template, else ChatML; "chatml" always ChatML; "plain" the contents.
+    chat_format: str = "auto"
     max_prompt_len: int = 16
     seed: int = 0
     arithmetic: dict = dataclasses.field(default_factory=dict)
@@ -119,6 +123,7 @@ class DataConfig:
 
     def __post_init__(self):
         check_one_of("data.task", self.task, TASKS)
+        check_one_of("data.chat_format", self.chat_format, CHAT_FORMATS)
         if self.task == "math":
             check_field(
                 bool(self.path), "data.path", "a jsonl/parquet file path for task='math'", self.path
