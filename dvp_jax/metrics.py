@@ -6,9 +6,10 @@ run summary, plots, experiment analysis), so a misspelt key fails loudly instead
 The loss and diagnostics functions in `dvp_jax.dvp` produce most of these keys; their meanings
 are in docs/design.md section 2.
 
-`EventFiles` writes the same numbers as TensorBoard event files.
-`MetricsLog` writes one JSON row per step (`{"step": s, name: value, ...}`); `read_metrics` is
-the one reader (trainer summary, `plots.py`, `experiments/`). Paths go through `etils.epath`
+`EventFiles` writes the same numbers as TensorBoard event files (and text, for sample tables).
+`MetricsLog` writes one JSON row per step (`{"step": s, name: value, ...}`) through `JsonlLog`,
+which also keeps `samples.jsonl` (`dvp_jax.trackers`); `read_metrics` is the one reader
+(trainer summary, `plots.py`, `experiments/`). Paths go through `etils.epath`
 (`dvp_jax/workdir.py`), so the log may live in a `gs://` workdir.
 """
 
@@ -22,6 +23,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from absl import logging
 from etils import epath
@@ -56,6 +58,13 @@ METRICS: dict[str, str] = {
     "is_weight_max": "max applied importance weight (E7)",
     "is_weight_ess": "normalised effective sample size of the weights, in (0, 1]",
     "ppo_clip_frac": "kept tokens whose PPO clip is active (updates_per_batch > 1, E9)",
+    # ----- KL to the frozen reference and entropy bonus (E11, E12; only when their coef > 0)
+    "kl_ref": "mean over E11's tokens of the loss.kl_estimator estimate of KL(pi_S || pi_ref_S)",
+    "kl_ref_loss": "the KL term added to the loss, kl_coef (1/Z) sum_t k_t (E11)",
+    "frac_tokens_outside_ref_safe": (
+        "sampled response tokens outside the reference's safe set, left out of the KL (E11)"
+    ),
+    "entropy_bonus": "the entropy term added to the loss, -entropy_coef (1/Z) sum_t H_t (E12)",
     # ----- mismatch diagnostics (dvp.diagnostics.mismatch_diagnostics)
     **_MISMATCH,
     **{"full_" + k: v + ", unpruned" for k, v in _MISMATCH.items()},
@@ -115,6 +124,9 @@ _FAMILIES = (
     # reward/<name> its unweighted mean over the rollout batch, reward_failures/<name> the
     # responses on which it raised or returned a non-finite value (scored 0).
     re.compile(r"reward(_failures)?/[\w.]+"),
+    # Per named validation set (`eval.sets`, `evaluation.evaluate`): eval/<name>/accuracy its
+    # avg@k (mean reward of k samples per prompt), eval/<name>/pass_at_k.
+    re.compile(r"eval/[A-Za-z0-9_.-]+/(accuracy|pass_at_k)"),
 )
 
 
@@ -143,18 +155,18 @@ def _is_declared(name: str) -> bool:
     return True
 
 
-def _path(workdir_or_file: str | os.PathLike) -> epath.Path:
+def _path(workdir_or_file: str | os.PathLike, name: str = "metrics.jsonl") -> epath.Path:
     path = as_path(workdir_or_file)
-    return path / "metrics.jsonl" if path.is_dir() else path
+    return path / name if path.is_dir() else path
 
 
-def read_metrics(workdir_or_file: str | os.PathLike) -> list[dict]:
-    """The rows of `<workdir>/metrics.jsonl` (or of the given file); [] if it does not exist.
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """The rows of a run's jsonl file; [] if it does not exist.
 
     A torn last line (a run killed while writing it) is skipped with a warning; a bad line
     elsewhere is an error naming the file and the line.
     """
-    path = _path(workdir_or_file)
+    path = as_path(path)
     if not path.exists():
         return []
     lines = [line for line in path.read_text().splitlines() if line.strip()]
@@ -168,6 +180,11 @@ def read_metrics(workdir_or_file: str | os.PathLike) -> list[dict]:
                 break
             raise ValueError(f"{path} line {i + 1} is not JSON: {e}") from None
     return rows
+
+
+def read_metrics(workdir_or_file: str | os.PathLike) -> list[dict]:
+    """The rows of `<workdir>/metrics.jsonl` (or of the given file); [] if it does not exist."""
+    return read_jsonl(_path(workdir_or_file))
 
 
 def series(rows: Iterable[Mapping], name: str) -> tuple[list[int], list[float]]:
@@ -184,44 +201,77 @@ def tail_mean(rows: Iterable[Mapping], name: str, last: int = 5) -> float | None
     return sum(values) / len(values) if values else None
 
 
-class MetricsLog:
-    """Appends checked rows to `<workdir>/metrics.jsonl` (process 0 writes; others only check).
+class JsonlLog:
+    """Appends JSON rows to `<workdir>/<NAME>` (process 0 writes; others only check).
 
     The rows are also kept in memory, so a backend that cannot append (an object store) gets
     the whole log rewritten atomically instead.
     """
 
+    NAME = ""
+
     def __init__(self, workdir: str | os.PathLike, write: bool = True):
-        self.path = as_path(workdir) / "metrics.jsonl"
+        self.path = as_path(workdir) / self.NAME
         self.write = write
-        self._rows: list[dict] = []
+        self._rows: list[str] = []
 
-    def append(self, step: int, metrics: Mapping[str, float]) -> None:
-        check(metrics)
+    def _append(self, row: Mapping[str, Any]) -> None:
         if self.write:
-            row = json.dumps({"step": step, **metrics}) + "\n"
-            self._rows.append(row)
-            append_line(self.path, row, "".join(self._rows))
+            line = json.dumps(row) + "\n"
+            self._rows.append(line)
+            append_line(self.path, line, "".join(self._rows))
 
-    def truncate_after(self, step: int | None) -> None:
-        """Resume at checkpoint `step`: keeps the rows written before that checkpoint.
+    def _redone(self, row: Mapping[str, Any]) -> bool:
+        """Whether a row of the checkpoint's step is written after that checkpoint."""
+        return False
 
-        Those are the rows with `row["step"] <= step`, except the final-evaluation row
-        (`phase` 1), which is written after the last checkpoint and so is always redone.
+    def truncate_after(self, step: int | None) -> list[dict]:
+        """Resume at checkpoint `step`: keeps the rows written before that checkpoint, and
+        returns the others (those a resumed run writes again).
+
+        Those kept are the rows with `row["step"] <= step`, except the ones `_redone` names.
         `step=None` (a fresh start, no checkpoint) keeps nothing. The kept rows are written to a
         temporary file that replaces the log in one rename, so a kill during the rewrite leaves
         either the old or the new log, never a partial one.
         """
         if not self.write:
-            return
-        rows = [] if step is None else read_metrics(self.path)
-        rows = [r for r in rows if r["step"] <= step and r.get("phase") != 1.0]
-        self._rows = [json.dumps(r) + "\n" for r in rows]
+            return []
+        try:
+            rows = read_jsonl(self.path)
+        except ValueError:  # a fresh start keeps nothing of a log it cannot read
+            if step is not None:
+                raise
+            rows = []
+        keep = lambda r: step is not None and r["step"] <= step and not self._redone(r)
+        self._rows = [json.dumps(r) + "\n" for r in rows if keep(r)]
         if self.path.exists() or self._rows:
             write_atomic(self.path, "".join(self._rows))
+        return [r for r in rows if not keep(r)]
 
     def read(self) -> list[dict]:
-        return read_metrics(self.path)
+        return read_jsonl(self.path)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in the log: those kept by `truncate_after` and those appended since."""
+        return len(self._rows)
+
+
+class MetricsLog(JsonlLog):
+    """Checked rows `{"step": s, name: value, ...}` in `<workdir>/metrics.jsonl`.
+
+    On resume the final-evaluation row (`phase` 1), which is written after the last checkpoint,
+    is always redone.
+    """
+
+    NAME = "metrics.jsonl"
+
+    def append(self, step: int, metrics: Mapping[str, float]) -> None:
+        check(metrics)
+        self._append({"step": step, **metrics})
+
+    def _redone(self, row: Mapping[str, Any]) -> bool:
+        return row.get("phase") == 1.0
 
 
 class EventFiles:
@@ -270,6 +320,14 @@ class EventFiles:
         )
         if time.time() - self._flushed > self.FLUSH_S:
             self.flush()
+
+    def write_text(self, step: int, tag: str, text: str) -> None:
+        """A markdown text (TensorBoard's Text tab shows tables) under `tag`."""
+        if self._records is None:
+            return
+        from tensorboardX.summary import text as text_summary
+
+        self._write(self._event(wall_time=time.time(), step=step, summary=text_summary(tag, text)))
 
     def flush(self) -> None:
         if self._records is None:
