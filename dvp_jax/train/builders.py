@@ -96,6 +96,8 @@ def load_run_tokenizer(spec: str):
 
     try:
         return load_tokenizer(spec)
+    except ConfigError:  # a Hub repo id that does not resolve: the message names the field
+        raise
     except (OSError, ValueError) as e:
         raise UserError(f"config.data.tokenizer={spec!r}: {e}") from e
 
