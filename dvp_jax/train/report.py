@@ -1,6 +1,7 @@
 """What a run prints: a start banner, one progress line every few steps, a closing summary.
 
-Everything else a run measures goes to `metrics.jsonl` and the TensorBoard event files only.
+Everything else a run measures goes to `metrics.jsonl`, `samples.jsonl` and the trackers only
+(`dvp_jax.trackers`: TensorBoard event files, W&B).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def banner(cfg: ExperimentConfig, mesh, workdir, resumed_step: int | None) -> No
         ", ".join(f"{axis} {size}" for axis, size in mesh.shape.items()),
     )
     start = "fresh" if resumed_step is None else f"resuming from step {resumed_step}"
-    logging.info("workdir: %s (%s)", workdir, start)
+    trackers = t.trackers.replace(",", ", ") or "none"
+    logging.info("workdir: %s (%s) | trackers: %s", workdir, start, trackers)
 
 
 class Progress:
