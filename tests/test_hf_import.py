@@ -174,8 +174,10 @@ def test_unsupported_architectures_name_the_field(tmp_path):
     cfg_file = os.path.join(path, "config.json")
     with open(cfg_file) as fh:
         cfg = json.load(fh)
-    with pytest.raises(ValueError, match="model_type"):
+    with pytest.raises(ValueError, match="model_type='qwen3_moe'.*allowed: model_type 'qwen3'"):
         ModelConfig.from_hf({**cfg, "model_type": "qwen3_moe", "num_experts": 8})
+    with pytest.raises(ValueError, match=r"\['LlamaForCausalLM'\]; allowed.*Qwen3ForCausalLM"):
+        ModelConfig.from_hf({**cfg, "architectures": ["LlamaForCausalLM"]})
     with pytest.raises(ValueError, match="attention_bias"):
         ModelConfig.from_hf({**cfg, "attention_bias": True})
     with pytest.raises(ValueError, match="use_sliding_window"):

@@ -88,18 +88,18 @@ def resolve_model_dir(spec: str, field: str = "config.model.hf_path") -> str:
         )
     except errors.LocalEntryNotFoundError as e:
         if offline:
-            reason = "HF_HUB_OFFLINE=1, so nothing is downloaded"
+            reason = "HF_HUB_OFFLINE=1: nothing is downloaded"
         else:
-            reason = f"the Hub could not be reached ({type(e.__cause__ or e).__name__})"
+            reason = f"the Hub could not be reached: {type(e.__cause__ or e).__name__}"
         raise ConfigError(
-            f"{field}={spec!r} is not in the Hugging Face cache {cache} and {reason}; download "
-            f"it where the network is reachable (`hf download {spec}`, with HF_HUB_CACHE or "
-            "HF_HOME pointing at this cache), or pass a local directory"
+            f"{field}={spec!r}: no such local directory, and that Hub repo is not in the Hugging "
+            f"Face cache {cache} ({reason}); download it where the network is reachable (`hf "
+            f"download {spec}`, HF_HUB_CACHE or HF_HOME naming this cache) or pass a directory"
         ) from e
     except errors.RepositoryNotFoundError as e:  # also GatedRepoError
         raise ConfigError(
-            f"{field}={spec!r}: the Hub has no such model repo, or it is gated or private "
-            f"(log in with `hf auth login`): {type(e).__name__}"
+            f"{field}={spec!r}: no such local directory, and the Hub has no such model repo, or "
+            f"it is gated or private (log in with `hf auth login`): {type(e).__name__}"
         ) from e
     except errors.HfHubHTTPError as e:
         raise ConfigError(f"{field}={spec!r}: {' '.join(str(e).split())}") from e
