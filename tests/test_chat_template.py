@@ -1,3 +1,4 @@
+# ruff: noqa: E501  (the chat templates keep the long lines their authors wrote)
 """Chat templates: our rendering equals transformers' `apply_chat_template` on real-shaped
 templates (Qwen3, Llama-3, Gemma), ChatML is the fallback, and the data path uses the template.
 
@@ -166,7 +167,7 @@ def tokenizer_json(tmp_path_factory):
 
 
 def _tokenizer_dir(tokenizer_json, directory, template=None, tokens=None, jinja_file=False):
-    """A tokenizer directory as a Hub repo has it (tokenizer_config.json [+ chat_template.jinja])."""
+    """A tokenizer directory as a Hub repo has it: tokenizer_config.json [+ chat_template.jinja]."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "tokenizer.json").write_text(tokenizer_json.read_text())
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}
@@ -245,9 +246,7 @@ def test_jinja_file_wins_and_export_keeps_the_template(tokenizer_json, tmp_path)
     )
 
 
-def test_math_file_prompts_use_the_template_and_a_refused_row_is_skipped(
-    tokenizer_json, tmp_path
-):
+def test_math_file_prompts_use_the_template_and_a_refused_row_is_skipped(tokenizer_json, tmp_path):
     """`load_math_dataset` (chat_format "auto") renders chat rows with the tokenizer's template;
     a conversation the template refuses is a malformed row, not a failed load."""
     template, tokens = TEMPLATES["gemma"]

@@ -56,8 +56,8 @@ class ExperimentConfig:
         """Validates a ConfigDict once; `vocab_size` is the tokenizer's (model.vocab_size=-1).
 
         `None` (an unset placeholder of `default_config`) means "not set here": the model field
-        comes from `model.hf_path`'s config.json or `model.preset`, the loss field from the method preset (or, for
-        `loss.temperature`, from `rollout.temperature`).
+        comes from `model.hf_path`'s config.json or `model.preset`, the loss field from the
+        method preset (or, for `loss.temperature`, from `rollout.temperature`).
         """
         d = cd.to_dict() if isinstance(cd, ml_collections.ConfigDict) else dict(cd)
         unknown = sorted(set(d) - set(_SECTIONS) - set(_TOP_LEVEL))
