@@ -311,6 +311,13 @@ def test_a_field_the_file_lacks_is_one_line_before_any_row(tmp_path, tok, kind):
         ValueError, match=r"none of the default prompt fields .* fields: answer, text"
     ):
         load_math_dataset(bare, tok, max_prompt_tokens=MAX_PROMPT_TOKENS)
+    bare.write_text(json.dumps({"question": "x", "solution": "1"}) + "\n")
+    with pytest.raises(ValueError) as err:
+        load_math_dataset(bare, tok, max_prompt_tokens=MAX_PROMPT_TOKENS)
+    assert str(err.value) == (
+        f"{bare} has none of the default answer fields ['reward_model.ground_truth', 'answer'] "
+        "(set answer_key); its fields: question, solution"
+    )
 
 
 def test_datasets_directory_reads_shards_in_order(tmp_path, tok):

@@ -85,11 +85,16 @@ class RowFields:
             raise ValueError(
                 f"system_key={self.system!r} is not a field of {path}; its fields: {have}"
             )
-        if not self.prompt and not present & set(_PROMPT_FIELDS):
-            raise ValueError(
-                f"{path} has none of the default prompt fields {list(_PROMPT_FIELDS)} (set "
-                f"prompt_key); its fields: {have}"
-            )
+        for name, key, defaults in (
+            (self.prompt, "prompt_key", _PROMPT_FIELDS),
+            (self.answer, "answer_key", _ANSWER_FIELDS),
+        ):
+            if not name and not present & set(defaults):
+                what = key.split("_")[0]
+                raise ValueError(
+                    f"{path} has none of the default {what} fields {list(defaults)} (set "
+                    f"{key}); its fields: {have}"
+                )
 
 
 def _lookup(row: dict, name: str) -> Any:
