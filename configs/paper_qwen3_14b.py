@@ -8,6 +8,19 @@ Command (on every worker of the slice; README.md "TPU" has the `python -m dvp_ja
   Method: the config argument (`:rloo|tis|mis|dvp|mis_dvp`, default mis_dvp) or
   `--config.method=...`. The weights are read from the local Hugging Face directory `HF_DIR`
   below (`model.hf_path`: config.json + safetensors; tokenizer.json for the tokenizer).
+Data: the two files below, made once from the public datasets (downloaded where the network
+  is reachable, then copied to /data on every worker):
+  hf download open-r1/DAPO-Math-17k-Processed --repo-type dataset --include "en/*" \
+    --local-dir /data/raw/dapo_math_17k_processed
+  hf download math-ai/aime25 test.jsonl --repo-type dataset --local-dir /data/raw/aime25
+  python -m dvp_jax.data.prepare --format dapo17k_processed \
+    --input /data/raw/dapo_math_17k_processed/en/train-00000-of-00001.parquet \
+    --out /data/dapo_math_17k_filtered.parquet
+  python -m dvp_jax.data.prepare --format aime25 --input /data/raw/aime25/test.jsonl \
+    --out /data/aime25.parquet
+  (The filtered set is open-r1's deduplicated English subset of BytedTsinghua-SIA/DAPO-Math-17k;
+  `--format dapo17k` converts the original, whose 1.79M rows repeat ~17k problems, deduplicating
+  it the same way. AIME25's problems get DAPO's instruction, so they are asked as in training.)
 Hardware: one Cloud TPU v5p-64 slice: 2x4x4 topology, 32 chips (64 TensorCores, one JAX device
   per chip in megacore mode), 8 hosts, 95 GB HBM per chip. Mesh (data, fsdp, tensor) =
   (1, 8, 4): tensor=4 divides the 40 query and 8 KV heads, keeps the per-decode-step collectives
@@ -27,7 +40,8 @@ from dvp_jax.train.config import default_config
 # Local Hugging Face directory of Qwen3-14B-Base (config.json, *.safetensors, tokenizer.json).
 HF_DIR = "/data/Qwen3-14B-Base"
 
-# AIME25 (30 problems, AIME I + II), DAPO layout (`prompt` + `reward_model.ground_truth`).
+# AIME25 (30 problems, AIME I + II), DAPO layout (`prompt` + `reward_model.ground_truth`), made by
+# `python -m dvp_jax.data.prepare --format aime25` (module docstring).
 EVAL_PATH = "/data/aime25.parquet"
 
 
@@ -56,8 +70,9 @@ def get_config(method: str = "mis_dvp"):
     # loss: the defaults are the paper's: rho = e^-13 (log_rho -13), MIS cap C = 2 (E7).
 
     c.data.task = "math"
-    # Filtered DAPO-Math-17k in the DAPO layout, local jsonl or parquet (override on the command
-    # line; every host reads only its shard of the rows).
+    # Filtered DAPO-Math-17k in the DAPO layout (`dvp_jax.data.prepare`, module docstring), local
+    # jsonl or parquet (override on the command line; every host reads only its shard of the
+    # rows). Another layout: data.prompt_key / answer_key / system_key.
     c.data.path = "/data/dapo_math_17k_filtered.parquet"
     c.data.tokenizer = f"{HF_DIR}/tokenizer.json"
     c.data.eval_path = EVAL_PATH  # AIME25, avg@16 (eval.k)

@@ -19,7 +19,7 @@ from absl import logging
 from flax import nnx
 
 from dvp_jax.data import pipeline
-from dvp_jax.data.tasks import Example, GeneratedTask
+from dvp_jax.data.tasks import GeneratedTask
 from dvp_jax.errors import ConfigError, DataError
 from dvp_jax.rollout.engine import RolloutEngine
 from dvp_jax.sharding import TRAIN_RULES, Sharder, make_mesh
@@ -38,7 +38,7 @@ class RunParts:
     Attributes:
       tokenizer, task: the run's tokenizer and generated task (None for a math file).
       data: this host's prompt iterator (checkpointed with the state); heldout: the
-        evaluation prompts.
+        validation sets (`evaluation.heldout_sets`).
       mesh, sharder, graphdef, optimizer, state_shardings: the trainer side.
       engine, eval_engine: the rollout engine and the evaluation engine (the same object
         unless `eval.dtype` asks for another precision); sync_dtype: the widest param dtype of
@@ -52,7 +52,7 @@ class RunParts:
     tokenizer: Any
     task: GeneratedTask | None
     data: pipeline.PromptIterator
-    heldout: list[Example]
+    heldout: list[evaluation.HeldoutSet]
     mesh: jax.sharding.Mesh | None
     sharder: Sharder
     graphdef: nnx.GraphDef
@@ -160,13 +160,11 @@ def _load_data(cfg: ExperimentConfig, task, tokenizer):
             max_prompt_len=cfg.data.max_prompt_len,
             seed=cfg.data.seed,
             chat_format=cfg.data.chat_format,
+            fields=cfg.data.fields,
         )
     except (OSError, ValueError) as e:  # pyarrow's errors are ValueErrors too
         raise DataError(f"config.data.path: {e}") from e
     if data.report is not None:
         logging.info("data: %s", data.report.summary())
-    try:
-        heldout = evaluation.heldout_examples(cfg.data, task, tokenizer, cfg.eval.num_prompts)
-    except (OSError, ValueError) as e:
-        raise DataError(f"config.data.eval_path: {e}") from e
+    heldout = evaluation.heldout_sets(cfg.data, cfg.eval, task, tokenizer)  # raises DataError
     return data, heldout

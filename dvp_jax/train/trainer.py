@@ -139,21 +139,22 @@ class Trainer:
         key = jax.random.wrap_key_data(jax.device_get(self.state.rng))
         return jax.random.fold_in(jax.random.fold_in(key, stream), step)
 
-    def evaluate(self, step: int) -> dict[str, float]:
-        """Held-out avg@k with the evaluation engine (`eval.dtype`), sampled without the
-        experimental logit noise unless `eval.with_rollout_noise`."""
+    def evaluate(self, step: int, sample_rows: list | None = None) -> dict[str, float]:
+        """avg@k and pass@k of every validation set (`parts.heldout`: the held-out set, then
+        `eval.sets`) with the evaluation engine (`eval.dtype`), sampled without the
+        experimental logit noise unless `eval.with_rollout_noise`; `sample_rows` collects a
+        few responses per set (`evaluation.evaluate`)."""
         sampling = None
         if not self.cfg.eval.with_rollout_noise:
             sampling = self.parts.eval_engine.config.sampling_params(noise_std=0.0)
-        return evaluation.evaluate(
+        return evaluation.evaluate_sets(
             self.parts.eval_engine,
             self.parts.heldout,
-            self.cfg.eval.k,
             self._key(step, _EVAL_STREAM),
             prompt_len=self.cfg.data.max_prompt_len,
-            kind=self.cfg.data.reward_spec,
             sampling=sampling,
             should_stop=self.preemption.requested,
+            sample_rows=sample_rows,
         )
 
     def warm_up(self) -> bool:
