@@ -14,6 +14,7 @@ import math
 import re
 from typing import Any
 
+from dvp_jax import trackers as trackers_lib
 from dvp_jax.data import rewards as rewards_lib
 from dvp_jax.data import running_sum
 from dvp_jax.data.chat import CHAT_FORMATS
@@ -252,8 +253,23 @@ class TrainConfig:
     # "full" (long responses), or keep the matmul outputs ("save_dots", "save_dots_no_batch").
     remat: str = "none"
     seed: int = 0
+    # Where the numbers and sample generations go besides metrics.jsonl / samples.jsonl
+    # (`dvp_jax.trackers.TRACKERS`, comma-separated): "tensorboard" (event files in the
+    # workdir), "wandb" (Weights & Biases: pip install 'dvp_jax[wandb]'), "" (neither).
+    trackers: str = "tensorboard"
+    # The W&B run: "" leaves each to W&B (WANDB_ENTITY, WANDB_MODE, ...); the name defaults to
+    # the workdir's; wandb_mode one of trackers.WANDB_MODES.
+    wandb_project: str = "dvp_jax"
+    wandb_entity: str = ""
+    wandb_name: str = ""
+    wandb_mode: str = ""
 
     def __post_init__(self):
+        trackers_lib.parse_trackers(self.trackers)  # raises naming config.train.trackers
+        for key in ("wandb_project", "wandb_entity", "wandb_name"):
+            value = getattr(self, key)
+            check_field(isinstance(value, str), f"train.{key}", "a string", value)
+        check_one_of("train.wandb_mode", self.wandb_mode, trackers_lib.WANDB_MODES)
         check_int("train.steps", self.steps, 0)
         check_int("train.prompts_per_step", self.prompts_per_step, 1)
         check_int("train.group_size", self.group_size, 2)
@@ -282,6 +298,12 @@ class TrainConfig:
             "train.micro_batches",
             f"a divisor of prompts_per_step * group_size = {batch}",
             self.micro_batches,
+        )
+
+    @property
+    def wandb(self) -> trackers_lib.WandbOptions:
+        return trackers_lib.WandbOptions(
+            self.wandb_project, self.wandb_entity, self.wandb_name, self.wandb_mode
         )
 
 
