@@ -101,25 +101,13 @@ def train_specs(cfg, devices) -> tuple[list[Spec], dict[str, Any]]:
         )
     )
     optimizer = make_optimizer(t.learning_rate, t.warmup_steps, t.weight_decay, t.grad_clip)
-    graphdef, state, state_sh = abstract_train_state(abstract_model, optimizer, sharder)
+    reference = cfg.loss.kl_reference_dtype if cfg.loss.uses_reference else None
+    graphdef, state, state_sh = abstract_train_state(abstract_model, optimizer, sharder, reference)
     rows = t.prompts_per_step * t.group_size // t.updates_per_batch
     length = cfg.data.max_prompt_len + cfg.rollout.max_decode_length
 
-    def rl_batch(n):
-        shapes = dict(
-            tokens=((n, length), jnp.int32),
-            positions=((n, length), jnp.int32),
-            valid=((n, length), jnp.bool_),
-            response_mask=((n, length - 1), jnp.bool_),
-            behaviour_logp=((n, length - 1), jnp.float32),
-            behaviour_logp_full=((n, length - 1), jnp.float32),
-            behaviour_pruned_mass=((n, length - 1), jnp.float32),
-            behaviour_safe_size=((n, length - 1), jnp.float32),
-            advantages=((n,), jnp.float32),
-            old_logp=((n, length - 1), jnp.float32),
-            old_in_safe=((n, length - 1), jnp.bool_),
-        )
-        batch = batch_lib.RLBatch(**{k: jax.ShapeDtypeStruct(*v) for k, v in shapes.items()})
+    def rl_batch(n):  # the trainer's batch shapes (`batch.abstract_batch`), sharded
+        batch = batch_lib.abstract_batch(n, length, cfg.loss.uses_reference)
         return _structs(batch, batch_lib.batch_shardings(batch, sharder))
 
     def update_spec(name, n, micro_batches):

@@ -48,6 +48,29 @@ def pruned_token_logprobs(logits, y, log_rho, tau=1.0) -> dict[str, np.ndarray]:
     return {k: np.array([r[k] for r in rows]) for k in rows[0]}
 
 
+def pruned_entropy(z_row, log_rho, tau=1.0) -> float:
+    """E12's H(pi_S) for one position: -sum over V_S of q log q, q = softmax over V_S."""
+    z = np.asarray(z_row, np.float64) / tau
+    s = sorted(safe_set(z_row, log_rho, tau))
+    log_q = np.array([z[b] for b in s]) - _logsumexp([z[b] for b in s])
+    return float(-np.sum(np.exp(log_q) * log_q))
+
+
+def entropy_grad_logits(logits, log_rho, tau, g, step=1e-6) -> np.ndarray:
+    """d/d logits of sum_n g_n H(pi_S(. | n)), `[N, V]`, by central finite differences (the
+    safe set held fixed: rho's boundary is far from every entry in the tests)."""
+    logits = np.asarray(logits, np.float64)
+    grad = np.zeros_like(logits)
+    for n in range(logits.shape[0]):
+        for v in range(logits.shape[1]):
+            up, down = logits[n].copy(), logits[n].copy()
+            up[v] += step
+            down[v] -= step
+            diff = pruned_entropy(up, log_rho, tau) - pruned_entropy(down, log_rho, tau)
+            grad[n, v] = g[n] * diff / (2 * step)
+    return grad
+
+
 def objective_grad_logits(logits, y, log_rho, tau, g_logp, g_full, g_mass, step=1e-6):
     """d/d logits of sum_n g_logp logp + g_full logp_full + g_mass pruned_mass, `[N, V]`.
 
@@ -113,6 +136,12 @@ def dvp_loss(
     ppo_eps=None,
     old_logp=None,
     old_in_safe=None,
+    kl_coef=0.0,
+    kl_estimator="k3",
+    ref_logp=None,
+    ref_in_safe=None,
+    entropy_coef=0.0,
+    entropy=None,
 ) -> dict:
     """E5-E9 by loops. `logp_obj` enters the objective; weights use `logp_weights` (default
     `logp_obj`; the stop-gradient of E6), so finite differences in `logp_obj` give the gradient.
@@ -123,8 +152,13 @@ def dvp_loss(
     when a sampled token is outside the trainer safe set (`in_safe`) or, when `old_in_safe` is
     given, outside the old policy's (pi_S_old(y) = 0, so pi_old / mu = 0).
 
-    Returns the loss, the counts, and `weights`: the applied E7 weights, one per kept token
-    (none, token_*) or one per kept response (seq_*).
+    With `kl_coef` (E11) the loss adds kl_coef/Z times the sum of k1 = log pi - log pi_ref or
+    k3 = pi_ref/pi - log(pi_ref/pi) - 1 over the kept tokens (those with y outside the reference's
+    safe set skipped when pruning; log-ratio clipped to +-20); with `entropy_coef` (E12) it
+    subtracts entropy_coef/Z times the sum of `entropy` over the kept tokens.
+
+    Returns the loss, the counts, `kl_ref` (the mean k over the KL's tokens), and `weights`: the
+    applied E7 weights, one per kept token (none, token_*) or one per kept response (seq_*).
     """
     logp_obj = np.asarray(logp_obj, np.float64)
     lp_w = logp_obj if logp_weights is None else np.asarray(logp_weights, np.float64)
@@ -132,6 +166,7 @@ def dvp_loss(
         lp_w = np.asarray(old_logp, np.float64)
     b_count, t_count = logp_obj.shape
     total, z_tokens, z_seqs = 0.0, 0, 0
+    kl_values, entropy_total = [], 0.0
     excluded = masked_seqs = masked_tokens = 0
     applied = []
     for i in range(b_count):
@@ -176,10 +211,17 @@ def dvp_loss(
                 r = math.exp(logp_obj[i, t] - lp_w[i, t])
                 clipped = min(max(r, 1 - ppo_eps), 1 + ppo_eps)
                 total += w * min(r * a, clipped * a)
+            if kl_coef and (not prune or ref_in_safe[i][t]):  # E11
+                d = min(max(float(ref_logp[i][t]) - logp_obj[i, t], -20.0), 20.0)
+                kl_values.append(-d if kl_estimator == "k1" else math.exp(d) - d - 1.0)
+            if entropy_coef:  # E12
+                entropy_total += float(entropy[i][t])
         z_tokens += len(weights)
         z_seqs += 1 if weights else 0
     z = z_tokens if normalisation == "token_mean" else z_seqs
+    total -= kl_coef * sum(kl_values) - entropy_coef * entropy_total
     return {
+        "kl_ref": float(np.mean(kl_values)) if kl_values else 0.0,
         "loss": -total / z if z else 0.0,
         "kept_tokens": z_tokens,
         "kept_responses": z_seqs,

@@ -38,17 +38,21 @@ DEFAULT_CHUNK_SIZE = 8192
 
 
 class PositionStats(NamedTuple):
-    """Diagnostics of the full trainer distribution pi = softmax(z) at each position (no gradient).
+    """Diagnostics of the full trainer distribution pi = softmax(z) at each position (no gradient),
+    and, when asked for, the differentiable entropy of the objective's distribution.
 
     Attributes:
       entropy: `[N]` float32, H(pi) = -sum_b pi_b log pi_b in nats, over the whole vocabulary
         (unpruned, at temperature tau).
       log_rel: `[N]` float32, z_y - max_b z_b = log(pi(y) / max_b pi(b)) <= 0: y is inside the
         safe set V_S of any threshold rho iff log_rel >= log rho (E1).
+      policy_entropy: `[N]` float32 H(pi_S) over V_S (H(pi) without pruning), differentiable
+        (the entropy bonus, E12); None unless `policy_entropy=True`.
     """
 
     entropy: jax.Array
     log_rel: jax.Array
+    policy_entropy: jax.Array | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,9 +88,9 @@ def _chunk_logits(h, w, i, chunk, inv_tau, precision, col0):
     return z * inv_tau, col0 + local, local >= first_new, start, w_c
 
 
-def _forward(h, w, y, log_rho, temperature, chunk_size, precision, axes):
+def _forward(h, w, y, log_rho, temperature, chunk_size, precision, axes, with_h):
     """Both passes on the local vocabulary shard, combined across shards. Returns
-    `((TokenLogprobs, PositionStats), residuals)`."""
+    `((TokenLogprobs, PositionStats), residuals)`; `with_h` adds `policy_entropy`."""
     w_local = w
     w = gather_w(w, axes)
     chunk, n_chunks = _chunk_geometry(w.shape[1], chunk_size)
@@ -113,25 +117,28 @@ def _forward(h, w, y, log_rho, temperature, chunk_size, precision, axes):
 
         # Pass 2: sums of exp(z - m) (each term <= 1) inside and outside V_S, |V_S| and the
         # target logit. The outside sum gives delta_S without 1 - S/F cancellation. u is the
-        # entropy's sum of exp(z - m) (z - m) over all columns.
+        # entropy's sum of exp(z - m) (z - m) over all columns; u_safe (with_h) the same over V_S.
         def sum_body(carry, i):
-            s_safe, s_out, size, z_y, u = carry
+            s_safe, s_out, size, z_y, u, *u_safe = carry
             z, cols, valid, _, _ = logits(i)
             safe = valid & (z >= thr[:, None])
             shifted = z - m[:, None]
             e = jnp.exp(shifted)
-            return (
+            out = (
                 s_safe + jnp.sum(jnp.where(safe, e, 0.0), axis=-1),
                 s_out + jnp.sum(jnp.where(valid & ~safe, e, 0.0), axis=-1),
                 size + jnp.sum(safe, axis=-1, dtype=jnp.int32),
                 z_y + target_logit(z, cols, valid),
                 u + jnp.sum(jnp.where(valid, e * shifted, 0.0), axis=-1),
+            )
+            return out + tuple(
+                x + jnp.sum(jnp.where(safe, e * shifted, 0.0), -1) for x in u_safe
             ), None
 
-        init = (zeros, zeros, zeros.astype(jnp.int32), zeros, zeros)
+        init = (zeros, zeros, zeros.astype(jnp.int32), zeros, zeros) + ((zeros,) if with_h else ())
         # Each shard's partial sums share the global m, so they add; z_y is nonzero on the one
         # shard holding column y. One [N]-sized psum per quantity.
-        s_safe, s_out, size, z_y, u = vocab_sum(jax.lax.scan(sum_body, init, idx)[0], axes)
+        s_safe, s_out, size, z_y, u, *u_safe = vocab_sum(jax.lax.scan(sum_body, init, idx)[0], axes)
         s_full = s_safe + s_out
         pruned_mass = s_out / s_full
         in_safe = z_y >= thr
@@ -154,7 +161,7 @@ def _forward(h, w, y, log_rho, temperature, chunk_size, precision, axes):
         m = vocab_max(m_local, axes)
         u_local = _rescale_u(u_local, s_local, m_local, m)
         s_full, z_y, u = vocab_sum((s_local * jnp.exp(m_local - m), z_y, u_local), axes)
-        s_safe = s_full
+        s_safe, u_safe = s_full, [u]
         pruned_mass = jnp.zeros_like(s_full)
         size = jnp.full((n,), w.shape[1] * axes.n_vocab, jnp.int32)
         in_safe = jnp.ones((n,), bool)
@@ -163,6 +170,8 @@ def _forward(h, w, y, log_rho, temperature, chunk_size, precision, axes):
     lse_full = m + jnp.log(s_full)
     # H = -sum p (z - lse) = log s - u / s with p = exp(z - m) / s (s >= 1, u <= 0).
     stats = PositionStats(entropy=jnp.log(s_full) - u / s_full, log_rel=z_y - m)
+    if with_h:  # the same identity over V_S: H(pi_S) = log s_S - u_S / s_S
+        stats = stats._replace(policy_entropy=jnp.log(s_safe) - u_safe[0] / s_safe)
     out = TokenLogprobs(
         logp=jnp.where(in_safe, z_y - lse_safe, LOGP_FLOOR),
         in_safe=in_safe,
@@ -171,7 +180,7 @@ def _forward(h, w, y, log_rho, temperature, chunk_size, precision, axes):
         logp_full=z_y - lse_full,
     )
     # The local (un-gathered) W shard is kept; the backward pass gathers it again.
-    residuals = (h, w_local, y, m, lse_safe, lse_full, in_safe, pruned_mass)
+    residuals = (h, w_local, y, m, lse_safe, lse_full, in_safe, pruned_mass, stats.policy_entropy)
     return (out, stats), residuals
 
 
@@ -182,30 +191,31 @@ def _rescale_u(u, s, m, m_new):
     return jnp.exp(m - m_new) * (u + s * gap)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _chunked(h, w, y, log_rho, temperature, chunk_size, precision, axes):
-    return _forward(h, w, y, log_rho, temperature, chunk_size, precision, axes)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _chunked(h, w, y, log_rho, temperature, chunk_size, precision, axes, with_h):
+    return _forward(h, w, y, log_rho, temperature, chunk_size, precision, axes, with_h)[0]
 
 
-def _chunked_fwd(h, w, y, log_rho, temperature, chunk_size, precision, axes):
-    return _forward(h, w, y, log_rho, temperature, chunk_size, precision, axes)
+def _chunked_fwd(h, w, y, log_rho, temperature, chunk_size, precision, axes, with_h):
+    return _forward(h, w, y, log_rho, temperature, chunk_size, precision, axes, with_h)
 
 
-def _chunked_bwd(log_rho, temperature, chunk_size, precision, axes, residuals, all_cts):
+def _chunked_bwd(log_rho, temperature, chunk_size, precision, axes, with_h, residuals, all_cts):
     """Recomputes each chunk's logits and accumulates dL/dh and dL/dW.
 
     With p = softmax(z), q = softmax over V_S, S the safe indicator (treated as constant):
       d logp / dz_b        = [y in V_S] (1[b = y] - q_b)
       d logp_full / dz_b   = 1[b = y] - p_b
       d pruned_mass / dz_b = p_b ((1 - delta_S) - S_b)
+      d policy_entropy / dz_b = -q_b (log q_b + H(q))   (with_h; q = p without pruning)
     and dz/d(h W) = 1/tau. Every factor is per column given the global (m, lse_safe, lse_full)
     of the forward pass, so each vocabulary shard computes its own columns' dz: dW stays on its
     shard (summed over the row shards) and dh is summed over the vocabulary shards. The
-    `PositionStats` are diagnostics: their cotangents are ignored (the public functions return
-    them under stop-gradient, so theirs are always zero).
+    `PositionStats` diagnostics' cotangents are ignored (the public functions return them under
+    stop-gradient, so theirs are always zero); `policy_entropy`'s is used.
     """
     cts = all_cts[0]
-    h, w_local, y, m, lse_safe, lse_full, in_safe, pruned_mass = residuals
+    h, w_local, y, m, lse_safe, lse_full, in_safe, pruned_mass, h_policy = residuals
     w = gather_w(w_local, axes)
     chunk, n_chunks = _chunk_geometry(w.shape[1], chunk_size)
     inv_tau = 1.0 / temperature
@@ -215,6 +225,7 @@ def _chunked_bwd(log_rho, temperature, chunk_size, precision, axes, residuals, a
     g_full = cts.logp_full.astype(jnp.float32)
     g_mass = cts.pruned_mass.astype(jnp.float32)
     full_over_safe = jnp.exp(lse_full - lse_safe)  # 1 / (1 - delta_S)
+    g_h = all_cts[1].policy_entropy.astype(jnp.float32) if with_h else None
 
     def body(carry, i):
         dh, dw = carry
@@ -227,7 +238,11 @@ def _chunked_bwd(log_rho, temperature, chunk_size, precision, axes, residuals, a
             g_logp[:, None] * (onehot - q)
             + g_full[:, None] * (onehot - p)
             + g_mass[:, None] * p * ((1.0 - pruned_mass)[:, None] - safe)
-        ) * inv_tau
+        )
+        if with_h:
+            log_q = jnp.where(safe, z - lse_safe[:, None], 0.0)
+            dz = dz - g_h[:, None] * q * (log_q + h_policy[:, None])
+        dz = dz * inv_tau
         # [N, C] x [d, C] -> [N, d]
         dh = dh + jnp.einsum(
             "nv,dv->nd", dz, w_c, preferred_element_type=jnp.float32, precision=precision
@@ -266,6 +281,7 @@ def chunked_token_stats(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     precision: jax.lax.Precision | str | None = None,
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+    policy_entropy: bool = False,
 ) -> tuple[TokenLogprobs, PositionStats]:
     """Pruned token log-probabilities (E1-E3) of targets y and per-position diagnostics, in
     vocabulary chunks.
@@ -284,7 +300,8 @@ def chunked_token_stats(
     The same pass accumulates `PositionStats` of the full distribution pi = softmax(z): the
     entropy (pass 2 adds u = sum_b exp(z_b - m) (z_b - m) beside s = sum_b exp(z_b - m), and
     H = log s - u / s; the online pass rescales u with its running max) and z_y - max_b z. They
-    are returned under stop-gradient (diagnostics, not objectives).
+    are returned under stop-gradient (diagnostics, not objectives). With `policy_entropy` the
+    pass also sums u over V_S and returns H(pi_S) (H(pi) unpruned) with its gradient (E12).
 
     On a mesh (`mesh`, else the mesh of Explicit-sharded `h` / `w`, else the context mesh of
     `jax.set_mesh`) the computation runs under `jax.shard_map`, laid out as
@@ -320,11 +337,12 @@ def chunked_token_stats(
         None is the backend default.
       mesh: the device mesh to partition over (see above); None looks it up from the arrays'
         types or the context.
+      policy_entropy: static; also return `PositionStats.policy_entropy` (differentiable).
 
     Returns:
       `(TokenLogprobs, PositionStats)` whose fields have the leading shape of `h` (`[N]`):
       `logp` (E2, floor outside V_S), `in_safe`, `pruned_mass` (E3), `safe_size` (int32),
-      `logp_full`; `entropy`, `log_rel`.
+      `logp_full`; `entropy`, `log_rel` (and `policy_entropy`, else None).
     """
     log_rho = _check_static_args(log_rho, temperature)
     if not isinstance(chunk_size, int | np.integer) or chunk_size < 1:
@@ -339,7 +357,8 @@ def chunked_token_stats(
     axes = LOCAL if mesh is None else mesh_axes(mesh, n, *w.shape)
 
     def run(h, w, y):
-        return _chunked(h, w, y, log_rho, float(temperature), int(chunk_size), precision, axes)
+        args = (log_rho, float(temperature), int(chunk_size), precision, axes, policy_entropy)
+        return _chunked(h, w, y, *args)
 
     lead, y = h.shape[:-1], y.astype(jnp.int32)
     if mesh is None:
@@ -380,10 +399,11 @@ def chunked_token_stats(
 
 
 def _outputs(out, reshape) -> tuple[TokenLogprobs, PositionStats]:
-    """`_chunked`'s (TokenLogprobs, PositionStats) reshaped; the stats under stop-gradient."""
-    logprobs, stats = out
-    stats = jax.lax.stop_gradient(stats)
-    return TokenLogprobs(*map(reshape, logprobs)), PositionStats(*map(reshape, stats))
+    """`_chunked`'s (TokenLogprobs, PositionStats) reshaped; the diagnostics under stop-gradient
+    (`policy_entropy` keeps its gradient)."""
+    logprobs, stats = jax.tree.map(reshape, out)
+    diag = jax.lax.stop_gradient((stats.entropy, stats.log_rel))
+    return TokenLogprobs(*logprobs), PositionStats(*diag, stats.policy_entropy)
 
 
 def _as_precision(precision) -> jax.lax.Precision | jax.lax.DotAlgorithmPreset | None:

@@ -18,9 +18,12 @@ from dvp_jax.dvp import diagnostics, pruning
 
 CORRECTIONS = ("none", "token_tis", "token_mis", "seq_tis", "seq_mis")
 NORMALISATIONS = ("token_mean", "seq_mean_token_sum")
+KL_ESTIMATORS = ("k1", "k3")  # E11
+KL_REFERENCE_DTYPES = ("float32", "bfloat16")  # how the frozen reference params are kept
 
-# Clamp on log(pi / pi_old) before exponentiating the PPO ratio (keeps it finite in float32).
-_PPO_LOG_RATIO_BOUND = 20.0
+# Clamp on log(pi / pi_old) before exponentiating the PPO ratio, and on log(pi_ref / pi) in the
+# k3 estimator (keeps them finite in float32).
+_LOG_RATIO_BOUND = 20.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +40,11 @@ class LossConfig:
       ppo_clip_eps: None (one optimizer step per rollout batch) or eps in (0, 1) for the
         decoupled PPO clip over several steps (E9).
       temperature: tau > 0 applied to the trainer logits (E1, E2).
+      kl_coef: beta >= 0 of the KL-to-reference term (E11); 0 = off (the paper's setting).
+      kl_estimator: one of `KL_ESTIMATORS` (E11).
+      kl_reference_dtype: one of `KL_REFERENCE_DTYPES`, the dtype the frozen reference params
+        are kept in ("bfloat16" is the rollout precisions' parameter dtype, half the memory).
+      entropy_coef: eta >= 0 of the entropy bonus (E12); 0 = off (the paper's setting).
     """
 
     prune: bool = True
@@ -46,6 +54,10 @@ class LossConfig:
     normalisation: str = "token_mean"
     ppo_clip_eps: float | None = None
     temperature: float = 1.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_reference_dtype: str = "float32"
+    entropy_coef: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.prune, bool):
@@ -71,6 +83,18 @@ class LossConfig:
         t = self.temperature
         if not (isinstance(t, int | float) and math.isfinite(t) and t > 0):
             raise ValueError(f"LossConfig.temperature must be a finite float > 0, got {t!r}.")
+        for name in ("kl_coef", "entropy_coef"):
+            c = getattr(self, name)
+            if not (isinstance(c, int | float) and math.isfinite(c) and c >= 0):
+                raise ValueError(f"LossConfig.{name} must be a finite float >= 0, got {c!r}.")
+        for name, allowed in [
+            ("kl_estimator", KL_ESTIMATORS),
+            ("kl_reference_dtype", KL_REFERENCE_DTYPES),
+        ]:
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"LossConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}."
+                )
 
     @property
     def effective_log_rho(self) -> float:
@@ -81,6 +105,12 @@ class LossConfig:
     def pruning(self) -> bool:
         """Whether the trainer safe set is a strict min-p set (and E5 applies)."""
         return self.effective_log_rho != -math.inf
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the loss has the KL-to-reference term (E11): reference params are kept and
+        the batch carries `ref_logp` / `ref_in_safe`."""
+        return self.kl_coef > 0
 
     @classmethod
     def preset(cls, name: str, **overrides) -> LossConfig:
@@ -112,8 +142,12 @@ def dvp_loss(
     cfg: LossConfig,
     old_logp: jax.Array | None = None,
     old_in_safe: jax.Array | None = None,
+    *,
+    ref_logp: jax.Array | None = None,
+    ref_in_safe: jax.Array | None = None,
+    entropy: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """DVP-RLOO loss (E5-E9) of a batch of B responses padded to T tokens.
+    """DVP-RLOO loss (E5-E9, optionally + E11 + E12) of a batch of B responses padded to T tokens.
 
     E5: a response with any sampled token outside the trainer safe set (`in_safe` False on a
     response token, only when `cfg.pruning`) has token ratio 0: it is excluded from numerator and
@@ -133,6 +167,10 @@ def dvp_loss(
     exp(log pi_S - log pi_S_old), set to 0 where PPO's clip is active (A > 0 and r > 1 + eps, or
     A < 0 and r < 1 - eps). Its gradient equals that of the decoupled PPO-clip surrogate
     w min(r A, clip(r, 1 - eps, 1 + eps) A); the value equals E9 when r = 1 (the first step).
+    E11 (`cfg.kl_coef` = beta > 0): + beta (1/Z) sum k_t over the kept tokens whose y_t is in the
+      reference's safe set, d_t = log pi_ref_S(y_t) - log pi_S(y_t) clipped to +-20, k1 = -d_t,
+      k3 = exp(d_t) - d_t - 1 (computed as expm1(d_t) - d_t); gradient through log pi_S only.
+    E12 (`cfg.entropy_coef` = eta > 0): - eta (1/Z) sum H_t over the kept tokens' positions.
 
     Masked positions (`response_mask` False) and floors/-inf of out-of-safe-set tokens (on
     either side of the PPO ratio) are replaced with `jnp.where` before any arithmetic: they never
@@ -150,14 +188,22 @@ def dvp_loss(
       old_logp: `[B, T]` log pi_S_old(y_t), required iff `cfg.ppo_clip_eps` is set.
       old_in_safe: `[B, T]` bool, y_t in the old policy's V_S; required when `old_logp` is given
         and pruning is on, ignored when pruning is off, not allowed without `old_logp`.
+      ref_logp: `[B, T]` log pi_ref_S(y_t) of the frozen reference (the same pruning as `logp`),
+        required iff `cfg.kl_coef > 0`.
+      ref_in_safe: `[B, T]` bool, y_t in the reference's V_S; required with `ref_logp` when
+        pruning is on, ignored when it is off.
+      entropy: `[B, T]` H(pi_S(. | s_t)) (H(pi) unpruned), differentiable; required iff
+        `cfg.entropy_coef > 0` (`chunked.PositionStats.policy_entropy`).
 
     Returns:
       `(loss, metrics)`: float32 scalar and a dict of float32 scalars (see `diagnostics` for
-      frac_* and is_weight_*; plus loss, kept_tokens, kept_responses, ppo_clip_frac).
+      frac_* and is_weight_*; plus loss, kept_tokens, kept_responses, ppo_clip_frac; with E11
+      kl_ref, kl_ref_loss and, pruning, frac_tokens_outside_ref_safe; with E12 entropy_bonus).
 
     Raises:
       ValueError: `old_logp` given without `cfg.ppo_clip_eps` or the reverse; `old_in_safe`
-        missing with `old_logp` under pruning, or given without `old_logp`; bad shapes.
+        missing with `old_logp` under pruning, or given without `old_logp`; `ref_logp`,
+      `ref_in_safe` or `entropy` given or missing against `cfg`; bad shapes.
     """
     if (cfg.ppo_clip_eps is None) != (old_logp is None):
         raise ValueError(
@@ -172,6 +218,7 @@ def dvp_loss(
             "pruning is on (LossConfig.prune=True, log_rho > -inf): old_logp holds a floor "
             "where it is False and those responses must be excluded (E5)."
         )
+    _check_extra_terms(cfg, ref_logp, ref_in_safe, entropy)
     if logp.ndim != 2 or advantages.shape != logp.shape[:1]:
         raise ValueError(
             f"need logp [B, T] and advantages [B]; got {logp.shape}, {advantages.shape}."
@@ -226,7 +273,7 @@ def dvp_loss(
     metrics = {}
     if cfg.ppo_clip_eps is not None:
         eps = cfg.ppo_clip_eps
-        log_r = jnp.clip(lp - lold, -_PPO_LOG_RATIO_BOUND, _PPO_LOG_RATIO_BOUND)
+        log_r = jnp.clip(lp - lold, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
         r = jax.lax.stop_gradient(jnp.exp(log_r))
         clipped = keep & (((adv > 0) & (r > 1 + eps)) | ((adv < 0) & (r < 1 - eps)))
         coef = coef * jnp.where(clipped, 0.0, r)
@@ -239,6 +286,25 @@ def dvp_loss(
         z = jnp.sum(kept_responses).astype(f32)
     loss = total / jnp.maximum(z, 1.0)
 
+    # ----- E11, E12: KL to the reference and the entropy bonus, over E9's tokens and Z -----
+    if ref_logp is not None:
+        kl_tok = keep & ref_in_safe.astype(bool) if cfg.pruning else keep
+        d = jnp.where(kl_tok, ref_logp.astype(f32), 0.0) - jnp.where(kl_tok, lp, 0.0)
+        d = jnp.clip(d, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+        k = -d if cfg.kl_estimator == "k1" else jnp.expm1(d) - d
+        k = jnp.where(kl_tok, k, 0.0)
+        metrics["kl_ref"] = jax.lax.stop_gradient(diagnostics.masked_mean(k, kl_tok))
+        metrics["kl_ref_loss"] = cfg.kl_coef * jnp.sum(k) / jnp.maximum(z, 1.0)
+        if cfg.pruning:
+            metrics["frac_tokens_outside_ref_safe"] = diagnostics.masked_mean(
+                ~ref_in_safe.astype(bool), mask
+            )
+        loss = loss + metrics["kl_ref_loss"]
+    if entropy is not None:
+        h_sum = jnp.sum(jnp.where(keep, entropy.astype(f32), 0.0))
+        metrics["entropy_bonus"] = -cfg.entropy_coef * h_sum / jnp.maximum(z, 1.0)
+        loss = loss + metrics["entropy_bonus"]
+
     # ----- metrics -----
     metrics["loss"] = loss
     metrics["kept_tokens"] = jnp.sum(keep).astype(f32)
@@ -250,3 +316,24 @@ def dvp_loss(
     else:
         metrics |= diagnostics.is_weight_stats(w, keep)
     return loss, metrics
+
+
+def _check_extra_terms(cfg: LossConfig, ref_logp, ref_in_safe, entropy) -> None:
+    """The E11 / E12 inputs are given exactly when their coefficient is on."""
+    if cfg.uses_reference != (ref_logp is not None):
+        raise ValueError(
+            "ref_logp must be given exactly when LossConfig.kl_coef > 0 "
+            f"(kl_coef={cfg.kl_coef}, ref_logp given: {ref_logp is not None})."
+        )
+    if ref_logp is None and ref_in_safe is not None:
+        raise ValueError("ref_in_safe was given without ref_logp; pass both or neither.")
+    if ref_logp is not None and cfg.pruning and ref_in_safe is None:
+        raise ValueError(
+            "ref_in_safe (y_t inside the reference's safe set) is required with ref_logp when "
+            "pruning is on: ref_logp holds a floor where it is False (E11)."
+        )
+    if (cfg.entropy_coef > 0) != (entropy is not None):
+        raise ValueError(
+            "entropy must be given exactly when LossConfig.entropy_coef > 0 "
+            f"(entropy_coef={cfg.entropy_coef}, entropy given: {entropy is not None})."
+        )

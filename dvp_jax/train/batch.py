@@ -14,7 +14,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
+from dvp_jax.dvp.pruning import TokenLogprobs
 from dvp_jax.rollout.offline import RolloutBatch
 from dvp_jax.sharding import Sharder
 
@@ -32,6 +34,8 @@ class RLBatch:
       advantages: [B] (E8).
       old_logp, old_in_safe: [B, T-1] log pi_S_old and "inside the old safe set" for the
         decoupled PPO clip (E9; zeros / True when unused).
+      ref_logp, ref_in_safe: [B, T-1] log pi_ref_S and "inside the reference's safe set" for the
+        KL term (E11), set by the trainer before the update; None (absent) without it.
     """
 
     tokens: jax.Array
@@ -45,6 +49,8 @@ class RLBatch:
     advantages: jax.Array
     old_logp: jax.Array
     old_in_safe: jax.Array
+    ref_logp: jax.Array | None = None
+    ref_in_safe: jax.Array | None = None
 
 
 def from_rollouts(batch: RolloutBatch, advantages: np.ndarray) -> RLBatch:
@@ -70,8 +76,9 @@ def from_rollouts(batch: RolloutBatch, advantages: np.ndarray) -> RLBatch:
     )
 
 
-def abstract_batch(rows: int, length: int) -> RLBatch:
-    """The `jax.ShapeDtypeStruct`s of a `rows` x `length` batch (what `from_rollouts` makes)."""
+def abstract_batch(rows: int, length: int, reference: bool = False) -> RLBatch:
+    """The `jax.ShapeDtypeStruct`s of a `rows` x `length` batch (what `from_rollouts` makes),
+    with the reference fields when `reference` (`LossConfig.uses_reference`, E11)."""
 
     def struct(name: str) -> jax.ShapeDtypeStruct:
         if name == "advantages":
@@ -80,12 +87,14 @@ def abstract_batch(rows: int, length: int) -> RLBatch:
         dtype = jnp.int32 if name in _INT else jnp.bool_ if name in _BOOL else jnp.float32
         return jax.ShapeDtypeStruct((rows, t), dtype)
 
-    return RLBatch(**{f.name: struct(f.name) for f in dataclasses.fields(RLBatch)})
+    names = [f.name for f in dataclasses.fields(RLBatch)]
+    return RLBatch(**{n: struct(n) for n in names if reference or n not in _REFERENCE})
 
 
 _FULL_LENGTH = ("tokens", "positions", "valid")  # [B, T]; the rest are targets-aligned [B, T-1]
 _INT = ("tokens", "positions")
-_BOOL = ("valid", "response_mask", "old_in_safe")
+_BOOL = ("valid", "response_mask", "old_in_safe", "ref_in_safe")
+_REFERENCE = ("ref_logp", "ref_in_safe")  # only with the KL term
 
 
 def batch_shardings(batch: RLBatch, sharder: Sharder):
@@ -113,3 +122,20 @@ def to_global(host_batch, shardings):
     return jax.tree.map(
         lambda x, s: jax.make_array_from_process_local_data(s, x), host_batch, shardings
     )
+
+
+def with_logprobs(host_batch: RLBatch, name: str, logprobs: TokenLogprobs) -> RLBatch:
+    """`host_batch` with `<name>_logp` / `<name>_in_safe` ("old": E9's pi_S_old, "ref": E11's
+    pi_ref_S) set to this host's rows of `logprobs`, computed on the global batch."""
+    logp, in_safe = logprobs.logp, logprobs.in_safe
+    if jax.process_count() > 1:  # every host computed the global batch: keep its own rows
+        rows, pid = host_batch.tokens.shape[0], jax.process_index()
+        logp, in_safe = (
+            multihost_utils.process_allgather(x, tiled=True)[pid * rows : (pid + 1) * rows]
+            for x in (logp, in_safe)
+        )
+    fields = {
+        f"{name}_logp": np.asarray(jax.device_get(logp), np.float32),
+        f"{name}_in_safe": np.asarray(jax.device_get(in_safe), bool),
+    }
+    return dataclasses.replace(host_batch, **fields)

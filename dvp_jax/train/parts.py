@@ -46,7 +46,8 @@ class RunParts:
       batch_shardings: of one update's global (mini-)batch.
       update: `step.rl_update` jitted with the state donated: (state, batch) -> (state, metrics).
       old_logprobs: jitted (params, batch) -> `TokenLogprobs` of the policy before an update
-        (the decoupled PPO clip, `train.updates_per_batch > 1`).
+        (the decoupled PPO clip, `train.updates_per_batch > 1`) and of the frozen reference
+        (the KL term, `loss.kl_coef > 0`).
     """
 
     tokenizer: Any
@@ -83,7 +84,8 @@ def build_parts(cfg: ExperimentConfig) -> tuple[RunParts, TrainState]:
     optimizer = make_optimizer(
         t.learning_rate, t.warmup_steps, t.weight_decay, t.grad_clip, t.b1, t.b2
     )
-    graphdef, state, state_sh = init_train_state(model, optimizer, t.seed, sharder)
+    reference_dtype = cfg.loss.kl_reference_dtype if cfg.loss.uses_reference else None
+    graphdef, state, state_sh = init_train_state(model, optimizer, t.seed, sharder, reference_dtype)
 
     engine = eval_engine = build_engine(cfg, tokenizer, model)
     if cfg.eval.dtype and cfg.eval.dtype != cfg.rollout.dtype:
@@ -94,7 +96,8 @@ def build_parts(cfg: ExperimentConfig) -> tuple[RunParts, TrainState]:
     hosts = jax.process_count()
     rows = t.prompts_per_step // hosts * t.group_size // t.updates_per_batch * hosts
     length = cfg.data.max_prompt_len + cfg.rollout.max_decode_length
-    batch_sh = batch_lib.batch_shardings(batch_lib.abstract_batch(rows, length), sharder)
+    batch = batch_lib.abstract_batch(rows, length, cfg.loss.uses_reference)
+    batch_sh = batch_lib.batch_shardings(batch, sharder)
     update = step_lib.jit_rl_update(
         graphdef=graphdef,
         optimizer=optimizer,

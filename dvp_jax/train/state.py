@@ -1,4 +1,5 @@
-"""Train state (fp32 master params, optax AdamW state, step, RNG) and the optimizer."""
+"""Train state (fp32 master params, optax AdamW state, step, RNG, and the frozen KL reference
+when the loss has one) and the optimizer."""
 
 from __future__ import annotations
 
@@ -26,12 +27,16 @@ class TrainState:
       params: pure dict of fp32 parameters (`nnx.to_pure_dict` of the model state).
       opt_state: optax state, wrapped by `optax.apply_if_finite` (counts skipped updates).
       rng: [2] uint32 raw PRNG key; per-step keys are `fold_in(rng, step)`.
+      ref_params: the frozen reference policy of the KL term (E11): a copy of `params` at the
+        start of RL in `LossConfig.kl_reference_dtype`, sharded like them and checkpointed with
+        them; None (nothing stored) when the loss has no KL term.
     """
 
     step: jax.Array
     params: dict
     opt_state: optax.OptState
     rng: jax.Array
+    ref_params: dict | None = None
 
 
 def make_optimizer(
@@ -69,13 +74,22 @@ def skipped_updates(opt_state) -> jax.Array:
     return opt_state.total_notfinite
 
 
-def _state_maker(optimizer: optax.GradientTransformation, seed: int):
+def reference_copy(params, dtype):
+    """A copy of `params` in `dtype` (new buffers even when the dtype is unchanged, so donating
+    the params never donates the reference); None when `dtype` is None."""
+    if dtype is None:
+        return None
+    return jax.tree.map(lambda p: jnp.array(p, dtype=dtype, copy=True), params)
+
+
+def _state_maker(optimizer: optax.GradientTransformation, seed: int, reference_dtype=None):
     def make(params):
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
             opt_state=optimizer.init(params),
             rng=jax.random.key_data(jax.random.key(seed)),
+            ref_params=reference_copy(params, reference_dtype),
         )
 
     return make
@@ -95,13 +109,19 @@ def _train_state_shardings(abstract: TrainState, param_sh, optimizer, sharder: S
             transform_non_params=lambda _: replicated,
         ),
         rng=replicated,
+        ref_params=None if abstract.ref_params is None else param_sh,
     )
 
 
 def init_train_state(
-    model: nnx.Module, optimizer: optax.GradientTransformation, seed: int, sharder: Sharder
+    model: nnx.Module,
+    optimizer: optax.GradientTransformation,
+    seed: int,
+    sharder: Sharder,
+    reference_dtype=None,
 ) -> tuple[nnx.GraphDef, TrainState, TrainState]:
-    """Builds the train state from a (sharded) model.
+    """Builds the train state from a (sharded) model; with `reference_dtype` (the KL term, E11)
+    it also holds the model's params in that dtype as the frozen reference.
 
     Returns:
       (graphdef, state, state_shardings): the optimizer state is created under jit with
@@ -109,7 +129,7 @@ def init_train_state(
     """
     graphdef, model_state = nnx.split(model)
     params = nnx.to_pure_dict(model_state)
-    make = _state_maker(optimizer, seed)
+    make = _state_maker(optimizer, seed, reference_dtype)
     if sharder.mesh is None:
         state = jax.jit(make)(params)
         return graphdef, state, None
@@ -123,13 +143,27 @@ def with_fresh_optimizer(
     state: TrainState, params, optimizer: optax.GradientTransformation, shardings
 ) -> TrainState:
     """`state` with `params` and a newly initialised `optimizer` state (the step and key kept):
-    how RL starts after the supervised warm-up, which had its own optimizer."""
-    fresh = lambda p, s: TrainState(step=s.step, params=p, opt_state=optimizer.init(p), rng=s.rng)
+    how RL starts after the supervised warm-up, which had its own optimizer. A KL reference
+    becomes a copy of `params` (in its dtype): the reference is the policy RL starts from."""
+
+    def fresh(p, s):
+        dtype = None if s.ref_params is None else jax.tree.leaves(s.ref_params)[0].dtype
+        return TrainState(
+            step=s.step,
+            params=p,
+            opt_state=optimizer.init(p),
+            rng=s.rng,
+            ref_params=reference_copy(p, dtype),
+        )
+
     return jax.jit(fresh, out_shardings=shardings)(params, state)
 
 
 def abstract_train_state(
-    abstract_model: nnx.Module, optimizer: optax.GradientTransformation, sharder: Sharder
+    abstract_model: nnx.Module,
+    optimizer: optax.GradientTransformation,
+    sharder: Sharder,
+    reference_dtype=None,
 ) -> tuple[nnx.GraphDef, TrainState, TrainState]:
     """`init_train_state` of a model made by `nnx.eval_shape`, without allocating anything.
 
@@ -139,7 +173,7 @@ def abstract_train_state(
     """
     graphdef, model_state = nnx.split(abstract_model)
     params = nnx.to_pure_dict(model_state)
-    abstract = jax.eval_shape(_state_maker(optimizer, 0), params)
+    abstract = jax.eval_shape(_state_maker(optimizer, 0, reference_dtype), params)
     param_sh = nnx.to_pure_dict(state_shardings(model_state, sharder))
     shardings = _train_state_shardings(abstract, param_sh, optimizer, sharder)
     state = jax.tree.map(

@@ -9,6 +9,7 @@ pass gives the policy entropy (`diagnostics.tail_metrics`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -41,8 +42,10 @@ def token_stats(
     log_rho: float,
     temperature: float,
     chunk_size: int,
+    policy_entropy: bool = False,
 ) -> tuple[TokenLogprobs, PositionStats]:
-    """`token_logprobs` and the per-position entropy / log_rel of the same pass, each [B, T-1]."""
+    """`token_logprobs` and the per-position entropy / log_rel of the same pass, each [B, T-1]
+    (with `policy_entropy`, also the differentiable H(pi_S) of the entropy bonus, E12)."""
     model = nnx.merge(graphdef, params)
     hidden = model(tokens, positions, valid, return_hidden=True)[:, :-1]  # [B, T-1, d]
     b, t, d = hidden.shape
@@ -58,6 +61,7 @@ def token_stats(
         # On a mesh the vocabulary loop runs per tensor shard of W (no all-gather of W).
         mesh=model.sharder.mesh,
         precision=model.policy.precision,  # `highest` for the fp32 trainer (TRAIN_POLICY)
+        policy_entropy=policy_entropy,
     )
     return jax.tree.map(lambda x: x.reshape(b, t), out)
 
@@ -81,18 +85,21 @@ def rl_update(
 
     Gradient accumulation is exact for both normalisations: each micro-batch contributes its
     un-normalised sum (loss_m * Z_m, with Z_m its kept-token or kept-response count, which has
-    no gradient), and the accumulated gradient is divided by the batch total Z.
+    no gradient), and the accumulated gradient is divided by the batch total Z. The KL and
+    entropy terms (E11, E12) share E9's Z, so the same holds with them.
     """
     ppo = loss_cfg.ppo_clip_eps is not None
+    with_h = loss_cfg.entropy_coef > 0
     stats_fn = functools.partial(
         token_stats,
         graphdef=graphdef,
         log_rho=loss_cfg.effective_log_rho,
         temperature=loss_cfg.temperature,
         chunk_size=chunk_size,
+        policy_entropy=with_h,
     )
 
-    def loss_of(tl: TokenLogprobs, b: RLBatch):
+    def loss_of(tl: TokenLogprobs, stats: PositionStats, b: RLBatch):
         return dvp_loss(
             tl.logp,
             b.behaviour_logp,
@@ -102,11 +109,14 @@ def rl_update(
             loss_cfg,
             b.old_logp if ppo else None,
             b.old_in_safe if ppo else None,
+            ref_logp=b.ref_logp if loss_cfg.uses_reference else None,
+            ref_in_safe=b.ref_in_safe if loss_cfg.uses_reference else None,
+            entropy=stats.policy_entropy if with_h else None,
         )
 
     def micro_sum(params, mb: RLBatch):
         tl, stats = stats_fn(params, tokens=mb.tokens, positions=mb.positions, valid=mb.valid)
-        loss, metrics = loss_of(tl, mb)
+        loss, metrics = loss_of(tl, stats, mb)
         z = jax.lax.stop_gradient(_normaliser(metrics, loss_cfg))
         return loss * z, (z, tl, stats)
 
@@ -126,7 +136,7 @@ def rl_update(
     tl, stats = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), (tls, stats))  # [B, T-1]
 
     # Reported loss and loss metrics: the same objective on the whole batch (no model call).
-    loss, metrics = loss_of(tl, batch)
+    loss, metrics = loss_of(tl, stats, batch)
     metrics |= diagnostics.mismatch_diagnostics(
         logp=tl.logp,
         behaviour_logp=batch.behaviour_logp,
@@ -167,7 +177,8 @@ def apply_gradients(state: TrainState, grads, optimizer):
         "update_norm": optax.tree.norm(updates),
         "skipped_updates": skipped_updates(opt_state).astype(jnp.float32),
     }
-    new = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=state.rng)
+    # The frozen reference (E11), when kept, passes through unchanged.
+    new = dataclasses.replace(state, step=state.step + 1, params=params, opt_state=opt_state)
     return new, metrics
 
 

@@ -11,7 +11,6 @@ first does the supervised warm-up of `train/sft.py` when the config asks for one
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from typing import Any
@@ -21,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from flax import nnx
-from jax.experimental import multihost_utils
 
 from dvp_jax import metrics as metrics_lib
+from dvp_jax import trackers as trackers_lib
 from dvp_jax.checkpoint import Checkpointer, abstract_like
 from dvp_jax.dvp import advantages as adv
 from dvp_jax.rollout.offline import RolloutInterrupted, generate_rollouts
@@ -50,17 +49,19 @@ SUMMARY_TAIL_METRICS = (
 
 class Trainer:
     """One run: its parts (`parts.RunParts`), its train state, its workdir and what is written
-    there (checkpoints, metrics log, event files).
+    there (checkpoints, metrics log, the trackers' outputs: samples.jsonl, event files, W&B).
 
     Nothing is written to the workdir before `run()` knows the run fits it: the config is
     checked against the workdir's config.json here, the checkpoint is restored in `run()`, and
-    only then are config.json, model_config.json, the metrics log and the event files touched.
+    only then are config.json, model_config.json, the metrics log and the trackers touched.
     """
 
     def __init__(self, cfg: ExperimentConfig, workdir: str):
         self.cfg = cfg
         self.workdir = as_path(workdir)  # an epath: local, gs://, ...
         check_workdir(cfg, self.workdir)
+        # A tracker whose package is missing fails here, naming the extra to install.
+        trackers_lib.check_installed(trackers_lib.parse_trackers(cfg.train.trackers))
         created = not self.workdir.exists()
         check_writable(self.workdir)  # an unreachable or read-only workdir fails here, by name
         self.is_lead = jax.process_index() == 0
@@ -72,7 +73,7 @@ class Trainer:
             c = cfg.checkpoint
             self.checkpointer = Checkpointer(self.workdir, c.keep, every=c.every)
             self.metrics_log = metrics_lib.MetricsLog(self.workdir, write=self.is_lead)
-            self.writer = None  # opened by `_open_outputs` once the run is known to fit
+            self.trackers = None  # opened by `_open_outputs` once the run is known to fit
             self.preemption = Preemption(self.checkpointer)
         except BaseException:
             self.lock.release()
@@ -95,23 +96,30 @@ class Trainer:
     # ==========================================================================================
     def _log(self, step: int, metrics: dict[str, Any]) -> None:
         self.metrics_log.append(step, metrics)  # checks every name is declared first
-        numbers = {k: v for k, v in metrics.items() if not isinstance(v, str)}
-        self.writer.write_scalars(step, numbers)  # event files hold numbers only
+        self.trackers.scalars(step, metrics)
 
     def _open_outputs(self, resumed_step: int | None) -> None:
         """The run fits this workdir: trim the metrics log to the checkpoint (everything on a
-        fresh start), record the config and architecture, open the event-file writer."""
-        self.metrics_log.truncate_after(resumed_step)
+        fresh start), record the config and architecture, open the trackers (which trim
+        samples.jsonl alike)."""
+        redone = self.metrics_log.truncate_after(resumed_step)
+        flat = resume.flat_fields(self.cfg)
         if self.is_lead:
-            flat = resume.flat_fields(self.cfg)
             write_atomic(self.workdir / "config.json", json.dumps(flat, indent=2))
             # The architecture as a Hugging Face config.json, for the server.
             write_atomic(
                 self.workdir / "model_config.json",
                 json.dumps(self.cfg.model.to_hf(), indent=2),
             )
-        self.writer = metrics_lib.EventFiles(
-            self.workdir, write=self.is_lead, kept_through=resumed_step
+        self.trackers = trackers_lib.Trackers(
+            self.workdir,
+            trackers_lib.parse_trackers(self.cfg.train.trackers),
+            write=self.is_lead,
+            config=flat,
+            resumed_step=resumed_step,
+            kept_rows=self.metrics_log.num_rows,
+            redone_rows=redone,
+            wandb=self.cfg.train.wandb,
         )
 
     def _wall_time(self) -> float:
@@ -157,6 +165,14 @@ class Trainer:
             sample_rows=sample_rows,
         )
 
+    def _evaluate(self, step: int, name: str = "eval") -> dict[str, float]:
+        """`evaluate`, its sample generations sent to the trackers (and samples.jsonl) as
+        `name` ("eval"; `trackers.FINAL_EVAL` after the last step)."""
+        rows = []
+        metrics = self.evaluate(step, rows)
+        self.trackers.samples(step, name, rows)
+        return metrics
+
     def warm_up(self) -> bool:
         """Supervised warm-up (`train/sft.py`); RL then starts with a fresh optimizer.
 
@@ -167,7 +183,7 @@ class Trainer:
         cfg, p = self.cfg, self.parts
         if cfg.sft.steps == 0 or p.task is None:
             return True
-        if self.writer is None:
+        if self.trackers is None:
             self._open_outputs(None)
         params = sft.warm_up(
             nnx.merge(p.graphdef, self.state.params),
@@ -247,30 +263,21 @@ class Trainer:
         metrics.update(evaluation.reward_metrics(scores))  # reward/<term>, reward_failures/<term>
         return metrics
 
-    def _with_old_policy(self, host_batch: batch_lib.RLBatch) -> batch_lib.RLBatch:
-        """Decoupled PPO (E9): `host_batch` with log pi_S_old and its safe set (`old_logp`,
-        `old_in_safe`, this host's rows) from the params before the first update on it."""
+    def _with_logprobs(self, host_batch, params, name: str) -> batch_lib.RLBatch:
+        """`host_batch` with `<name>_logp` and `<name>_in_safe` (log pi_S and its safe set under
+        `params`, this host's rows), computed before any update on it: "old", the policy of
+        the decoupled PPO clip (E9); "ref", the frozen reference of the KL term (E11)."""
         p = self.parts
         full = batch_lib.to_global(host_batch, batch_lib.global_shardings(host_batch, p.sharder))
-        old = p.old_logprobs(self.state.params, full)
-        old_logp, old_in_safe = old.logp, old.in_safe
-        if jax.process_count() > 1:  # every host computed the global batch: keep its own rows
-            rows, pid = host_batch.tokens.shape[0], jax.process_index()
-            old_logp, old_in_safe = (
-                multihost_utils.process_allgather(x, tiled=True)[pid * rows : (pid + 1) * rows]
-                for x in (old_logp, old_in_safe)
-            )
-        return dataclasses.replace(
-            host_batch,
-            old_logp=np.asarray(jax.device_get(old_logp), np.float32),
-            old_in_safe=np.asarray(jax.device_get(old_in_safe), bool),
-        )
+        return batch_lib.with_logprobs(host_batch, name, p.old_logprobs(params, full))
 
     def _update(self, host_batch: batch_lib.RLBatch) -> dict[str, float]:
         """`train.updates_per_batch` updates, one per slice of the batch; the metrics' mean."""
         u = self.cfg.train.updates_per_batch
         if u > 1:
-            host_batch = self._with_old_policy(host_batch)
+            host_batch = self._with_logprobs(host_batch, self.state.params, "old")
+        if self.cfg.loss.uses_reference:
+            host_batch = self._with_logprobs(host_batch, self.state.ref_params, "ref")
         per = host_batch.tokens.shape[0] // u
         all_metrics = []
         for i in range(u):
@@ -337,7 +344,7 @@ class Trainer:
                 return self._stop(step - 1, extra)
             if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
                 try:
-                    metrics.update(self.evaluate(step))
+                    metrics.update(self._evaluate(step))
                 except RolloutInterrupted:  # the step is done; its row waits for the eval
                     return self._stop(step, {**extra, "unlogged": {"step": step, **metrics}})
             self._log_step(step, metrics)
@@ -349,7 +356,8 @@ class Trainer:
                 return self._stop(step, extra)
 
         try:
-            final_eval = self.evaluate(cfg.train.steps)  # overlaps the final step's write
+            # Overlaps the final step's write.
+            final_eval = self._evaluate(cfg.train.steps, trackers_lib.FINAL_EVAL)
         except RolloutInterrupted:  # the final checkpoint is taken; the eval is redone
             return self._stop(cfg.train.steps, extra)
         self.checkpointer.wait()  # the final step is on disk before the summary says done
@@ -357,7 +365,8 @@ class Trainer:
         summary = self._summary(extra.get("start_eval", {}), final_eval, self._wall_time())
         if self.is_lead:
             write_atomic(self.workdir / "summary.json", json.dumps(summary, indent=2))
-        self.writer.flush()
+        self.trackers.summary(summary)
+        self.trackers.flush()
         return summary
 
     def _finish_interrupted(self, step: int, extra: dict) -> dict:
@@ -366,14 +375,14 @@ class Trainer:
         Both are pure functions of the checkpointed params and key, so redoing them is exact.
         """
         if "start_eval" not in extra and step == 0:
-            start_eval = self.evaluate(0)
+            start_eval = self._evaluate(0)
             self._log(0, {**start_eval, "phase": 0.0})
             extra = {**extra, "start_eval": start_eval}
             self._save(0, extra, force=True)  # kept if step 0 is there already
         unlogged = extra.get("unlogged")
         if unlogged is not None and unlogged["step"] == step:
             metrics = {k: v for k, v in unlogged.items() if k != "step"}
-            metrics.update(self.evaluate(step))
+            metrics.update(self._evaluate(step))
             self._log_step(step, metrics)
         return {k: v for k, v in extra.items() if k != "unlogged"}
 
@@ -416,8 +425,8 @@ class Trainer:
         try:
             self.checkpointer.close()
         finally:
-            if self.writer is not None:
-                self.writer.close()
+            if self.trackers is not None:
+                self.trackers.close()
             self.preemption.close()
             self.lock.release()
 
