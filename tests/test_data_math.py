@@ -230,6 +230,15 @@ def test_file_level_errors_name_the_path(tmp_path, tok):
 # ----------------------------------------------------------------------------------------------
 
 
+def _hf_feature(t) -> dict:
+    """The `datasets` features JSON of an arrow type (strings, integers, structs, lists)."""
+    if pa.types.is_struct(t):
+        return {f.name: _hf_feature(f.type) for f in t}
+    if pa.types.is_list(t):
+        return {"feature": _hf_feature(t.value_type), "_type": "List"}
+    return {"dtype": "string" if pa.types.is_string(t) else str(t), "_type": "Value"}
+
+
 def write_hf_dataset(directory, table, shards: int = 2) -> None:
     """`table` laid out as `datasets.Dataset.save_to_disk` writes it: arrow IPC stream shards
     data-0000i-of-0000n.arrow, state.json listing them in order, dataset_info.json."""
@@ -250,7 +259,7 @@ def write_hf_dataset(directory, table, shards: int = 2) -> None:
         "_split": "train",
     }
     (directory / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
-    features = {c: {"dtype": "string", "_type": "Value"} for c in table.column_names}
+    features = {f.name: _hf_feature(f.type) for f in table.schema}
     info = {"citation": "", "description": "", "features": features, "homepage": ""}
     (directory / "dataset_info.json").write_text(json.dumps(info, indent=2))
 
