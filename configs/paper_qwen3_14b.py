@@ -19,8 +19,9 @@ Data: the two files below, made once from the public datasets (downloaded where 
   python -m dvp_jax.data.prepare --format aime25 --input /data/raw/aime25/test.jsonl \
     --out /data/aime25.parquet
   (The filtered set is open-r1's deduplicated English subset of BytedTsinghua-SIA/DAPO-Math-17k;
-  `--format dapo17k` converts the original, whose 1.79M rows repeat ~17k problems, deduplicating
-  it the same way. AIME25's problems get DAPO's instruction, so they are asked as in training.)
+  `--format dapo17k` converts the original, whose rows repeat problems, deduplicating it the
+  same way (by problem text). AIME25's problems get DAPO's instruction, so they are asked as
+  in training.)
 Hardware: one Cloud TPU v5p-64 slice: 2x4x4 topology, 32 chips (64 TensorCores, one JAX device
   per chip in megacore mode), 8 hosts, 95 GB HBM per chip. Mesh (data, fsdp, tensor) =
   (1, 8, 4): tensor=4 divides the 40 query and 8 KV heads, keeps the per-decode-step collectives

@@ -4,9 +4,9 @@
     --input /data/raw/DAPO-Math-17k-Processed/en/train-00000-of-00001.parquet \
     --out /data/dapo_math_17k_filtered.parquet
 
-Formats (`--format`, or `auto` from the first file's columns): `dapo17k`
+Formats (`--format`, or `auto` from each file's columns): `dapo17k`
 (BytedTsinghua-SIA/DAPO-Math-17k: prompt messages, reward_model.ground_truth, data_source,
-extra_info.index; its 1.79M rows repeat ~17k problems), `dapo17k_processed`
+extra_info.index; its rows repeat problems), `dapo17k_processed`
 (open-r1/DAPO-Math-17k-Processed: prompt string, solution, source_prompt messages, ...) and
 `aime25` (math-ai/aime25: problem, answer, id; opencompass/AIME2025: question, answer), whose
 bare problems get DAPO's instruction (`--template dapo`) so they are asked as the training
