@@ -290,7 +290,8 @@ def main(argv):
         vocab = config.model.get("vocab_size", -1)
         if vocab in (None, -1):
             vocab = load_run_tokenizer(config.data.tokenizer).vocab_size
-        cfg = ExperimentConfig.from_config_dict(config, vocab)
+        # aot never reads weights: a checkpoint that lives on the pod need not exist here.
+        cfg = ExperimentConfig.from_config_dict(config, vocab, read_checkpoint=False)
     except (UserError, ValueError) as e:
         fail(str(e), USAGE_EXIT_CODE, e)
     programs = tuple(p for p in opts["programs"].split(",") if p)

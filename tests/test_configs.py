@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 
+from dvp_jax.model.config import ModelConfig
 from dvp_jax.pyfile import load_file
 from dvp_jax.rollout.tokenizers import CharTokenizer
 from dvp_jax.train.config import ExperimentConfig
@@ -17,7 +19,11 @@ HF_VOCAB = 151_936
 @pytest.mark.parametrize("method", ["rloo", "tis", "mis", "dvp", "mis_dvp"])
 def test_paper_config_validates_with_the_papers_settings(method):
     module = load_file(os.path.join(REPO, "configs/paper_qwen3_14b.py"))
-    cfg = ExperimentConfig.from_config_dict(module.get_config(method), HF_VOCAB)
+    # Its checkpoint lives on the pod: checked here from the preset, unread (what aot does).
+    cfg = ExperimentConfig.from_config_dict(
+        module.get_config(method), HF_VOCAB, read_checkpoint=False
+    )
+    assert cfg.init_hf_path == module.get_config(method).model.hf_path
     assert cfg.method == method
     assert (
         cfg.model.n_layers == 40 and cfg.model.d_model == 5120 and cfg.model.vocab_size == HF_VOCAB
@@ -27,7 +33,27 @@ def test_paper_config_validates_with_the_papers_settings(method):
     assert cfg.rollout.max_decode_length == 16_384 and cfg.loss.log_rho == -13.0
     assert cfg.eval.k == 16 and cfg.data.task == "math" and cfg.data.path
     assert cfg.mesh.shape(32) == (1, 8, 4)
-    assert ExperimentConfig.from_config_dict(module.get_config(), HF_VOCAB).method == "mis_dvp"
+    default = ExperimentConfig.from_config_dict(
+        module.get_config(), HF_VOCAB, read_checkpoint=False
+    )
+    assert default.method == "mis_dvp"
+
+
+def test_paper_config_reads_its_checkpoint_where_the_run_reads_it(tmp_path):
+    """A run reads model.hf_path's config.json: missing is one line, present is checked."""
+    module = load_file(os.path.join(REPO, "configs/paper_qwen3_14b.py"))
+    cd = module.get_config()
+    with pytest.raises(ValueError, match="config.model.hf_path=.*neither a local") as e:
+        ExperimentConfig.from_config_dict(cd, HF_VOCAB)
+    assert "\n" not in str(e.value)
+    (tmp_path / "config.json").write_text(json.dumps(ModelConfig.preset("qwen3_14b").to_hf()))
+    cd.model.hf_path = str(tmp_path)
+    cfg = ExperimentConfig.from_config_dict(cd, HF_VOCAB)
+    assert cfg.model == ModelConfig.preset("qwen3_14b") and cfg.init_hf_path == str(tmp_path)
+    # Without a preset an unreadable checkpoint cannot give the architecture.
+    cd.model.hf_path, cd.model.preset = "/nonexistent/Qwen3-14B", ""
+    with pytest.raises(ValueError, match="set config.model.preset"):
+        ExperimentConfig.from_config_dict(cd, HF_VOCAB, read_checkpoint=False)
 
 
 def test_gpu_mid_config_validates():
