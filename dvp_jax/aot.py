@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import sys
 from typing import Any
@@ -27,6 +28,8 @@ from ml_collections import config_flags
 
 from dvp_jax.aot_report import Program, Spec, compile_spec, failures, per_chip_bytes, table
 from dvp_jax.cli import USAGE_EXIT_CODE, fail, flag_error, parse_flags
+from dvp_jax.errors import ConfigError
+from dvp_jax.model.config import PRESETS as MODEL_PRESETS
 
 # Usable HBM per JAX device in GiB, as the TPU compiler reports it ("exceeds available HBM")
 # for libtpu 0.0.42.1. A v4 chip is two devices (16 GiB each); v5p, v5e, v6e one per chip.
@@ -270,6 +273,22 @@ def compile_config(
     return out
 
 
+def check_architecture_source(config) -> None:
+    """Where `model.hf_path` is not a local directory here, `model.preset` must say the
+    architecture (compiling "tiny" for someone's 14B checkpoint would report nothing useful)."""
+    hf_path = config.model.get("hf_path") or ""
+    if (
+        hf_path
+        and not os.path.isdir(os.path.expanduser(hf_path))
+        and not config.model.get("preset")
+    ):
+        raise ConfigError(
+            f"config.model.hf_path={hf_path!r} is not a local directory here, so its config.json "
+            "cannot give the architecture: set config.model.preset (one of "
+            f"{sorted(MODEL_PRESETS)}) to compile without the checkpoint"
+        )
+
+
 def main(argv):
     if len(argv) > 1:
         fail(f"unexpected arguments {argv[1:]}: every option is a --flag", USAGE_EXIT_CODE)
@@ -291,6 +310,7 @@ def main(argv):
         if vocab in (None, -1):
             vocab = load_run_tokenizer(config.data.tokenizer).vocab_size
         # aot never reads weights: a checkpoint that lives on the pod need not exist here.
+        check_architecture_source(config)
         cfg = ExperimentConfig.from_config_dict(config, vocab, read_checkpoint=False)
     except (UserError, ValueError) as e:
         fail(str(e), USAGE_EXIT_CODE, e)

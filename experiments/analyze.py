@@ -66,7 +66,10 @@ def tiny_config(overrides: dict | None = None):
     cd = load_file(os.path.join(sweep.REPO, TINY_CPU)).get_config()
     cd.lock()  # as main.py does: an override of an undeclared field fails
     cd.update_from_flattened_dict(overrides or {})
-    return ExperimentConfig.from_config_dict(cd, load_tokenizer("char").vocab_size)
+    # A unit's warm start need not exist yet (a sweep checked before stage 0 runs).
+    return ExperimentConfig.from_config_dict(
+        cd, load_tokenizer("char").vocab_size, read_checkpoint=False
+    )
 
 
 # ------------------------------------------------------------------------------------------------

@@ -38,7 +38,10 @@ def level_config(level: str, overrides: dict | None = None):
     cd = config_module().get_config(f"rloo:{level}")
     cd.lock()
     cd.update_from_flattened_dict(overrides or {})
-    return ExperimentConfig.from_config_dict(cd, load_tokenizer(cd.data.tokenizer).vocab_size)
+    # A unit's warm start need not exist yet (a sweep checked before stage 0 runs).
+    return ExperimentConfig.from_config_dict(
+        cd, load_tokenizer(cd.data.tokenizer).vocab_size, read_checkpoint=False
+    )
 
 
 def measure(

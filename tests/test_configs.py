@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from dvp_jax import aot
 from dvp_jax.model.config import ModelConfig
 from dvp_jax.pyfile import load_file
 from dvp_jax.rollout.tokenizers import CharTokenizer
@@ -50,10 +51,12 @@ def test_paper_config_reads_its_checkpoint_where_the_run_reads_it(tmp_path):
     cd.model.hf_path = str(tmp_path)
     cfg = ExperimentConfig.from_config_dict(cd, HF_VOCAB)
     assert cfg.model == ModelConfig.preset("qwen3_14b") and cfg.init_hf_path == str(tmp_path)
-    # Without a preset an unreadable checkpoint cannot give the architecture.
+    # Without a preset an unreadable checkpoint cannot give aot the architecture.
     cd.model.hf_path, cd.model.preset = "/nonexistent/Qwen3-14B", ""
     with pytest.raises(ValueError, match="set config.model.preset"):
-        ExperimentConfig.from_config_dict(cd, HF_VOCAB, read_checkpoint=False)
+        aot.check_architecture_source(cd)
+    cd.model.preset = "qwen3_14b"
+    aot.check_architecture_source(cd)
 
 
 def test_gpu_mid_config_validates():

@@ -17,7 +17,6 @@ import ml_collections
 
 from dvp_jax.dvp.losses import PRESETS as LOSS_PRESETS
 from dvp_jax.dvp.losses import LossConfig
-from dvp_jax.errors import ConfigError
 from dvp_jax.model.config import PRESETS as MODEL_PRESETS
 from dvp_jax.model.config import ModelConfig
 from dvp_jax.model.hub import checkpoint_config, resolve_model_dir
@@ -65,7 +64,7 @@ class ExperimentConfig:
         `read_checkpoint=False` is for what validates or compiles a config away from its
         checkpoint (`aot` on a workstation, a sweep checked before its warm start exists): a
         `model.hf_path` that is not a local directory here is kept as written, unread, and the
-        architecture is `model.preset`'s, which must then be set.
+        architecture is `model.preset`'s and the model fields', as without `hf_path`.
         """
         d = cd.to_dict() if isinstance(cd, ml_collections.ConfigDict) else dict(cd)
         unknown = sorted(set(d) - set(_SECTIONS) - set(_TOP_LEVEL))
@@ -81,17 +80,10 @@ class ExperimentConfig:
         hf_path = model_d.pop("hf_path", "") or ""
         if preset or not hf_path:
             check_one_of("model.preset", preset or "tiny", sorted(MODEL_PRESETS))
-        if hf_path and not read_checkpoint and not os.path.isdir(os.path.expanduser(hf_path)):
-            if not preset:
-                raise ConfigError(
-                    f"config.model.hf_path={hf_path!r} is not a local directory here, so its "
-                    "config.json cannot give the architecture: set config.model.preset (one of "
-                    f"{sorted(MODEL_PRESETS)}) to validate or compile without the checkpoint"
-                )
-            if model_d.get("vocab_size") == -1:
-                del model_d["vocab_size"]  # the preset's, which names the checkpoint's
-            base = MODEL_PRESETS[preset]
-        elif hf_path:
+        # With read_checkpoint=False, a model.hf_path that is not a local directory here is kept
+        # as written and unread: the architecture is the preset's ("tiny" if unset) and fields'.
+        unread = not read_checkpoint and not os.path.isdir(os.path.expanduser(hf_path))
+        if hf_path and not unread:
             # The architecture is the checkpoint's config.json (a local directory or a Hub
             # repo's snapshot, resolved once, here); a preset or a field stated too must agree.
             hf_path = resolve_model_dir(hf_path)
