@@ -19,6 +19,9 @@ LIBTPU_VERSION := 0.0.42.1
 # The test extra's torch: 2.13.0 is a CPU wheel on this project's machines; on an index that
 # serves only the CUDA build, pip takes that one (several GB; the tests still run on CPU).
 TORCH_VERSION := 2.13.0
+# `make test` runs the suite in this many pytest-xdist workers (2: CI's and the dev machines'
+# cores; each worker holds its own 8 fake CPU devices). TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 
 JAX_SPEC_cpu := jax==$(JAX_VERSION)
 JAX_SPEC_cuda := jax[cuda12]==$(JAX_VERSION)
@@ -44,7 +47,7 @@ $(VENV)/.installed-$(ACCEL): pyproject.toml packaging/seqio_standin/pyproject.to
 install: $(VENV)/.installed-$(ACCEL)
 
 test: $(VENV)/.installed-$(ACCEL)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
 
 demo: $(VENV)/.installed-$(ACCEL)
 	$(PY) -m dvp_jax.main --config configs/tiny_cpu.py --workdir $${WORKDIR:-/tmp/dvp_jax_demo}

@@ -8,9 +8,11 @@ must be set before JAX initialises its backends.
 import os
 import tempfile
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+import pytest
+
+_DEVICES = "--xla_force_host_platform_device_count=8"
+if _DEVICES not in os.environ.get("XLA_FLAGS", ""):  # pytest-xdist workers inherit it
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICES).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests must never reach a hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -24,7 +26,8 @@ import dvp_jax.rollout  # noqa: E402, F401
 jax.config.update("jax_default_matmul_precision", "highest")
 # One persistent compilation cache for the session, shared with the processes tests start
 # (`dvp_jax.main` reads DVP_JAX_COMPILATION_CACHE): the same tiny programs are compiled once.
-# A fresh directory per session, so no entry outlives the code that compiled it.
+# A fresh directory per session, so no entry outlives the code that compiled it; pytest-xdist's
+# workers inherit the variable from the process that starts them, so they share it too.
 os.environ.setdefault("DVP_JAX_COMPILATION_CACHE", tempfile.mkdtemp(prefix="dvp_jax_jit_cache."))
 jax.config.update("jax_compilation_cache_dir", os.environ["DVP_JAX_COMPILATION_CACHE"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -32,3 +35,36 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 # Runs shared across test files (built on first use, once per session).
 from tests.shared_runs import tiny_run  # noqa: E402, F401
+
+
+# `make test` runs the suite in pytest-xdist workers (`-n 2 --dist loadgroup`). A module whose
+# tests share a module- or class-scoped fixture runs in one worker, so the fixture is built once;
+# the other tests are handed out one at a time. The slowest files go first, so that no long file
+# starts last while the other worker idles (seconds on 2 cores; only the order depends on them).
+SLOW_FILES = (
+    "test_tpu_compile.py",
+    "test_faults.py",
+    "test_rollout_engine.py",
+    "test_experiments_smoke.py",
+    "test_multiprocess.py",
+    "test_attention.py",
+    "test_accelerator_check.py",
+    "test_model.py",
+    "test_trainer.py",
+    "test_experiments_e005.py",
+    "test_experiments_e004.py",
+    "test_rollout_sampling.py",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    for item in items:
+        defs = getattr(item, "_fixtureinfo", None)
+        scopes = {d.scope for fs in (defs.name2fixturedefs.values() if defs else ()) for d in fs}
+        if scopes & {"module", "class", "package"}:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))

@@ -1,5 +1,6 @@
 """Training runs shared by the trainer, workdir, fault, resume and multi-process tests, each built
-once per session (fixtures, imported by tests/conftest.py).
+once per session, also when pytest-xdist runs the tests in several workers (fixtures, imported by
+tests/conftest.py).
 
 `tiny_run`: one uninterrupted run of the test-size tiny config (`TINY_RUN` steps) in this
 process, in a workdir whose path has spaces, started from an empty current directory, with the
@@ -13,6 +14,8 @@ Tests read it and never write into it: copy it (`TinyRun.copy_to`) to build on i
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import json
 import os
 import pathlib
 import shutil
@@ -79,10 +82,8 @@ class TinyRun:
         return pathlib.Path(dest)
 
 
-@pytest.fixture(scope="session")
-def tiny_run(tmp_path_factory) -> TinyRun:
-    root = tmp_path_factory.mktemp("tiny_run")
-    (root / "cwd").mkdir()
+def _build_tiny_run(root: pathlib.Path) -> TinyRun:
+    (root / "cwd").mkdir(parents=True)
     workdir = root / "my runs" / "run 1"
     previous = os.getcwd()
     os.chdir(root / "cwd")  # nothing may land in the current directory
@@ -97,3 +98,25 @@ def tiny_run(tmp_path_factory) -> TinyRun:
     finally:
         os.chdir(previous)
     return TinyRun(root, workdir, summary, compiles)
+
+
+def session_dir(tmp_path_factory) -> pathlib.Path:
+    """A directory of this test session that every pytest-xdist worker of it sees (the
+    session's base temporary directory; a worker's own is one below it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> TinyRun:
+    """Built once per session: by the first pytest-xdist worker that asks (under a file lock),
+    read back from disk by the others."""
+    shared = session_dir(tmp_path_factory)
+    root, record = shared / "tiny_run", shared / "tiny_run.json"
+    with open(shared / "tiny_run.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not record.exists():
+            run = _build_tiny_run(root)
+            record.write_text(json.dumps([run.summary, run.update_compiles]))
+    summary, compiles = json.loads(record.read_text())
+    return TinyRun(root, root / "my runs" / "run 1", summary, compiles)
