@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from dvp_jax.errors import ConfigError
+from dvp_jax.errors import ConfigError, one_line
 from dvp_jax.metrics import EventFiles, JsonlLog
 from dvp_jax.workdir import as_path, is_remote, write_atomic
 
@@ -128,14 +128,18 @@ class Trackers:
         groups = lambda rows: {(r["step"], r["name"]) for r in rows}  # one tracker row each
         earlier_samples = groups(self.samples_log.read())
         redone_samples = groups(self.samples_log.truncate_after(resumed_step))
-        if "tensorboard" in self.names:
-            self._backends.append(_TensorBoard(workdir, resumed_step))
-        if "wandb" in self.names:
-            redone = {(r["step"], r.get("phase")) for r in redone_rows} | redone_samples
-            sent_before = kept_rows + len(redone_rows) + len(earlier_samples)
-            self._backends.append(
-                _Wandb(as_path(workdir), dict(config or {}), wandb, redone, sent_before)
-            )
+        try:
+            if "tensorboard" in self.names:
+                self._backends.append(_TensorBoard(workdir, resumed_step))
+            if "wandb" in self.names:
+                redone = {(r["step"], r.get("phase")) for r in redone_rows} | redone_samples
+                sent_before = kept_rows + len(redone_rows) + len(earlier_samples)
+                self._backends.append(
+                    _Wandb(as_path(workdir), dict(config or {}), wandb, redone, sent_before)
+                )
+        except BaseException:
+            self.close()
+            raise
 
     def scalars(self, step: int, metrics: Mapping[str, Any]) -> None:
         """One metrics row (its numbers; strings such as `train_precision` stay in the jsonl)."""
@@ -257,17 +261,23 @@ class _Wandb:
             remote = is_remote(workdir)
             directory = tempfile.mkdtemp(prefix="dvp_jax_wandb.") if remote else os.fspath(workdir)
         self._wandb = wandb
-        self.run = wandb.init(
-            project=options.project or None,
-            entity=options.entity or None,
-            name=options.name or workdir.name,
-            mode=options.mode or os.environ.get("WANDB_MODE") or None,
-            id=run_id,
-            resume="allow",
-            dir=directory,
-            config=config,
-            settings=wandb.Settings(console="off"),  # absl's log lines stay on the console
-        )
+        try:
+            self.run = wandb.init(
+                project=options.project or None,
+                entity=options.entity or None,
+                name=options.name or workdir.name,
+                mode=options.mode or os.environ.get("WANDB_MODE") or None,
+                id=run_id,
+                resume="allow",
+                dir=directory,
+                config=config,
+                settings=wandb.Settings(console="off"),  # absl's log lines stay on the console
+            )
+        except wandb.errors.Error as e:  # not logged in, no such entity, ...
+            raise ConfigError(
+                f"W&B could not start the run ({one_line(e)}): run `wandb login`, or pass "
+                "--config.train.wandb_mode=offline (upload later with `wandb sync`)"
+            ) from None
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
 
