@@ -215,11 +215,11 @@ class JsonlLog:
         self.write = write
         self._rows: list[str] = []
 
-    def _append(self, row: Mapping[str, Any]) -> None:
-        if self.write:
-            line = json.dumps(row) + "\n"
-            self._rows.append(line)
-            append_line(self.path, line, "".join(self._rows))
+    def _append(self, *rows: Mapping[str, Any]) -> None:
+        if self.write and rows:
+            lines = [json.dumps(row) + "\n" for row in rows]
+            self._rows += lines
+            append_line(self.path, "".join(lines), "".join(self._rows))  # one write for all
 
     def _redone(self, row: Mapping[str, Any]) -> bool:
         """Whether a row of the checkpoint's step is written after that checkpoint."""

@@ -87,8 +87,7 @@ class SamplesLog(JsonlLog):
     NAME = "samples.jsonl"
 
     def append(self, step: int, name: str, rows: Sequence[Mapping[str, Any]]) -> None:
-        for row in rows:
-            self._append({"step": step, "name": name, **_plain(row)})
+        self._append(*({"step": step, "name": name, **_plain(row)} for row in rows))
 
     def _redone(self, row: Mapping[str, Any]) -> bool:
         return row.get("name") == FINAL_EVAL
