@@ -164,6 +164,39 @@ def test_matches_reference(estimator, prune, correction, normalisation):
         assert "frac_tokens_outside_ref_safe" not in metrics
 
 
+def test_with_decoupled_ppo_matches_reference():
+    """The KL and entropy terms beside the PPO-clipped policy term (updates_per_batch > 1): not
+    clipped, not weighted; the gradient is the reference surrogate's (1e-4: composed)."""
+    d = _batch(4)
+    old = np.where(d["in_safe"], d["lp"] + 0.05, pruning.LOGP_FLOOR).astype(np.float32)
+    cfg = LossConfig(kl_coef=0.3, entropy_coef=0.05, ppo_clip_eps=0.2)
+
+    def fn(lp):
+        return dvp_loss(
+            lp,
+            d["lr"],
+            d["adv"],
+            d["mask"],
+            d["in_safe"],
+            cfg,
+            old,
+            d["in_safe"],
+            ref_logp=d["ref_logp"],
+            ref_in_safe=d["ref_in_safe"],
+            entropy=d["entropy"],
+        )
+
+    (loss, metrics), g = jax.jit(jax.value_and_grad(fn, has_aux=True))(d["lp"])
+    args = (d["lp"], d["lr"], d["adv"], d["mask"], d["in_safe"])
+    kw = dict(prune=True, correction="none", ppo_eps=0.2, old_logp=old, old_in_safe=d["in_safe"])
+    kw |= dict(kl_coef=0.3, entropy_coef=0.05)
+    kw |= {k: d[k] for k in ("ref_logp", "ref_in_safe", "entropy")}
+    np.testing.assert_allclose(g, ref.loss_grad(d["lp"], *args[1:], **kw), rtol=1e-4, atol=1e-7)
+    expect = ref.dvp_loss(*args, **kw)
+    np.testing.assert_allclose(metrics["kl_ref"], expect["kl_ref"], rtol=1e-5)
+    assert metrics["kept_tokens"] == expect["kept_tokens"]
+
+
 def test_k3_by_hand():
     """One response, 2 tokens, correction none, A = 0 (only the KL term), beta = 0.5, Z = 2.
     d = log pi_ref - log pi: token 0: -0.5 - (-1.0) = 0.5, k3 = e^0.5 - 0.5 - 1 = 0.1487213;
