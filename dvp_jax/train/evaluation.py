@@ -29,11 +29,12 @@ from dvp_jax.train.sections import HELDOUT, DataConfig, EvalConfig
 SAMPLE_ROWS = 8
 
 
-def response_texts(tokenizer, batch: RolloutBatch) -> list[str]:
-    """Each row's response decoded to text, stop tokens removed."""
+def response_texts(tokenizer, batch: RolloutBatch, rows: int | None = None) -> list[str]:
+    """Each row's (of the first `rows`: all by default) response decoded to text, stop tokens
+    removed."""
     stop = set(getattr(tokenizer, "stop_tokens", ()) or ())
     out = []
-    for i in range(batch.num_rows):
+    for i in range(batch.num_rows if rows is None else min(rows, batch.num_rows)):
         ids = [int(t) for t in batch.response(i) if int(t) not in stop]
         out.append(tokenizer.decode(ids))
     return out
@@ -241,23 +242,18 @@ def evaluate(
 
 
 def _sample_rows(name, examples, k, batch: RolloutBatch, r: np.ndarray, tokenizer) -> list[dict]:
-    n = min(SAMPLE_ROWS, batch.num_rows)
-    stop = set(getattr(tokenizer, "stop_tokens", ()) or ())
-    rows = []
-    for i in range(n):
-        ex = examples[i // k]
-        ids = [int(t) for t in batch.response(i) if int(t) not in stop]
-        rows.append(
-            {
-                "set": name,
-                "prompt": ex.prompt,
-                "response": tokenizer.decode(ids),
-                "answer": ex.answer,
-                "reward": float(r[i]),
-                "finished": bool(batch.finished[i]),
-            }
-        )
-    return rows
+    """The first `SAMPLE_ROWS` responses (row i: prompt i // k) as dicts."""
+    return [
+        {
+            "set": name,
+            "prompt": examples[i // k].prompt,
+            "response": text,
+            "answer": examples[i // k].answer,
+            "reward": float(r[i]),
+            "finished": bool(batch.finished[i]),
+        }
+        for i, text in enumerate(response_texts(tokenizer, batch, SAMPLE_ROWS))
+    ]
 
 
 def evaluate_sets(
