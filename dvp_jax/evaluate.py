@@ -118,7 +118,7 @@ def _data_sets(cfg, tokenizer, data, k, num_prompts, fields: dict) -> list:
             )
         except (OSError, ValueError) as e:
             raise DataError(f"--data {path}: {e}") from e
-        sets.append(evaluation.HeldoutSet(name, examples, k or cfg.eval.k, cfg.data.reward_spec))
+        sets.append(evaluation.HeldoutSet(name, examples, k or cfg.eval.k, cfg.data.verifier))
     return sets
 
 

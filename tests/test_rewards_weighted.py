@@ -276,3 +276,25 @@ def test_a_real_run_logs_each_reward_term(tiny_run):
         assert row["reward/exact_match"] == pytest.approx(row["reward_mean"], abs=1e-6)
         assert row["reward_failures/exact_match"] == 0
         assert math.isfinite(row["reward/exact_match"])
+
+
+def test_heldout_accuracy_is_scored_by_the_tasks_verifier_not_the_shaped_reward(tmp_path):
+    """Shaping and penalty terms train the policy; held-out accuracy stays the answer check."""
+    held = tmp_path / "held.jsonl"
+    held.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    own = dict(name="own", path=str(held))
+    shaped = dict(name="shaped", path=str(held), reward="exact_match,truncated")
+    cd = tiny_config_dict(
+        **{
+            "data.rewards": "exact_match=1,integer_format=0.5,truncated=2",
+            "eval.sets": (own, shaped),
+        }
+    )
+    cfg = ExperimentConfig.from_config_dict(cd, CharTokenizer().vocab_size)
+    sets = evaluation.heldout_sets(cfg.data, cfg.eval, cfg.data.make_task(), CharTokenizer())
+    assert [(s.name, s.reward) for s in sets] == [
+        (evaluation.HELDOUT, "exact_match"),
+        ("own", "exact_match"),
+        ("shaped", "exact_match,truncated"),  # a set that names its reward keeps it
+    ]
+    assert cfg.data.reward_spec == "exact_match=1,integer_format=0.5,truncated=2"

@@ -170,7 +170,8 @@ def heldout_sets(data: DataConfig, eval_cfg: EvalConfig, task, tokenizer) -> lis
     except (OSError, ValueError) as e:
         raise DataError(f"config.data.eval_path: {e}") from e
     if main:
-        out.append(HeldoutSet(HELDOUT, main, eval_cfg.k, data.reward_spec))
+        # Accuracy is the task's answer check, not the training reward's shaping terms.
+        out.append(HeldoutSet(HELDOUT, main, eval_cfg.k, data.verifier))
     for i, s in enumerate(eval_cfg.sets):
         try:
             examples = load_examples(
@@ -178,7 +179,7 @@ def heldout_sets(data: DataConfig, eval_cfg: EvalConfig, task, tokenizer) -> lis
             )
         except (OSError, ValueError) as e:
             raise DataError(f"config.eval.sets[{i}] ({s.name}): {e}") from e
-        out.append(HeldoutSet(s.name, examples, s.k or eval_cfg.k, s.reward or data.reward_spec))
+        out.append(HeldoutSet(s.name, examples, s.k or eval_cfg.k, s.reward or data.verifier))
     return out
 
 

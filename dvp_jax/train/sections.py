@@ -210,6 +210,12 @@ class DataConfig:
         return self.rewards or TASK_REWARDS[self.task]
 
     @property
+    def verifier(self) -> str:
+        """The task's answer check (TASK_REWARDS): what held-out accuracy is scored by, whatever
+        shaping or penalty terms `rewards` adds to the training reward."""
+        return TASK_REWARDS[self.task]
+
+    @property
     def reward_terms(self) -> tuple[rewards_lib.RewardTerm, ...]:
         """The parsed terms of `reward_spec` (`rewards_lib.parse_rewards`)."""
         return self._reward_terms
@@ -326,8 +332,8 @@ class SFTConfig:
 @dataclasses.dataclass(frozen=True)
 class EvalSet:
     """One named validation set of `eval.sets`, logged as eval/<name>/accuracy (avg@k) and
-    eval/<name>/pass_at_k. 0 or "": the run's value (eval.k, eval.num_prompts, data.rewards,
-    data.prompt_key / answer_key / system_key)."""
+    eval/<name>/pass_at_k. 0 or "": the run's value (eval.k, eval.num_prompts, the task's
+    verifier `DataConfig.verifier`, data.prompt_key / answer_key / system_key)."""
 
     name: str
     path: str  # jsonl / parquet / datasets save_to_disk directory
