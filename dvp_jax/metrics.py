@@ -15,6 +15,7 @@ which also keeps `samples.jsonl` (`dvp_jax.trackers`); `read_metrics` is the one
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -332,7 +333,8 @@ class EventFiles:
     def flush(self) -> None:
         if self._records is None:
             return
-        self._records.flush()
+        with self._naming_the_file():
+            self._records.flush()
         self._flushed = time.time()
         if self._stage is not None:
             local = epath.Path(self._stage, self._name)
@@ -350,4 +352,14 @@ class EventFiles:
                 shutil.rmtree(self._stage, ignore_errors=True)
 
     def _write(self, event) -> None:
-        self._records.write(event.SerializeToString())
+        with self._naming_the_file():
+            self._records.write(event.SerializeToString())
+
+    @contextlib.contextmanager
+    def _naming_the_file(self):
+        """A failed write (a full disk) says which file, as the workdir's other writes do."""
+        try:
+            yield
+        except OSError as e:
+            path = os.path.join(self._stage or os.fspath(self._target), self._name)
+            raise OSError(e.errno, f"cannot write {path}: {e.strerror or e}") from e
