@@ -36,16 +36,15 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # Runs shared across test files (built on first use, once per session).
 from tests.shared_runs import tiny_run  # noqa: E402, F401
 
-
 # `make test` runs the suite in pytest-xdist workers (`-n 2 --dist loadgroup`). A module whose
 # tests share a module- or class-scoped fixture runs in one worker, so the fixture is built once;
 # the other tests are handed out one at a time. The slowest files go first, so that no long file
-# starts last while the other worker idles (seconds on 2 cores; only the order depends on them).
+# starts last while the other worker idles (only the order depends on this list).
 SLOW_FILES = (
     "test_tpu_compile.py",
-    "test_faults.py",
     "test_rollout_engine.py",
     "test_experiments_smoke.py",
+    "test_faults.py",  # after two whole-worker modules: one worker builds `tiny_run`, none waits
     "test_multiprocess.py",
     "test_attention.py",
     "test_accelerator_check.py",
