@@ -294,3 +294,24 @@ def test_wandb_without_a_login_stops_in_one_line_saying_what_to_do(tmp_path, mon
     with pytest.raises(ConfigError, match=r"No API key.*wandb login.*wandb_mode=offline") as e:
         Trackers(tmp_path, ("tensorboard", "wandb"), wandb=WandbOptions(mode="online"))
     assert "\n" not in str(e.value)
+
+
+def test_a_resumed_run_may_change_its_trackers_but_not_its_results():
+    """The trackers say where numbers go, not what they are: a rerun may turn W&B on."""
+    from dvp_jax.train import resume
+
+    vocab = CharTokenizer().vocab_size
+    cfg = ExperimentConfig.from_config_dict(tiny_config_dict(), vocab)
+    saved = resume.flat_fields(cfg)
+    now = ExperimentConfig.from_config_dict(
+        tiny_config_dict(**{
+            "train.trackers": "tensorboard,wandb",
+            "train.wandb_mode": "offline",
+            "train.wandb_name": "again",
+        }),
+        vocab,
+    )  # fmt: skip
+    assert saved["train.trackers"] != resume.flat_fields(now)["train.trackers"]
+    assert resume.resume_mismatch(saved, now) == []
+    seeded = ExperimentConfig.from_config_dict(tiny_config_dict(**{"train.seed": 7}), vocab)
+    assert [m.split(":")[0] for m in resume.resume_mismatch(saved, seeded)] == ["train.seed"]

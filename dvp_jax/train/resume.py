@@ -15,10 +15,13 @@ from dvp_jax.train.config import _SECTIONS, ExperimentConfig
 from dvp_jax.train.sections import GENERATED_TASKS, field_default, task_knobs
 
 # What a rerun on an existing workdir may change: how long it runs, how often it evaluates,
-# saves and logs, where it runs (mesh, engine slots) and where the initial weights were read
-# from. Every other field decides the results and must equal the workdir's config.json.
+# saves and logs and to which trackers, where it runs (mesh, engine slots) and where the
+# initial weights were read from. Every other field decides the results and must equal the
+# workdir's config.json.
 RESUMABLE_FIELDS = (
     "train.steps",
+    "train.trackers",
+    "train.wandb_",
     "eval.",
     "checkpoint.",
     "log_every",
