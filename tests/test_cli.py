@@ -76,7 +76,10 @@ def _cases(tmp, port):
             ],
             "--config: the config file does not load ([Errno 2] No such file or directory",
         ),
-        "empty data file": (math(_write(tmp / "empty.jsonl", b"")), "no examples to read"),
+        "empty data file": (
+            math(_write(tmp / "empty.jsonl", b"")),
+            "has none of the default prompt fields",
+        ),
         "unwritable workdir": (
             main_command("/proc/dvp_jax_run")[0],
             "workdir /proc/dvp_jax_run is not writable",
@@ -172,8 +175,15 @@ def test_verbose_adds_the_traceback(tmp_path):
 
 
 _BAD_DATA = {  # file name, content, what the message must say
-    "every row bad": ("bad.jsonl", b'{"x": 1}\n{"y": 2}\n', "no examples to read"),
-    "random bytes": ("rand.jsonl", bytes(range(256)) * 12, "no examples to read"),
+    # The fields are checked before any row is read; rows that have them but are all bad leave
+    # nothing to read.
+    "no prompt field": ("bad.jsonl", b'{"x": 1}\n{"y": 2}\n', "its fields: x, y"),
+    "every row bad": (
+        "bad.jsonl",
+        b'{"prompt": 17, "answer": "3"}\n{"prompt": "' + b"x" * 500 + b'", "answer": "1"}\n',
+        "no examples to read",
+    ),
+    "random bytes": ("rand.jsonl", bytes(range(256)) * 12, "its fields: none"),
     "fake parquet": ("fake.parquet", bytes(range(256)) * 12, "cannot read as parquet"),
     "txt extension": ("data.txt", b'{"prompt": "1+1=", "answer": "2"}\n', "unsupported extension"),
     "missing file": ("none.jsonl", None, "does not exist"),

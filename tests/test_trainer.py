@@ -147,7 +147,8 @@ def test_init_from_hf_checkpoint_and_architecture_mismatch_is_named(tmp_path):
     wrong = ExperimentConfig.from_config_dict(
         tiny_config_dict(**{"model.hf_path": str(tmp_path / "hf"), "model.d_ff": 128}), VOCAB
     )
-    with pytest.raises(ValueError, match="d_ff: config 128 vs checkpoint 64"):
+    mismatch = "d_ff: config gives 128, the file has intermediate_size=64"
+    with pytest.raises(ValueError, match=mismatch):
         Trainer(wrong, str(tmp_path / "run2"))
 
 
