@@ -33,27 +33,9 @@ from dvp_jax.cli import (
     use_compilation_cache,
 )
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "A dvp_jax.main run directory: its latest step.")
-_HF_PATH = flags.DEFINE_string("hf_path", None, "A Hugging Face model directory or Hub repo id.")
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "With --hf_path: the experiment config (default: default_config)."
-)
-_DATA = flags.DEFINE_multi_string(
-    "data", [], "[NAME=]FILE: a validation set (jsonl, parquet or datasets dir); repeatable."
-)
-_K = flags.DEFINE_integer("k", None, "Samples per prompt (default: each set's k, eval.k).")
-_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", None, "Prompts per --data set (default: all).")
-_DTYPE = flags.DEFINE_string("dtype", "", "fp32, bf16, rollout or a precision name.")
-_OUT = flags.DEFINE_string("out", None, "JSON output (default DIR/evaluate.json, ./evaluate.json).")
-_SEED = flags.DEFINE_integer("seed", None, "Sampling seed (default: train.seed).")
-_FIELDS = {
-    name: flags.DEFINE_string(name, "", f"The {name} of the --data files (default: data's).")
-    for name in ("prompt_key", "answer_key", "system_key")
-}
-_COMPILATION_CACHE = flags.DEFINE_string(
-    "compilation_cache", DEFAULT_COMPILATION_CACHE, COMPILATION_CACHE_HELP
-)
-flags.DEFINE_bool("verbose", False, "Tracebacks for every error.")
+# The command's flags, defined only when it runs as one: absl's registry is global, and the
+# library's tests import this module beside others that define --out, --dtype, --config.
+_FLAGS: dict = {}
 
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
 _ALL_ROWS = 2**31 - 1
@@ -258,24 +240,63 @@ def run(
     return result
 
 
+def _define_flags() -> None:
+    f = _FLAGS
+    f["workdir"] = flags.DEFINE_string(
+        "workdir", None, "A dvp_jax.main run directory: its latest step."
+    )
+    f["hf_path"] = flags.DEFINE_string(
+        "hf_path", None, "A Hugging Face model directory or Hub repo id."
+    )
+    f["config"] = config_flags.DEFINE_config_file(
+        "config", None, "With --hf_path: the experiment config (default: default_config)."
+    )
+    f["data"] = flags.DEFINE_multi_string(
+        "data", [], "[NAME=]FILE: a validation set (jsonl, parquet or datasets dir); repeatable."
+    )
+    f["k"] = flags.DEFINE_integer("k", None, "Samples per prompt (default: each set's k, eval.k).")
+    f["num_prompts"] = flags.DEFINE_integer(
+        "num_prompts", None, "Prompts per --data set (default: all)."
+    )
+    f["dtype"] = flags.DEFINE_string("dtype", "", "fp32, bf16, rollout or a precision name.")
+    f["out"] = flags.DEFINE_string(
+        "out", None, "JSON output (default DIR/evaluate.json, ./evaluate.json)."
+    )
+    f["seed"] = flags.DEFINE_integer("seed", None, "Sampling seed (default: train.seed).")
+    for name in ("prompt_key", "answer_key", "system_key"):
+        f[name] = flags.DEFINE_string(
+            name, "", f"The {name} of the --data files (default: data's)."
+        )
+    f["compilation_cache"] = flags.DEFINE_string(
+        "compilation_cache", DEFAULT_COMPILATION_CACHE, COMPILATION_CACHE_HELP
+    )
+    flags.DEFINE_bool("verbose", False, "Tracebacks for every error.")
+
+
+def _cli() -> None:
+    _define_flags()
+    app.run(main, flags_parser=parse_flags)
+
+
 def main(argv):
     if len(argv) > 1:
         fail(f"unexpected arguments {argv[1:]}: every option is a --flag", USAGE_EXIT_CODE)
-    use_compilation_cache(_COMPILATION_CACHE.value)
+    f = {name: flag.value for name, flag in _FLAGS.items()}
+    use_compilation_cache(f["compilation_cache"])
     from dvp_jax.errors import UserError
 
     try:
         run(
-            _WORKDIR.value,
-            _HF_PATH.value,
-            _DATA.value,
-            config=_CONFIG.value,
-            k=_K.value,
-            num_prompts=_NUM_PROMPTS.value,
-            dtype=_DTYPE.value,
-            seed=_SEED.value,
-            fields={name: flag.value for name, flag in _FIELDS.items()},
-            out=_OUT.value,
+            f["workdir"],
+            f["hf_path"],
+            f["data"],
+            config=f["config"],
+            k=f["k"],
+            num_prompts=f["num_prompts"],
+            dtype=f["dtype"],
+            seed=f["seed"],
+            fields={name: f[name] for name in ("prompt_key", "answer_key", "system_key")},
+            out=f["out"],
         )
     except (UserError, ValueError, OSError) as e:
         fail(" ".join(str(e).split()), USAGE_EXIT_CODE, e)
@@ -283,4 +304,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags)
+    _cli()

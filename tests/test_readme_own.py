@@ -71,9 +71,10 @@ def _defined_flags(module: str) -> set[str]:
         tree = ast.parse(f.read())
     names = {"verbose", "help"}
     for node in ast.walk(tree):
-        for gen in getattr(node, "generators", ()):  # {n: DEFINE_string(n, ...) for n in (...)}
-            if isinstance(gen.iter, ast.Tuple):
-                names |= {e.value for e in gen.iter.elts if isinstance(e, ast.Constant)}
+        loops = [*getattr(node, "generators", ()), *([node] if isinstance(node, ast.For) else [])]
+        for loop in loops:  # for n in ("a", "b"): DEFINE_string(n, ...), or a comprehension
+            if isinstance(loop.iter, ast.Tuple):
+                names |= {e.value for e in loop.iter.elts if isinstance(e, ast.Constant)}
         if isinstance(node, ast.Call) and getattr(node.func, "attr", "").startswith("DEFINE_"):
             first = node.args[0] if node.args else None
             if isinstance(first, ast.Constant) and isinstance(first.value, str):

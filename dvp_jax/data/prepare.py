@@ -35,16 +35,8 @@ DAPO_PREFIX = (
 DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
 TEMPLATES = ("dapo", "none")
 
-_INPUT = flags.DEFINE_multi_string(
-    "input", None, "Input file(s): jsonl, parquet or a datasets dir."
-)
-_FORMAT = flags.DEFINE_enum("format", "auto", [*FORMATS, "auto"], "Layout of the input files.")
-_OUT = flags.DEFINE_string("out", None, "Output file, .jsonl or .parquet.")
-_DEDUPE = flags.DEFINE_bool("dedupe", True, "Keep only the first row of each problem.")
-_TEMPLATE = flags.DEFINE_enum(
-    "template", "dapo", list(TEMPLATES), "Wrap a bare problem (aime25) in DAPO's instruction."
-)
-flags.mark_flags_as_required(["input", "out"])
+# The command's flags, defined only when it runs as one (absl's registry is global).
+_FLAGS: dict = {}
 
 
 class _Bad(Exception):
@@ -216,15 +208,33 @@ def prepare(inputs, fmt: str, out: str, dedupe: bool = True, template: str = "da
     return totals
 
 
+def _define_flags() -> None:
+    f = _FLAGS
+    f["input"] = flags.DEFINE_multi_string(
+        "input", None, "Input file(s): jsonl, parquet or a datasets dir."
+    )
+    f["format"] = flags.DEFINE_enum(
+        "format", "auto", [*FORMATS, "auto"], "Layout of the input files."
+    )
+    f["out"] = flags.DEFINE_string("out", None, "Output file, .jsonl or .parquet.")
+    f["dedupe"] = flags.DEFINE_bool("dedupe", True, "Keep only the first row of each problem.")
+    f["template"] = flags.DEFINE_enum(
+        "template", "dapo", list(TEMPLATES), "Wrap a bare problem (aime25) in DAPO's instruction."
+    )
+    flags.mark_flags_as_required(["input", "out"])
+
+
 def main(argv):
     if len(argv) > 1:
         fail(f"unexpected arguments {argv[1:]}: every option is a --flag", USAGE_EXIT_CODE)
     try:
-        prepare(_INPUT.value, _FORMAT.value, _OUT.value, _DEDUPE.value, _TEMPLATE.value)
+        f = {name: flag.value for name, flag in _FLAGS.items()}
+        prepare(f["input"], f["format"], f["out"], f["dedupe"], f["template"])
     except (ValueError, OSError) as e:
         fail(" ".join(str(e).split()), USAGE_EXIT_CODE, e)
     sys.stdout.flush()
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main, flags_parser=parse_flags)
