@@ -8,8 +8,6 @@ must be set before JAX initialises its backends.
 import os
 import tempfile
 
-import pytest
-
 _DEVICES = "--xla_force_host_platform_device_count=8"
 if _DEVICES not in os.environ.get("XLA_FLAGS", ""):  # pytest-xdist workers inherit it
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICES).strip()
@@ -36,34 +34,32 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # Runs shared across test files (built on first use, once per session).
 from tests.shared_runs import tiny_run  # noqa: E402, F401
 
-# `make test` runs the suite in pytest-xdist workers (`-n 2 --dist loadgroup`). A module whose
-# tests share a module- or class-scoped fixture runs in one worker, so the fixture is built once;
-# the other tests are handed out one at a time. The slowest files go first, so that no long file
-# starts last while the other worker idles (only the order depends on this list).
+# `make test` runs the suite in pytest-xdist workers (`-n 2`, with `--dist loadfile` from
+# pyproject.toml): each file runs in one worker, so a module-scoped fixture is built once, and the
+# slowest files go first, so that no long file starts last while the other worker idles (only the
+# order depends on this list). (`--dist loadgroup` would split files, but pytest-xdist 3.8 cannot
+# rename pytest 9's node ids, so its groups are ignored.)
 SLOW_FILES = (
     "test_tpu_compile.py",
     "test_rollout_engine.py",
     "test_experiments_smoke.py",
     "test_faults.py",  # after two whole-worker modules: one worker builds `tiny_run`, none waits
     "test_multiprocess.py",
-    "test_attention.py",
-    "test_accelerator_check.py",
     "test_model.py",
     "test_trainer.py",
     "test_experiments_e005.py",
+    "test_train_step.py",
     "test_experiments_e004.py",
     "test_rollout_sampling.py",
+    "test_kl_entropy.py",
+    "test_dvp_pruning.py",
+    "test_attention.py",
+    "test_dvp_losses.py",
+    "test_accelerator_check.py",
 )
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    for item in items:
-        defs = getattr(item, "_fixtureinfo", None)
-        scopes = {d.scope for fs in (defs.name2fixturedefs.values() if defs else ()) for d in fs}
-        if scopes & {"module", "class", "package"}:
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
-    rank = {name: i for i, name in enumerate(SLOW_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        rank = {name: i for i, name in enumerate(SLOW_FILES)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))

@@ -144,12 +144,12 @@ def test_init_from_hf_checkpoint_and_architecture_mismatch_is_named(tmp_path):
         )
     finally:
         trainer.close()
-    wrong = ExperimentConfig.from_config_dict(
-        tiny_config_dict(**{"model.hf_path": str(tmp_path / "hf"), "model.d_ff": 128}), VOCAB
-    )
+    # The architecture comes from the checkpoint's config.json: a disagreeing field is refused
+    # when the config is built, before any trainer.
+    wrong = tiny_config_dict(**{"model.hf_path": str(tmp_path / "hf"), "model.d_ff": 128})
     mismatch = "d_ff: config gives 128, the file has intermediate_size=64"
     with pytest.raises(ValueError, match=mismatch):
-        Trainer(wrong, str(tmp_path / "run2"))
+        ExperimentConfig.from_config_dict(wrong, VOCAB)
 
 
 def test_every_config_field_exists_and_a_misspelt_one_fails():
