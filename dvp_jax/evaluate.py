@@ -281,11 +281,12 @@ def _cli() -> None:
 def main(argv):
     if len(argv) > 1:
         fail(f"unexpected arguments {argv[1:]}: every option is a --flag", USAGE_EXIT_CODE)
-    f = {name: flag.value for name, flag in _FLAGS.items()}
-    use_compilation_cache(f["compilation_cache"])
+    use_compilation_cache(_FLAGS["compilation_cache"].value)
     from dvp_jax.errors import UserError
 
     try:
+        # Inside: a --config file that fails to load raises when its value is first read.
+        f = {name: flag.value for name, flag in _FLAGS.items()}
         run(
             f["workdir"],
             f["hf_path"],
