@@ -205,20 +205,23 @@ def dvp_loss(
         missing with `old_logp` under pruning, or given without `old_logp`; `ref_logp`,
       `ref_in_safe` or `entropy` given or missing against `cfg`; bad shapes.
     """
-    if (cfg.ppo_clip_eps is None) != (old_logp is None):
+    _check_logp_pair(
+        cfg, "old", old_logp, old_in_safe, cfg.ppo_clip_eps is not None,
+        f"LossConfig.ppo_clip_eps is set (ppo_clip_eps={cfg.ppo_clip_eps}",
+        "the old policy's safe set",
+        " (LossConfig.prune=True, log_rho > -inf): old_logp holds a floor where it is False and "
+        "those responses must be excluded (E5).",
+    )  # fmt: skip
+    _check_logp_pair(
+        cfg, "ref", ref_logp, ref_in_safe, cfg.uses_reference,
+        f"LossConfig.kl_coef > 0 (kl_coef={cfg.kl_coef}", "the reference's safe set",
+        ": ref_logp holds a floor where it is False (E11).",
+    )  # fmt: skip
+    if (cfg.entropy_coef > 0) != (entropy is not None):
         raise ValueError(
-            "old_logp must be given exactly when LossConfig.ppo_clip_eps is set "
-            f"(ppo_clip_eps={cfg.ppo_clip_eps}, old_logp given: {old_logp is not None})."
+            "entropy must be given exactly when LossConfig.entropy_coef > 0 "
+            f"(entropy_coef={cfg.entropy_coef}, entropy given: {entropy is not None})."
         )
-    if old_logp is None and old_in_safe is not None:
-        raise ValueError("old_in_safe was given without old_logp; pass both or neither.")
-    if old_logp is not None and cfg.pruning and old_in_safe is None:
-        raise ValueError(
-            "old_in_safe (y_t inside the old policy's safe set) is required with old_logp when "
-            "pruning is on (LossConfig.prune=True, log_rho > -inf): old_logp holds a floor "
-            "where it is False and those responses must be excluded (E5)."
-        )
-    _check_extra_terms(cfg, ref_logp, ref_in_safe, entropy)
     if logp.ndim != 2 or advantages.shape != logp.shape[:1]:
         raise ValueError(
             f"need logp [B, T] and advantages [B]; got {logp.shape}, {advantages.shape}."
@@ -318,22 +321,20 @@ def dvp_loss(
     return loss, metrics
 
 
-def _check_extra_terms(cfg: LossConfig, ref_logp, ref_in_safe, entropy) -> None:
-    """The E11 / E12 inputs are given exactly when their coefficient is on."""
-    if cfg.uses_reference != (ref_logp is not None):
+def _check_logp_pair(
+    cfg: LossConfig, name: str, logp, in_safe, wanted: bool, when: str, safe_set: str, why: str
+) -> None:
+    """`<name>_logp` is given exactly when `wanted` (its condition `when`), and under pruning
+    with its mask `<name>_in_safe` (y_t inside `safe_set`; `why` the floor it marks)."""
+    if wanted != (logp is not None):
         raise ValueError(
-            "ref_logp must be given exactly when LossConfig.kl_coef > 0 "
-            f"(kl_coef={cfg.kl_coef}, ref_logp given: {ref_logp is not None})."
+            f"{name}_logp must be given exactly when {when}, "
+            f"{name}_logp given: {logp is not None})."
         )
-    if ref_logp is None and ref_in_safe is not None:
-        raise ValueError("ref_in_safe was given without ref_logp; pass both or neither.")
-    if ref_logp is not None and cfg.pruning and ref_in_safe is None:
+    if logp is None and in_safe is not None:
+        raise ValueError(f"{name}_in_safe was given without {name}_logp; pass both or neither.")
+    if logp is not None and cfg.pruning and in_safe is None:
         raise ValueError(
-            "ref_in_safe (y_t inside the reference's safe set) is required with ref_logp when "
-            "pruning is on: ref_logp holds a floor where it is False (E11)."
-        )
-    if (cfg.entropy_coef > 0) != (entropy is not None):
-        raise ValueError(
-            "entropy must be given exactly when LossConfig.entropy_coef > 0 "
-            f"(entropy_coef={cfg.entropy_coef}, entropy given: {entropy is not None})."
+            f"{name}_in_safe (y_t inside {safe_set}) is required with {name}_logp when "
+            f"pruning is on{why}"
         )
