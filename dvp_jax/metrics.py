@@ -16,6 +16,7 @@ which also keeps `samples.jsonl` (`dvp_jax.trackers`); `read_metrics` is the one
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -275,6 +276,9 @@ class MetricsLog(JsonlLog):
         return row.get("phase") == 1.0
 
 
+_EVENT_FILES = itertools.count()  # event files opened by this process
+
+
 class EventFiles:
     """The run's numbers as TensorBoard event files in the workdir, without TensorFlow:
     tensorboardX's event protos and record framing, written synchronously (a failed write
@@ -302,7 +306,12 @@ class EventFiles:
         self._event, self._summary = event_pb2.Event, summary_pb2.Summary
         self._target = as_path(workdir)
         self._stage = tempfile.mkdtemp(prefix="dvp_jax_events.") if is_remote(workdir) else None
-        self._name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
+        # The count keeps two files opened by one process within one second apart (a second
+        # open of the same name would overwrite the first attempt's points) and in order.
+        self._name = (
+            f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
+            f".{next(_EVENT_FILES):06d}"
+        )
         self._records = RecordWriter(
             os.path.join(self._stage or os.fspath(self._target), self._name)
         )

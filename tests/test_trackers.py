@@ -56,8 +56,10 @@ def wandb_records(wandb_dir) -> list[tuple[str, list]]:
                 records.append(record)
                 buf = b""
         run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
-        out.append((run.run_id, records))
-    return out
+        out.append((run.start_time.ToNanoseconds(), run.run_id, records))
+    # Oldest first by the run's start time: the directory names hold whole seconds only, so
+    # two attempts started within one second sort by their random run id.
+    return [(run_id, records) for _, run_id, records in sorted(out, key=lambda x: x[0])]
 
 
 def history(records, name: str) -> list[tuple[float, object]]:
