@@ -307,6 +307,11 @@ class TrainConfig:
         )
 
     @property
+    def tracker_names(self) -> tuple[str, ...]:
+        """`trackers` as names (`trackers.parse_trackers`, checked in `__post_init__`)."""
+        return trackers_lib.parse_trackers(self.trackers)
+
+    @property
     def wandb(self) -> trackers_lib.WandbOptions:
         return trackers_lib.WandbOptions(
             self.wandb_project, self.wandb_entity, self.wandb_name, self.wandb_mode

@@ -61,7 +61,7 @@ class Trainer:
         self.workdir = as_path(workdir)  # an epath: local, gs://, ...
         check_workdir(cfg, self.workdir)
         # A tracker whose package is missing fails here, naming the extra to install.
-        trackers_lib.check_installed(trackers_lib.parse_trackers(cfg.train.trackers))
+        trackers_lib.check_installed(cfg.train.tracker_names)
         created = not self.workdir.exists()
         check_writable(self.workdir)  # an unreachable or read-only workdir fails here, by name
         self.is_lead = jax.process_index() == 0
@@ -113,7 +113,7 @@ class Trainer:
             )
         self.trackers = trackers_lib.Trackers(
             self.workdir,
-            trackers_lib.parse_trackers(self.cfg.train.trackers),
+            self.cfg.train.tracker_names,
             write=self.is_lead,
             config=flat,
             resumed_step=resumed_step,
