@@ -1,16 +1,19 @@
-"""Test setup: 8 fake CPU devices so sharding tests can build a (2, 2, 2) mesh.
+"""Test setup: 8 fake CPU devices so sharding tests can build a (2, 2, 2) mesh, and the suite's
+XLA flags (tests/__init__.py).
 
 This is one of the two places (with `dvp_jax/main.py`) allowed to touch XLA flags and
-`jax.config` (device count, matmul precision, the persistent compilation cache). The flag
+`jax.config` (device count, matmul precision, the persistent compilation cache). The flags
 must be set before JAX initialises its backends.
 """
 
 import os
 import tempfile
 
-_DEVICES = "--xla_force_host_platform_device_count=8"
-if _DEVICES not in os.environ.get("XLA_FLAGS", ""):  # pytest-xdist workers inherit it
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICES).strip()
+from tests import SUITE_XLA_FLAGS  # jax-free
+
+for _flag in (SUITE_XLA_FLAGS, "--xla_force_host_platform_device_count=8"):
+    if _flag not in os.environ.get("XLA_FLAGS", ""):  # pytest-xdist workers inherit them
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests must never reach a hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -27,6 +27,7 @@ from dvp_jax.data.tasks import ArithmeticTask
 from dvp_jax.rollout.tokenizers import CharTokenizer
 from dvp_jax.run_params import state_item_dir
 from dvp_jax.train.state import TrainState, make_optimizer
+from tests import child_env
 from tests.train_utils import REPO
 
 
@@ -276,8 +277,7 @@ def test_restore_into_a_differently_configured_pipeline_names_the_field(workdir)
 _WORKER = """
 import os, sys
 phase, workdir, pid, port = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=4"  # the suite's flags
 import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
@@ -317,7 +317,7 @@ ckpt.close()
 
 def _run_two_processes(phase, workdir):
     port = portpicker.pick_unused_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _WORKER, phase, str(workdir), str(pid), str(port)],

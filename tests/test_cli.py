@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from tests import child_env
 from tests.main_cases import run_cases
 from tests.train_utils import REPO, TINY_CONFIG, main_command
 
@@ -118,7 +119,7 @@ def test_every_user_mistake_ends_with_one_line_and_exit_2(tmp_path):
     port = free.getsockname()[1]
     free.close()
     cases = _cases(tmp_path, port)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = child_env()
     # argv[0] names the module: [python, -m, dvp_jax.main, ...] -> [dvp_jax.main, ...].
     argvs = {
         name: argv[2:] if argv[0] == sys.executable else argv for name, (argv, _) in cases.items()

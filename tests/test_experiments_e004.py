@@ -25,6 +25,7 @@ from dvp_jax.launch import local, sweep
 from experiments import e004_measure as measure_lib
 from experiments import e004_running_sum as e004
 from experiments import e004_verdict as v
+from tests import child_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 E004 = os.path.join("experiments", "e004_running_sum.py")
@@ -38,8 +39,7 @@ def _smoke_overrides() -> dict:
 def smoke(tmp_path_factory):
     """Starts the smoke unit, measures M4 on a random exported model meanwhile; yields both."""
     root = tmp_path_factory.mktemp("e004")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
-    env["JAX_PLATFORMS"] = "cpu"
+    env = child_env()  # one CPU device
     argv = [sys.executable, "-m", "dvp_jax.launch", "local", E004, "--sweep", "smoke=True"]
     proc = subprocess.Popen(
         [*argv, "--root", str(root)],

@@ -24,6 +24,7 @@ from dvp_jax.metrics import read_metrics
 from experiments import analyze
 from experiments import e002_methods as e002
 from experiments import e003_rho_ablation as e003
+from tests import child_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 E002 = os.path.join("experiments", "e002_methods.py")
@@ -68,8 +69,7 @@ def smoke_runs(tmp_path_factory):
         ],
     }
     # Without the test session's 8 fake devices.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = child_env()
     start = lambda argv: subprocess.Popen(
         argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

@@ -7,7 +7,6 @@ already in use stops the server at once with one line naming the address (exit c
 """
 
 import asyncio
-import os
 import signal
 import socket
 import subprocess
@@ -20,6 +19,8 @@ import portpicker
 import pytest
 from jetstream.core.proto import jetstream_pb2 as pb
 from jetstream.core.proto import jetstream_pb2_grpc as pb_grpc
+
+from tests import child_env
 
 MAX_PREFILL, MAX_DECODE = 16, 8
 
@@ -126,10 +127,7 @@ def _server_command(port):
 
 
 def _server_env():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the server needs one device, not the tests' 8 fake ones
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
+    return child_env()  # the server needs one device, not the tests' 8 fake ones
 
 
 def test_server_end_to_end(tmp_path):

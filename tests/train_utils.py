@@ -8,6 +8,7 @@ import numpy as np
 
 from dvp_jax.pyfile import load_file
 from dvp_jax.train.batch import RLBatch
+from tests import child_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_CONFIG = os.path.join(REPO, "configs", "tiny_cpu.py")
@@ -101,11 +102,4 @@ def main_command(
         *cli_overrides(**overrides),
         *extra,
     ]
-    xla = f"--xla_force_host_platform_device_count={devices}" if devices else ""
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": xla,
-        "JAX_DEFAULT_MATMUL_PRECISION": "highest",
-    }
-    return cmd, env
+    return cmd, child_env(devices, JAX_DEFAULT_MATMUL_PRECISION="highest")
