@@ -2,7 +2,7 @@
 (tests/conftest.py) and each it starts (`child_env`).
 
 LLVM's optimizations are off (`--xla_backend_optimization_level=0`): the suite's programs are
-tiny, compiling them is most of its time, and this halves much of it. XLA's own passes (fusion,
+tiny, compiling them is most of its time, and this saves much of it. XLA's own passes (fusion,
 layouts, buffer assignment, donation) run as in a user's process, and the TPU compiler reports
 the same memory figures; only the machine code is slower. Every process of the suite uses the same
 flags, so a run in a child process and the same run in the test process stay the same programs.
