@@ -1,4 +1,5 @@
-"""End-to-end trainer tests: a short run, bad data rows, bad config values, other precisions.
+"""End-to-end trainer tests: a short run, bad data rows, bad config values, other precisions
+(mixed_bf16 in the bad-data-rows run, float32_x3 in the run from a Hugging Face checkpoint).
 
 SIGTERM during the RL steps, kill -9 and resume: tests/test_faults.py; the command line's
 messages for bad config values: tests/test_cli.py.
@@ -51,13 +52,18 @@ def test_a_short_run_is_finite_and_compiles_once(tiny_run):
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(workdir))
 
 
-def test_malformed_data_rows_are_counted_and_skipped(tmp_path):
+def test_malformed_data_rows_are_counted_and_skipped_in_a_mixed_bf16_ppo_run(tmp_path):
+    """A math jsonl with four malformed rows trains (they are counted, with their indices, and
+    skipped) in the mixed_bf16 precision (bf16 compute on fp32 master params), which is
+    recorded by name, with two PPO mini-batch updates per rollout batch, each accumulating
+    two micro-batches. Prompts fit the tiny run's prompt length, so the rollout and evaluation
+    programs are the shared run's."""
     rows = []
     good = [
-        ("what is 2 plus 3?", "5"),
-        ("what is 7 minus 4?", "3"),
+        ("2 plus 3 is", "5"),
+        ("7 minus 4 is", "3"),
         ("4 plus 4 is", "8"),
-        ("what is 9 minus 1?", "8"),
+        ("9 minus 1 is", "8"),
         ("1 plus 1 is", "2"),
         ("6 minus 2 is", "4"),
     ]
@@ -77,18 +83,17 @@ def test_malformed_data_rows_are_counted_and_skipped(tmp_path):
             rows.append(json.dumps({"prompt": "x" * 500, "answer": "1"}))  # over-long
     path = tmp_path / "math.jsonl"
     path.write_text("\n".join(rows) + "\n")
+    precision = "mixed_bf16"
     cfg = ExperimentConfig.from_config_dict(
         tiny_config_dict(
             **{
                 "data.task": "math",
                 "data.path": str(path),
                 "data.chat_format": "plain",
-                "data.max_prompt_len": 32,
-                "train.steps": 2,
+                "train.steps": 1,
+                "train.precision": precision,
                 "sft.steps": 0,  # the warm-up is the shared run's; this run compiles no SFT step
                 "data.eval_path": str(path),
-                # Also exercises two PPO mini-batch updates per rollout batch, each with
-                # gradient accumulation over two micro-batches.
                 "train.updates_per_batch": 2,
                 "loss.ppo_clip_eps": 0.2,
                 "train.micro_batches": 2,
@@ -98,16 +103,22 @@ def test_malformed_data_rows_are_counted_and_skipped(tmp_path):
         ),
         VOCAB,
     )
+    assert cfg.data.max_prompt_len == 16  # the tiny run's: every good prompt fits
     trainer = Trainer(cfg, str(tmp_path / "run"))
     try:
         summary = trainer.run()
+        assert trainer.state.params["embed"].dtype == np.float32
     finally:
         trainer.close()
     assert trainer.data.report.num_malformed == 4
     assert summary["data_malformed_rows"] == 4
     assert len(trainer.data.report.malformed_indices) == 4
-    losses = [r["loss"] for r in _metrics(tmp_path / "run") if "loss" in r]
-    assert len(losses) == 2 and all(np.isfinite(losses))
+    rows = [r for r in _metrics(tmp_path / "run") if "loss" in r]
+    assert len(rows) == 1 and np.isfinite(rows[0]["loss"]) and np.isfinite(rows[0]["grad_norm"])
+    assert summary["train_precision"] == precision
+    assert rows[0]["train_precision"] == precision
+    with pytest.raises(ValueError, match=r"config\.train\.precision"):
+        ExperimentConfig.from_config_dict(tiny_config_dict(**{"train.precision": "fp16"}), VOCAB)
 
 
 @pytest.mark.parametrize(
@@ -125,7 +136,12 @@ def test_bad_config_values_fail_fast_naming_the_field(override, field):
         ExperimentConfig.from_config_dict(tiny_config_dict(**override), VOCAB)
 
 
-def test_init_from_hf_checkpoint_and_architecture_mismatch_is_named(tmp_path):
+def test_init_from_hf_checkpoint_trains_in_float32_x3_and_architecture_mismatch_is_named(
+    tmp_path,
+):
+    """A run initialised from a Hugging Face checkpoint starts from its weights; it trains in
+    float32_x3 (three-pass fp32-class matmuls; exact fp32 on this CPU), recorded by name (the
+    other precision, mixed_bf16, is the malformed-rows run's)."""
     from flax import nnx
 
     from dvp_jax.model import Transformer
@@ -134,16 +150,25 @@ def test_init_from_hf_checkpoint_and_architecture_mismatch_is_named(tmp_path):
     cfg = ExperimentConfig.from_config_dict(tiny_config_dict(), VOCAB)
     source = Transformer(cfg.model, rngs=nnx.Rngs(123))
     save_hf(source, str(tmp_path / "hf"))
+    precision = "float32_x3"
+    over = {"model.hf_path": str(tmp_path / "hf"), "train.precision": precision}
+    # No warm-up: the update in `precision` is what this run compiles.
     cfg_hf = ExperimentConfig.from_config_dict(
-        tiny_config_dict(**{"model.hf_path": str(tmp_path / "hf")}), VOCAB
+        tiny_config_dict(**over, **{"train.steps": 1, "sft.steps": 0}), VOCAB
     )
     trainer = Trainer(cfg_hf, str(tmp_path / "run"))
     try:
         np.testing.assert_array_equal(
             np.asarray(trainer.state.params["embed"]), np.asarray(source.embed[...])
         )
+        summary = trainer.run()
+        assert trainer.state.params["embed"].dtype == np.float32
     finally:
         trainer.close()
+    assert summary["train_precision"] == precision
+    rows = [r for r in _metrics(tmp_path / "run") if "loss" in r]
+    assert rows and all(r["train_precision"] == precision for r in rows)
+    assert np.isfinite(rows[0]["loss"]) and np.isfinite(rows[0]["grad_norm"])
     # The architecture comes from the checkpoint's config.json: a disagreeing field is refused
     # when the config is built, before any trainer.
     wrong = tiny_config_dict(**{"model.hf_path": str(tmp_path / "hf"), "model.d_ff": 128})
@@ -177,29 +202,6 @@ def test_metric_names_are_declared_once_and_typos_fail():
         metrics.check({"loss": 1.0, "ppl_gapp": 0.1})
     with pytest.raises(KeyError):
         metrics.tail_mean([{"step": 1, "loss": 1.0}], "los")
-
-
-@pytest.mark.parametrize("precision", ["mixed_bf16", "float32_x3"])
-def test_other_trainer_precisions_are_named_in_metrics_and_summary(tmp_path, precision):
-    """mixed_bf16 (bf16 compute on fp32 master params) and float32_x3 (three-pass fp32-class
-    matmuls; exact fp32 on this CPU) train and are recorded by name."""
-    cfg = ExperimentConfig.from_config_dict(
-        # No warm-up: the update in `precision` is what this run compiles.
-        tiny_config_dict(**{"train.precision": precision, "train.steps": 1, "sft.steps": 0}),
-        VOCAB,
-    )
-    trainer = Trainer(cfg, str(tmp_path))
-    try:
-        summary = trainer.run()
-        assert trainer.state.params["embed"].dtype == np.float32
-    finally:
-        trainer.close()
-    assert summary["train_precision"] == precision
-    rows = [r for r in _metrics(tmp_path) if "loss" in r]
-    assert rows and all(r["train_precision"] == precision for r in rows)
-    assert np.isfinite(rows[0]["loss"]) and np.isfinite(rows[0]["grad_norm"])
-    with pytest.raises(ValueError, match=r"config\.train\.precision"):
-        ExperimentConfig.from_config_dict(tiny_config_dict(**{"train.precision": "fp16"}), VOCAB)
 
 
 def test_eval_dtype_evaluates_with_an_fp32_engine_while_rollouts_stay_bf16(tmp_path):
