@@ -23,7 +23,7 @@ from dvp_jax.model import TRAIN_POLICY, ModelConfig, Transformer
 from dvp_jax.rollout import weights
 from dvp_jax.rollout.engine import EngineConfig, Prefix, RolloutEngine
 from dvp_jax.rollout.jetstream import JetStreamEngine
-from dvp_jax.rollout.offline import RolloutBatch, generate_rollouts
+from dvp_jax.rollout.offline import STEPS_PER_SYNC, RolloutBatch, generate_rollouts
 from dvp_jax.sharding import TRAIN_RULES, MeshConfig, Sharder, init_sharded, make_mesh
 
 LOG_RHO = -3.0
@@ -74,20 +74,52 @@ def batch(bf16) -> RolloutBatch:
     return generate_rollouts(bf16, PROMPTS, 3, jax.random.key(1))
 
 
+# G = 4 samples per prompt fill the 4 slots from one prompt at a time, so every prefill has one
+# row: the engines other tests build for comparison compile one prefill and one insert.
+G_REF, KEY_REF = 4, 3
+
+
+@pytest.fixture(scope="module")
+def reference(fp32) -> RolloutBatch:
+    """fp32 rollouts (default `steps_per_sync`) that the sharded, TPU-layout and single-step
+    runs are compared with, and the fp32 figure of the mismatch test."""
+    return generate_rollouts(fp32, PROMPTS, G_REF, jax.random.key(KEY_REF))
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    """Trainer weights (seed 2) born sharded over the trainer's (1, 4, 2) mesh of the 8 fake
+    CPU devices: the weight-sync tests' source."""
+    sharder = Sharder(make_mesh(MeshConfig(1, 4, 2)), TRAIN_RULES)
+    return init_sharded(lambda: Transformer(CFG, TRAIN_POLICY, sharder, rngs=nnx.Rngs(2)), sharder)
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _forward(graphdef, state, tokens, valid):
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     return nnx.merge(graphdef, state)(tokens, positions, valid)
 
 
+# The trainer's E1-E3 as one program (op-by-op dispatch compiles every op for every shape).
+_pruned_token_logprobs = jax.jit(pruned_token_logprobs, static_argnums=2)
+
+
+# Rows of every full forward: batches are padded to it (with copies of their first row; rows
+# are independent), so each model's forward compiles once.
+FORWARD_ROWS = 12
+
+
 def teacher_forced(model, b: RolloutBatch, log_rho=LOG_RHO):
     """Full-forward E2-E4 stats of each batch token given its prefix: arrays [N, T-1]
     aligned with columns 1..T-1, plus the logits."""
     graphdef, state = nnx.split(model)
-    valid = jnp.asarray(b.prompt_mask | b.response_mask)
-    logits = _forward(graphdef, state, jnp.asarray(b.tokens), valid)
-    logits = logits[:, :-1]
-    return pruned_token_logprobs(logits, jnp.asarray(b.tokens[:, 1:]), log_rho), np.asarray(logits)
+    n = b.num_rows
+    rows = np.r_[np.arange(n), np.zeros(FORWARD_ROWS - n, int)]
+    valid = jnp.asarray((b.prompt_mask | b.response_mask)[rows])
+    logits = _forward(graphdef, state, jnp.asarray(b.tokens[rows]), valid)
+    logits = logits[:n, :-1]
+    stats = _pruned_token_logprobs(logits, jnp.asarray(b.tokens[:, 1:]), log_rho)
+    return stats, np.asarray(logits)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -162,9 +194,10 @@ def test_behaviour_logprobs_equal_teacher_forced_bf16(bf16, batch):
 
 def test_greedy_decode_equals_full_forward_argmax(fp32, bf16, master):
     # The fp32 engine's weights are the master's, so the trainer model is its full forward.
-    for engine, model in ((fp32, master), (bf16, bf16.model())):
+    # G as in `reference` and `batch`: the engines' programs for those rollouts serve here too.
+    for engine, model, g in ((fp32, master, G_REF), (bf16, bf16.model(), 3)):
         greedy = engine.config.sampling_params(greedy=True)
-        b = generate_rollouts(engine, PROMPTS, 1, jax.random.key(0), sampling=greedy)
+        b = generate_rollouts(engine, PROMPTS, g, jax.random.key(0), sampling=greedy)
         _, logits = teacher_forced(model, b)
         mask = b.response_mask[:, 1:]
         argmax = logits.argmax(-1)
@@ -249,13 +282,10 @@ def test_one_prefill_per_prompt_and_seed_reproduces(bf16, batch, monkeypatch):
     assert len({tuple(batch.response(i)) for i in range(3)}) > 1
 
 
-def test_update_params_casts_reshards_without_recompiling(bf16, batch, master):
+def test_update_params_casts_reshards_without_recompiling(bf16, batch, master, trainer):
     before = bf16.compile_cache_sizes()
-    # New trainer weights, born sharded over a (2, 2, 2) mesh of the 8 fake CPU devices.
-    sharder = Sharder(make_mesh(MeshConfig(2, 2, 2)), TRAIN_RULES)
-    trainer = init_sharded(
-        lambda: Transformer(CFG, TRAIN_POLICY, sharder, rngs=nnx.Rngs(1)), sharder
-    )
+    # New trainer weights, born sharded over the trainer's (1, 4, 2) mesh (split over fsdp and
+    # tensor); the one-device engine is no tensor row of it, so they are cast and copied.
     try:
         params = bf16.update_params(nnx.state(trainer))
         emb = params["embed"].get_value()
@@ -274,7 +304,7 @@ def test_update_params_casts_reshards_without_recompiling(bf16, batch, master):
         )
 
 
-def test_weight_sync_into_a_tensor_row_of_the_trainer_mesh_stays_on_the_devices():
+def test_weight_sync_into_a_tensor_row_of_the_trainer_mesh_stays_on_the_devices(trainer):
     """The engine on one tensor row of the trainer's (1, 4, 2) mesh (`builders.engine_mesh`)
     takes the trainer's sharded fp32 params by one cast whose outputs are split over tensor on
     the trainer's mesh (`RolloutEngine.trainer_row_mesh`): its arrays are the shards already on
@@ -283,15 +313,13 @@ def test_weight_sync_into_a_tensor_row_of_the_trainer_mesh_stays_on_the_devices(
     (int4 weights: the group absmax is computed by another program)."""
     from dvp_jax.train.builders import engine_mesh
 
-    trainer_mesh = make_mesh(MeshConfig(1, 4, 2))
-    sharder = Sharder(trainer_mesh, TRAIN_RULES)
-    trainer = init_sharded(
-        lambda: Transformer(CFG, TRAIN_POLICY, sharder, rngs=nnx.Rngs(2)), sharder
-    )
+    trainer_mesh = trainer.embed.get_value().sharding.mesh
+    assert trainer_mesh.devices.shape == (1, 4, 2)
     mesh = engine_mesh(trainer_mesh, 2, jax.process_index())
     assert list(mesh.devices.flat) == list(trainer_mesh.devices[0, 0])
     config = _engine_config("bfloat16_fp8kv_int4w")  # the cast quantizes too
-    engine = RolloutEngine(CFG, config, mesh=mesh)
+    # Built from the trainer's weights (not a random init of its own): one sync program.
+    engine = RolloutEngine(CFG, config, params=nnx.state(trainer, nnx.Param), mesh=mesh)
     leaves = jax.tree.leaves(nnx.state(trainer, nnx.Param))
     assert engine.trainer_row_mesh(leaves) == trainer_mesh
     params = engine.update_params(nnx.state(trainer, nnx.Param))
@@ -327,16 +355,17 @@ def _mismatch(b: RolloutBatch, master) -> dict:
     )
 
 
-def test_fp32_rollout_matches_trainer_and_bf16_mismatch_is_measured(fp32, bf16, batch, master):
-    key = jax.random.key(1)
+def test_fp32_rollout_matches_trainer_and_bf16_mismatch_is_measured(bf16, batch, master, reference):
+    # G_REF samples per prompt (as `reference`): the fp8 engine compiles one-row prefills only.
+    key = jax.random.key(KEY_REF)
     fp8 = RolloutEngine(CFG, _engine_config("bfloat16_fp8kv"), params=nnx.state(master))
     noisy = bf16.config.sampling_params(noise_std=0.3)
     figures = {
-        "float32": _mismatch(generate_rollouts(fp32, PROMPTS, 3, key), master),
+        "float32": _mismatch(reference, master),
         "bfloat16": _mismatch(batch, master),
-        "bfloat16_fp8kv": _mismatch(generate_rollouts(fp8, PROMPTS, 3, key), master),
+        "bfloat16_fp8kv": _mismatch(generate_rollouts(fp8, PROMPTS, G_REF, key), master),
         "bfloat16+noise0.3": _mismatch(
-            generate_rollouts(bf16, PROMPTS, 3, key, sampling=noisy), master
+            generate_rollouts(bf16, PROMPTS, G_REF, key, sampling=noisy), master
         ),
     }
     print("\nrollout vs trainer |log mu_S - log pi_S| (tokens in both safe sets):")
@@ -352,15 +381,16 @@ def test_fp32_rollout_matches_trainer_and_bf16_mismatch_is_measured(fp32, bf16, 
         assert math.isfinite(figures[name]["mean_abs"])
 
 
-@pytest.mark.parametrize("k", [4, 8])
-def test_steps_per_sync_gives_the_same_rollouts(fp32, k):
-    """Up to k decode steps per dispatch (one compiled loop, ending early when a slot finishes
-    while prompts wait) == single steps: same tokens and statistics. The loop is compiled
-    separately, so fusion may round differently: float32 statistics within 1e-6 (about one ulp
-    of O(1) log-probs); observed bit-identical. 9 rows over 4 slots refill slots mid-run."""
-    key = jax.random.key(5)
-    a = generate_rollouts(fp32, PROMPTS, 3, key, steps_per_sync=1)
-    b = generate_rollouts(fp32, PROMPTS, 3, key, steps_per_sync=k)
+def test_steps_per_sync_gives_the_same_rollouts(fp32, reference):
+    """Up to k = `STEPS_PER_SYNC` (8) decode steps per dispatch (one compiled loop, ending
+    early when a slot finishes while prompts wait) == single steps: same tokens and
+    statistics. The loop is compiled separately, so fusion may round differently: float32
+    statistics within 1e-6 (about one ulp of O(1) log-probs); observed bit-identical. 12 rows
+    over 4 slots refill slots mid-run. (Another k is the same loop with another static trip
+    bound; k = 2 dispatches run in the length-bucket test.)"""
+    assert STEPS_PER_SYNC == 8
+    a = generate_rollouts(fp32, PROMPTS, G_REF, jax.random.key(KEY_REF), steps_per_sync=1)
+    b = reference
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_array_equal(a.response_mask, b.response_mask)
     np.testing.assert_array_equal(a.behaviour_safe_size, b.behaviour_safe_size)
@@ -370,36 +400,7 @@ def test_steps_per_sync_gives_the_same_rollouts(fp32, k):
         )
 
 
-def test_decode_loop_stops_where_a_slot_finishes(fp32_long):
-    """`generate_steps(..., stop_at_finish=True)` ends the dispatch after the step in which a
-    slot finishes (here slot 0 reaches max_decode_length M three steps before slot 1), so the
-    host can refill it at once; without the flag the loop runs on until every slot is done.
-    Either way the loop never runs past `num_steps`, and stops once every slot is done."""
-    engine = fp32_long
-    m = engine.config.max_decode_length
-    keys = _raw_keys(4, 2)
-
-    def two_slots():
-        prefix = engine.prefill_batch(engine.params, PROMPTS[:2], keys)
-        state = engine.insert_batch(prefix, engine.init_decode_state(), [0], [0], [0])
-        state = engine.generate_steps(engine.params, state, 3)
-        return engine.insert_batch(prefix, state, [1], [1], [0])
-
-    stopped = engine.generate_steps(engine.params, two_slots(), 2 * m, stop_at_finish=True)
-    np.testing.assert_array_equal(stopped.step[:2], [m, m - 3])
-    np.testing.assert_array_equal(stopped.done[:2], [True, False])
-    ran_on = engine.generate_steps(engine.params, two_slots(), 2 * m)
-    np.testing.assert_array_equal(ran_on.step[:2], [m, m])
-    assert bool(ran_on.done.all())
-    capped = engine.generate_steps(engine.params, two_slots(), 2, stop_at_finish=True)
-    np.testing.assert_array_equal(capped.step[:2], [5, 2])
-    # The two-step dispatches sampled what the single long ones did.
-    np.testing.assert_array_equal(
-        np.asarray(capped.tokens)[1, :2], np.asarray(ran_on.tokens)[1, :2]
-    )
-
-
-def test_sharded_engine_equals_single_device(fp32, master):
+def test_sharded_engine_equals_single_device(fp32, master, reference):
     """(data 2, tensor 2) rollout mesh: params split over `tensor`, KV cache over slots and KV
     heads; same tokens and fp32 statistics as the one-device engine. Tensor-parallel matmuls
     sum partial products in another order: observed |d logp| 3.3e-6, |d logp_full| 2.9e-6,
@@ -408,9 +409,8 @@ def test_sharded_engine_equals_single_device(fp32, master):
     sharded = RolloutEngine(CFG, fp32.config, params=nnx.state(master), mesh=mesh)
     q_proj = sharded.params["blocks"]["attn"]["q_proj"].get_value()  # [L, d, n, h]
     assert q_proj.sharding.spec[2] == "tensor"
-    key = jax.random.key(3)
-    a = generate_rollouts(fp32, PROMPTS, 2, key)
-    b = generate_rollouts(sharded, PROMPTS, 2, key)
+    a = reference
+    b = generate_rollouts(sharded, PROMPTS, G_REF, jax.random.key(KEY_REF))
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_array_equal(a.behaviour_safe_size, b.behaviour_safe_size)
     np.testing.assert_allclose(a.behaviour_logp, b.behaviour_logp, rtol=0, atol=1e-5)
@@ -420,7 +420,7 @@ def test_sharded_engine_equals_single_device(fp32, master):
     )
 
 
-def test_the_tpu_cache_layout_gives_the_same_rollouts(fp32, master, monkeypatch):
+def test_the_tpu_cache_layout_gives_the_same_rollouts(fp32, master, reference, monkeypatch):
     """TPU programs keep the KV cache positions first, `[L, b, S, k, h]`
     (`attention.cache_layout`). Forced on CPU, an engine in that layout (prefill, insert, the
     decode loop over length buckets, the whole-cache `generate`) samples the same tokens as
@@ -430,8 +430,7 @@ def test_the_tpu_cache_layout_gives_the_same_rollouts(fp32, master, monkeypatch)
     import dvp_jax.rollout.engine
     from dvp_jax.model import attention
 
-    key = jax.random.key(3)
-    a = generate_rollouts(fp32, PROMPTS, 2, key)  # traced heads first, before the patch
+    a = reference  # traced heads first, before the patch
     for module in (attention, dvp_jax.model.transformer, dvp_jax.rollout.engine):
         monkeypatch.setattr(module, "cache_layout", lambda platform: "positions_first")
     tpu = RolloutEngine(CFG, fp32.config, params=nnx.state(master))
@@ -439,7 +438,7 @@ def test_the_tpu_cache_layout_gives_the_same_rollouts(fp32, master, monkeypatch)
     state = tpu.init_decode_state()
     s = fp32.config.cache_length
     assert state.cache.k.shape == (CFG.n_layers, 4, s, CFG.n_kv_heads, CFG.head_dim)
-    b = generate_rollouts(tpu, PROMPTS, 2, key)
+    b = generate_rollouts(tpu, PROMPTS, G_REF, jax.random.key(KEY_REF))
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_allclose(a.behaviour_logp, b.behaviour_logp, rtol=0, atol=1e-5)
     np.testing.assert_allclose(a.behaviour_logp_full, b.behaviour_logp_full, rtol=0, atol=1e-5)
@@ -498,41 +497,79 @@ def test_batched_prefill_and_insert_equal_per_prompt(fp32):
     assert len({tuple(k) for k in np.asarray(group.key)}) == 4
 
 
-def test_length_buckets_equal_the_whole_cache_and_bound_the_compiles(fp32_long):
-    """Rollouts whose decode attends over length buckets (`kv_buckets`, chosen on the host per
-    dispatch) equal rollouts attending over the whole cache: the same tokens, log-probs within
-    1e-5 (float32; only the attention softmax's summation order differs, and its few-ulp
-    differences in O(10) logits carry through 40 decode steps; observed <= 2.9e-6 over 60).
-    One compiled decode loop per bucket reached (2 of `kv_buckets` (32, 56)), and a second
-    batch (new key, weights unchanged) compiles nothing."""
+def test_length_buckets_equal_the_whole_cache_and_the_decode_loop_stops_where_a_slot_finishes(
+    fp32_long,
+):
+    """Two checks on the fp32 40-token engine, in this order: the first compiles the 2-step
+    loops the second reuses (one compile per loop, and a count the first asserts).
+
+    Length buckets: rollouts whose decode attends over length buckets (`kv_buckets`, chosen on
+    the host per dispatch) equal rollouts attending over the whole cache: the same tokens,
+    log-probs within 1e-5 (float32; only the attention softmax's summation order differs, and
+    its few-ulp differences in O(10) logits carry through 40 decode steps; observed <= 2.9e-6
+    over 60). One compiled decode loop per bucket reached (2 of `kv_buckets` (32, 56)), and a
+    second batch (new key, weights unchanged) compiles nothing.
+
+    Where the loop stops: `generate_steps(..., stop_at_finish=True)` ends the dispatch after
+    the step in which a slot finishes (here slot 0 reaches max_decode_length M two steps
+    before slot 1), so the host can refill it at once; without the flag the loop runs on until
+    every slot is done. Either way the loop never runs past `num_steps`, and stops once every
+    slot is done."""
     engine, config = fp32_long, fp32_long.config
+    # Length buckets.
     assert config.kv_buckets == (32, 56)
     key = jax.random.key(11)
-    loops = engine.compile_cache_sizes()["loop"]  # other tests' loops (other step counts)
-    bucketed = generate_rollouts(engine, PROMPTS, 1, key, steps_per_sync=4)
+    loops = engine.compile_cache_sizes()["loop"]
+    bucketed = generate_rollouts(engine, PROMPTS, 1, key, steps_per_sync=2)
     sizes = engine.compile_cache_sizes()
     assert sizes["loop"] - loops == len(config.kv_buckets), sizes
-    generate_rollouts(engine, PROMPTS, 1, jax.random.key(12), steps_per_sync=4)
+    generate_rollouts(engine, PROMPTS, 1, jax.random.key(12), steps_per_sync=2)
     assert engine.compile_cache_sizes() == sizes
     with pytest.MonkeyPatch.context() as m:  # every dispatch over the whole cache
         m.setattr(engine, "kv_bucket", lambda length: config.cache_length)
-        whole = generate_rollouts(engine, PROMPTS, 1, key, steps_per_sync=4)
+        whole = generate_rollouts(engine, PROMPTS, 1, key, steps_per_sync=2)
     np.testing.assert_array_equal(bucketed.tokens, whole.tokens)
     for field in ("behaviour_logp", "behaviour_logp_full", "behaviour_pruned_mass"):
         np.testing.assert_allclose(
             getattr(bucketed, field), getattr(whole, field), rtol=0, atol=1e-5, err_msg=field
         )
 
+    # Where the loop stops (its 2-step dispatches attend over the whole cache, as above).
+    m = config.max_decode_length
+    keys = _raw_keys(4, 2)
 
-def test_the_decode_loop_updates_the_cache_in_place(bf16):
+    def two_slots():
+        prefix = engine.prefill_batch(engine.params, PROMPTS[:2], keys)
+        state = engine.insert_batch(prefix, engine.init_decode_state(), [0], [0], [0])
+        state = engine.generate_steps(engine.params, state, 2)
+        return engine.insert_batch(prefix, state, [1], [1], [0])
+
+    stopped = engine.generate_steps(engine.params, two_slots(), 2 * m, stop_at_finish=True)
+    np.testing.assert_array_equal(stopped.step[:2], [m, m - 2])
+    np.testing.assert_array_equal(stopped.done[:2], [True, False])
+    ran_on = engine.generate_steps(engine.params, two_slots(), 2 * m)
+    np.testing.assert_array_equal(ran_on.step[:2], [m, m])
+    assert bool(ran_on.done.all())
+    capped = engine.generate_steps(engine.params, two_slots(), 2, stop_at_finish=True)
+    np.testing.assert_array_equal(capped.step[:2], [4, 2])
+    # The two-step dispatches sampled what the single long ones did.
+    np.testing.assert_array_equal(
+        np.asarray(capped.tokens)[1, :2], np.asarray(ran_on.tokens)[1, :2]
+    )
+
+
+def test_the_decode_loop_updates_the_cache_in_place(bf16, batch):
     """The compiled k-step decode loop of the bf16 engine never passes over a whole cache
     array (no copy, no float32 convert of the bf16 cache around a scatter; the state carries
-    the cache's bits): only parameters, loop plumbing and in-place scatters have its shape."""
+    the cache's bits): only parameters, loop plumbing and in-place scatters have its shape.
+    The loop is the one `batch`'s rollouts ran (k = `STEPS_PER_SYNC`, the whole cache, the
+    flag as `generate_steps` passes it), so this compile is a hit in the persistent cache."""
     from tests.test_model import _cache_passes
 
     state = bf16.init_decode_state()
     assert state.cache.k.dtype == jnp.uint16
-    hlo = bf16.programs.loop.lower(bf16.params, state, 2, ENGINE.cache_length, True)
+    flag = np.bool_(True)
+    hlo = bf16.programs.loop.lower(bf16.params, state, STEPS_PER_SYNC, ENGINE.cache_length, flag)
     assert _cache_passes(hlo.compile().as_text(), state.cache.k.shape) == []
 
 
