@@ -53,17 +53,15 @@ def _grads(fn, q, k, v, valid, cotangent):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
 
-def _assert_valid_query_grads_match(ref, other, q, k, v, valid, name: str, seed: int = 1):
-    """d/d(q, k, v) of a random loss read on valid queries only (as the trainer's loss is):
-    `other`'s equal `ref`'s to 1e-5 of their largest magnitude."""
-    shape = q.shape
-    cotangent = jnp.asarray(np.random.default_rng(seed).normal(size=shape), F32)
-    cotangent = cotangent * valid[:, :, None, None]
-    for ga, gb in zip(
-        _grads(ref, q, k, v, valid, cotangent),
-        _grads(other, q, k, v, valid, cotangent),
-        strict=True,
-    ):
+def _grads_on_valid_queries(fn, q, k, v, valid, seed: int = 1):
+    """d/d(q, k, v) of a random loss read on valid queries only (as the trainer's loss is)."""
+    cotangent = jnp.asarray(np.random.default_rng(seed).normal(size=q.shape), F32)
+    return _grads(fn, q, k, v, valid, cotangent * valid[:, :, None, None])
+
+
+def _assert_grads_match(ga_all, gb_all, name: str):
+    """`gb_all` equal `ga_all` to 1e-5 of their largest magnitude."""
+    for ga, gb in zip(ga_all, gb_all, strict=True):
         print(f"{name} grad max diff = {_max_diff(ga, gb):.3e}")
         np.testing.assert_allclose(ga, gb, atol=1e-5 * float(jnp.abs(ga).max()), rtol=0)
 
@@ -227,21 +225,34 @@ def test_cudnn_mask_semantics_equal_explicit_on_right_padding_and_nan_on_left():
         np.testing.assert_allclose(ga[right], gc[right], atol=1e-6, rtol=0)
 
 
-def test_splash_kernel_in_the_interpreter_equals_explicit():
+# The splash kernel's inputs (one kernel block, T = 128: the padding and the sharding, not the
+# block loop, are under test) and its unsharded result, shared by the tests below: right
+# padding, left padding (queries with no visible key), an all-padding row and a short row.
+SPLASH_T, SPLASH_KINDS = 128, [("right", 100), ("left", 30), ("none",), ("right", 7)]
+
+
+@pytest.fixture(scope="module")
+def splash_one():
+    """(inputs, output, gradients) of one unsharded splash kernel call, interpreted."""
+    q, k, v = _qkv(SPLASH_T, F32, b=4, n=4, kv=2)
+    valid = _valid(SPLASH_T, SPLASH_KINDS)
+    one = functools.partial(kernels.splash_attention, block=128, interpret=True)
+    inputs = (q, k, v, valid)
+    return inputs, jax.jit(one)(*inputs), _grads_on_valid_queries(one, *inputs)
+
+
+def test_splash_kernel_in_the_interpreter_equals_explicit(splash_one):
     """The TPU splash branch (segment ids for padding, GQA, q pre-scaled) run by the Pallas
     interpreter on CPU: equal to the explicit path on valid queries, forward and gradients, to
     1e-5 (blockwise online softmax: another summation order); finite on padding queries."""
-    t = 128  # one kernel block
-    q, k, v = _qkv(t, F32, b=3)
-    valid = _valid(t, [("right", 100), ("left", 30), ("none",)])
-    splash = jax.jit(functools.partial(kernels.splash_attention, interpret=True))
+    (q, k, v, valid), s, splash_grads = splash_one
     explicit = _attend("xla")
-    a, s = explicit(q, k, v, valid), splash(q, k, v, valid)
+    a = explicit(q, k, v, valid)
     assert np.isfinite(np.asarray(s)).all()
     print(f"splash (interpreted) vs explicit max |d out| = {_max_diff(a, s, valid):.3e}")
     np.testing.assert_allclose(a[valid], s[valid], atol=1e-5, rtol=0)
     # The loss reads valid queries only (as the trainer's does).
-    _assert_valid_query_grads_match(explicit, splash, q, k, v, valid, "splash")
+    _assert_grads_match(_grads_on_valid_queries(explicit, q, k, v, valid), splash_grads, "splash")
 
 
 def test_blockwise_attention_equals_explicit():
@@ -269,7 +280,11 @@ def test_blockwise_attention_equals_explicit():
         assert np.isfinite(np.asarray(b)).all()
         print(f"blockwise vs explicit max |d out| = {_max_diff(a, b, valid):.3e}")
         np.testing.assert_allclose(a[valid], b[valid], atol=1e-5, rtol=0)
-    _assert_valid_query_grads_match(explicit, small, q, k, v, valid, "blockwise")
+    _assert_grads_match(
+        _grads_on_valid_queries(explicit, q, k, v, valid),
+        _grads_on_valid_queries(small, q, k, v, valid),
+        "blockwise",
+    )
 
 
 def test_blockwise_attention_holds_no_t_by_t_array():
@@ -319,25 +334,25 @@ def test_auto_falls_back_to_the_explicit_path_when_cudnn_cannot_run(monkeypatch,
         full_attention(q, k, v, valid, DTypePolicy.named("bfloat16", "cudnn"), backend="cpu")
 
 
-@pytest.mark.parametrize("tensor, kv", [(2, 2), (4, 2)])
-def test_splash_per_shard_on_a_mesh_equals_one_kernel(tensor, kv):
+@pytest.mark.parametrize("tensor", [2, 4])
+def test_splash_per_shard_on_a_mesh_equals_one_kernel(splash_one, tensor):
     """On a mesh the splash kernel runs under shard_map, one kernel per (rows, heads) shard:
     the same values and gradients as one unsharded kernel call (interpreted on 8 CPU devices),
-    with the KV heads split like the query heads (tensor 2) and, when there are fewer KV heads
-    than tensor shards (tensor 4, 2 KV heads), each query head given its own KV head copy."""
+    with the 2 KV heads split like the query heads (tensor 2) and, when there are fewer KV heads
+    than tensor shards (tensor 4), each query head given its own KV head copy."""
     from dvp_jax.sharding import TRAIN_RULES, MeshConfig, Sharder, make_mesh
 
-    t = 128  # one kernel block: the sharding, not the block loop, is under test here
-    q, k, v = _qkv(t, F32, b=4, n=4, kv=kv)
-    valid = _valid(t, [("right", 100), ("right", 128), ("left", 30), ("right", 7)])
+    (q, k, v, valid), a, one_grads = splash_one
     sharder = Sharder(make_mesh(MeshConfig(1, 8 // tensor, tensor)), TRAIN_RULES)
-    one = functools.partial(kernels.splash_attention, block=128, interpret=True)
-    sharded = functools.partial(one, sharder=sharder)
-    a = jax.jit(one)(q, k, v, valid)
+    sharded = functools.partial(
+        kernels.splash_attention, block=128, interpret=True, sharder=sharder
+    )
     s = jax.jit(sharded)(q, k, v, valid)
     # The same kernel on the same rows and heads: only XLA's handling of the shards differs.
     np.testing.assert_allclose(a, s, atol=1e-6, rtol=0)
-    _assert_valid_query_grads_match(one, sharded, q, k, v, valid, "splash per shard", seed=2)
+    _assert_grads_match(
+        one_grads, _grads_on_valid_queries(sharded, q, k, v, valid), "splash per shard"
+    )
 
 
 def test_splash_block_defaults_to_the_largest_tile_that_divides_t():

@@ -45,11 +45,28 @@ def _batch(seed=0, b=B, t=T, noise=0.3, outside_rate=0.1):
     return f(logp), f(behaviour_logp), f(adv), mask, in_safe
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
-def _loss_and_grad(cfg, lp, lr, adv, mask, in_safe, old_logp=None, old_in_safe=None):
+def _value_and_grad(cfg, lp, lr, adv, mask, in_safe, old_logp=None, old_in_safe=None):
     fn = lambda lp: dvp_loss(lp, lr, adv, mask, in_safe, cfg, old_logp, old_in_safe)
     (loss, metrics), grad = jax.value_and_grad(fn, has_aux=True)(lp)
     return loss, metrics, grad
+
+
+_loss_and_grad = jax.jit(_value_and_grad, static_argnames="cfg")
+
+
+@functools.partial(jax.jit, static_argnames="cfgs")
+def _many_losses_and_grads(cfgs, cases):
+    """(loss, metrics, grad) of `_value_and_grad(cfg, *case)` for each pair, in one program: a
+    grid of configs compiles as one program in a fraction of the time of one per config (the
+    grid's tests read their case from a module fixture)."""
+    return [_value_and_grad(cfg, *case) for cfg, case in zip(cfgs, cases, strict=True)]
+
+
+def _grid(cases: dict) -> dict:
+    """{key: (loss, metrics, grad)} for `cases` {key: (cfg, args)}, all in one program."""
+    keys = list(cases)
+    out = _many_losses_and_grads(tuple(cases[k][0] for k in keys), [cases[k][1] for k in keys])
+    return dict(zip(keys, out, strict=True))
 
 
 def _assert_cap_reached(weight_logp, lr, mask, included):
@@ -117,20 +134,44 @@ def test_presets():
 # ----------------------------------------------------------------------------- reference
 
 
+REFERENCE_B = 10
+
+
+def _reference_batch(prune, regime):
+    lp, lr, adv, mask, in_safe = _batch(seed=1, b=REFERENCE_B, t=6, noise=NOISE[regime])
+    if not prune:  # the unpruned trainer has no floors
+        lp = np.where(in_safe, lp, lr - 0.1).astype(np.float32)
+    return lp, lr, adv, mask, in_safe
+
+
+@pytest.fixture(scope="module")
+def reference_grid():
+    """Every (correction, normalisation, prune, regime) case of `test_matches_reference`."""
+    return _grid(
+        {
+            (c, n, p, r): (
+                LossConfig(prune=p, correction=c, normalisation=n),
+                _reference_batch(p, r),
+            )
+            for c in losses.CORRECTIONS
+            for n in losses.NORMALISATIONS
+            for p in (True, False)
+            for r in NOISE
+        }
+    )
+
+
 @pytest.mark.parametrize("regime", ["near", "cap"])
 @pytest.mark.parametrize("correction", losses.CORRECTIONS)
 @pytest.mark.parametrize("normalisation", losses.NORMALISATIONS)
 @pytest.mark.parametrize("prune", [True, False])
-def test_matches_reference(correction, normalisation, prune, regime):
-    b = 10
-    lp, lr, adv, mask, in_safe = _batch(seed=1, b=b, t=6, noise=NOISE[regime])
-    if not prune:  # the unpruned trainer has no floors
-        lp = np.where(in_safe, lp, lr - 0.1).astype(np.float32)
+def test_matches_reference(reference_grid, correction, normalisation, prune, regime):
+    b = REFERENCE_B
+    lp, lr, adv, mask, in_safe = _reference_batch(prune, regime)
     if regime == "cap":
         included = ~np.any(mask & ~in_safe, axis=1) if prune else np.ones(b, bool)
         _assert_cap_reached(lp, lr, mask, included)
-    cfg = LossConfig(prune=prune, correction=correction, normalisation=normalisation)
-    loss, metrics, grad = _loss_and_grad(cfg, lp, lr, adv, mask, in_safe)
+    loss, metrics, grad = reference_grid[correction, normalisation, prune, regime]
     kw = dict(prune=prune, correction=correction, normalisation=normalisation, cap=2.0)
     expect = ref.dvp_loss(lp, lr, adv, mask, in_safe, **kw)
     np.testing.assert_allclose(loss, expect["loss"], rtol=1e-5, atol=1e-6)
@@ -152,12 +193,13 @@ def test_matches_reference(correction, normalisation, prune, regime):
         assert "frac_tokens_outside_train_safe" not in metrics  # diagnostics' job, not the loss's
 
 
-@pytest.mark.parametrize("correction", losses.CORRECTIONS)
-def test_ppo_gradient_matches_decoupled_clip_surrogate(correction):
-    # Cap regime for the behaviour weights pi_old / mu; old and current safe sets differ on some
-    # tokens (both ways), and a response is excluded when a token is outside either one.
-    b = 12
-    lp, lr, adv, mask, in_safe = _batch(seed=6, b=b, t=6, noise=NOISE["cap"])
+PPO_B = 12
+
+
+def _ppo_batch():
+    """Cap regime for the behaviour weights pi_old / mu; old and current safe sets differ on some
+    tokens (both ways), and a response is excluded when a token is outside either one."""
+    lp, lr, adv, mask, in_safe = _batch(seed=6, b=PPO_B, t=6, noise=NOISE["cap"])
     rng = np.random.default_rng(7)
     old_in_safe = in_safe.copy()
     i = np.flatnonzero(~np.any(mask & ~in_safe, axis=1))[0]
@@ -165,11 +207,33 @@ def test_ppo_gradient_matches_decoupled_clip_surrogate(correction):
     old_in_safe[tuple(np.argwhere(mask & ~in_safe)[0])] = True  # outside the current one only
     finite = np.where(in_safe, lp, lr)  # a finite trainer value where the current one is a floor
     old_logp = np.where(old_in_safe, finite + rng.normal(0, 0.4, lp.shape), pruning.LOGP_FLOOR)
-    old_logp = old_logp.astype(np.float32)
+    return lp, lr, adv, mask, in_safe, old_logp.astype(np.float32), old_in_safe
+
+
+@pytest.fixture(scope="module")
+def ppo_grid():
+    """Per correction: the PPO loss on `_ppo_batch`, E9's without PPO, and PPO with pi_old = pi
+    (`test_ppo_gradient_matches_decoupled_clip_surrogate`)."""
+    lp, lr, adv, mask, in_safe, old_logp, old_in_safe = _ppo_batch()
+    cases = {}
+    for correction in losses.CORRECTIONS:
+        cfg, cfg0 = (
+            LossConfig(correction=correction, ppo_clip_eps=0.1),
+            LossConfig(correction=correction),
+        )
+        cases[correction, "ppo"] = (cfg, (lp, lr, adv, mask, in_safe, old_logp, old_in_safe))
+        cases[correction, "e9"] = (cfg0, (lp, lr, adv, mask, in_safe))
+        cases[correction, "first"] = (cfg, (lp, lr, adv, mask, in_safe, lp, in_safe))
+    return _grid(cases)
+
+
+@pytest.mark.parametrize("correction", losses.CORRECTIONS)
+def test_ppo_gradient_matches_decoupled_clip_surrogate(ppo_grid, correction):
+    b = PPO_B
+    lp, lr, adv, mask, in_safe, old_logp, old_in_safe = _ppo_batch()
     included = ~np.any(mask & ~(in_safe & old_in_safe), axis=1)
     _assert_cap_reached(old_logp, lr, mask, included)
-    cfg = LossConfig(correction=correction, ppo_clip_eps=0.1)
-    _, metrics, grad = _loss_and_grad(cfg, lp, lr, adv, mask, in_safe, old_logp, old_in_safe)
+    _, metrics, grad = ppo_grid[correction, "ppo"]
     kw = dict(prune=True, correction=correction, ppo_eps=0.1)
     kw |= dict(old_logp=old_logp, old_in_safe=old_in_safe)
     expect = ref.dvp_loss(lp, lr, adv, mask, in_safe, **kw)
@@ -182,9 +246,8 @@ def test_ppo_gradient_matches_decoupled_clip_surrogate(correction):
     _assert_weight_stats(metrics, expect["weights"])
     assert 0 < metrics["ppo_clip_frac"] < 1
     # First optimizer step (pi_old = pi): the value and gradient are E9's.
-    cfg0 = LossConfig(correction=correction)
-    loss0, _, grad0 = _loss_and_grad(cfg0, lp, lr, adv, mask, in_safe)
-    loss1, _, grad1 = _loss_and_grad(cfg, lp, lr, adv, mask, in_safe, lp, in_safe)
+    loss0, _, grad0 = ppo_grid[correction, "e9"]
+    loss1, _, grad1 = ppo_grid[correction, "first"]
     np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
     np.testing.assert_allclose(grad1, grad0, rtol=1e-6)
 
@@ -203,7 +266,10 @@ def test_old_logp_and_old_in_safe_must_come_together():
     # Pruning off: no floors on either side, old_in_safe is not needed.
     unpruned = LossConfig(prune=False, ppo_clip_eps=0.1)
     lp_full = np.where(in_safe, lp, lr).astype(np.float32)
-    loss, _ = dvp_loss(lp_full, lr, adv, mask, in_safe, unpruned, lp_full)
+    # (jitted: one program instead of an eager compile per operation)
+    loss, _ = jax.jit(dvp_loss, static_argnums=5)(
+        lp_full, lr, adv, mask, in_safe, unpruned, lp_full
+    )
     assert np.isfinite(loss)
 
 
@@ -303,18 +369,23 @@ def test_identical_logprobs_give_unit_weights_and_equal_presets():
     lp, _, adv, mask, _ = _batch(seed=4)
     lp = np.where(mask, lp, -1.0).astype(np.float32)  # no floors: everything inside
     inside = np.ones_like(mask)
-    results = {
-        name: _loss_and_grad(LossConfig.preset(name), lp, lp, adv, mask, inside)
-        for name in losses.PRESETS
-    }
+    args = (lp, lp, adv, mask, inside)
+    results = _grid(
+        {name: (LossConfig.preset(name), args) for name in losses.PRESETS}
+        | {
+            correction: (LossConfig(correction=correction), args)
+            for correction in losses.CORRECTIONS
+        }
+    )
     base_loss, _, base_grad = results["rloo"]
-    for loss, metrics, grad in results.values():
+    for name in losses.PRESETS:
+        loss, metrics, grad = results[name]
         np.testing.assert_allclose(loss, base_loss, rtol=1e-6)
         np.testing.assert_allclose(grad, base_grad, rtol=1e-6)
         assert metrics["is_weight_mean"] == 1.0 and metrics["is_weight_max"] == 1.0
         assert metrics["is_weight_ess"] == pytest.approx(1.0)
     for correction in losses.CORRECTIONS:
-        _, metrics, _ = _loss_and_grad(LossConfig(correction=correction), lp, lp, adv, mask, inside)
+        _, metrics, _ = results[correction]
         assert metrics["is_weight_mean"] == 1.0 and metrics["is_weight_max"] == 1.0
 
 
@@ -332,31 +403,49 @@ def test_no_pruning_and_no_correction_is_plain_rloo_reinforce():
     np.testing.assert_allclose(grad, -a[:, None] * mask / mask.sum(), rtol=1e-5, atol=1e-8)
 
 
-@pytest.mark.parametrize("correction", losses.CORRECTIONS)
-@pytest.mark.parametrize("normalisation", losses.NORMALISATIONS)
-def test_padding_never_changes_loss_or_gradients(correction, normalisation):
+PADDING_GARBAGE = [np.nan, -np.inf, np.inf, 1e30]
+
+
+@pytest.fixture(scope="module")
+def padding_grid():
+    """Per (correction, normalisation): the PPO loss on a batch and on that batch padded with
+    each garbage value (`test_padding_never_changes_loss_or_gradients`)."""
     lp, lr, adv, mask, in_safe = _batch(seed=6)
-    cfg = LossConfig(correction=correction, normalisation=normalisation, ppo_clip_eps=0.2)
     old = (lp + 0.05).astype(np.float32)
-    loss, metrics, grad = _loss_and_grad(cfg, lp, lr, adv, mask, in_safe, old, in_safe)
 
     def pad(x, value):  # 3 more positions per response and one all-padding response
         x = np.concatenate([x, np.full((B, 3), value, x.dtype)], axis=1)
         return np.concatenate([x, np.full((1, T + 3), value, x.dtype)], axis=0)
 
-    garbage = [np.nan, -np.inf, np.inf, 1e30]
-    for i, value in enumerate(garbage):
-        other = garbage[(i + 1) % len(garbage)]
-        got_loss, got_metrics, got_grad = _loss_and_grad(
-            cfg,
-            pad(lp, value),
-            pad(lr, other),
-            np.concatenate([adv, [np.float32(5.0)]]),
-            pad(mask, False),
-            pad(in_safe, i % 2 == 0),
-            pad(old, other),
-            pad(in_safe, i % 2 == 1),
-        )
+    cases = {}
+    for correction in losses.CORRECTIONS:
+        for normalisation in losses.NORMALISATIONS:
+            cfg = LossConfig(correction=correction, normalisation=normalisation, ppo_clip_eps=0.2)
+            cases[correction, normalisation, None] = (
+                cfg,
+                (lp, lr, adv, mask, in_safe, old, in_safe),
+            )
+            for i, value in enumerate(PADDING_GARBAGE):
+                other = PADDING_GARBAGE[(i + 1) % len(PADDING_GARBAGE)]
+                padded = (
+                    pad(lp, value),
+                    pad(lr, other),
+                    np.concatenate([adv, [np.float32(5.0)]]),
+                    pad(mask, False),
+                    pad(in_safe, i % 2 == 0),
+                    pad(old, other),
+                    pad(in_safe, i % 2 == 1),
+                )
+                cases[correction, normalisation, i] = (cfg, padded)
+    return _grid(cases)
+
+
+@pytest.mark.parametrize("correction", losses.CORRECTIONS)
+@pytest.mark.parametrize("normalisation", losses.NORMALISATIONS)
+def test_padding_never_changes_loss_or_gradients(padding_grid, correction, normalisation):
+    loss, metrics, grad = padding_grid[correction, normalisation, None]
+    for i in range(len(PADDING_GARBAGE)):
+        got_loss, got_metrics, got_grad = padding_grid[correction, normalisation, i]
         # The padded batch is another program (other shapes, other reduction lengths): equal
         # to float32 rounding, 1e-6 relative; padding itself contributes exact zeros.
         np.testing.assert_allclose(got_loss, loss, rtol=1e-6, atol=1e-7)
