@@ -1,6 +1,7 @@
 """Model invariances: cached == uncached, padding-invariance, bf16 vs fp32 mismatch; the
 stacked layer layout under `nnx.scan` (one compiled block body) and its remat policies."""
 
+import functools
 import math
 import re
 
@@ -21,6 +22,19 @@ from dvp_jax.model.attention import KVCache, cache_storage, to_storage
 from tests.helpers import padded_batch, tiny_model
 
 
+@functools.partial(nnx.jit, static_argnames="return_hidden")
+def _forward(model, tokens, positions, valid=None, return_hidden=False):
+    """The model's forward as one compiled program per model graph and shapes (an eager call
+    compiles and dispatches each operation on its own)."""
+    return model(tokens, positions, valid, return_hidden=return_hidden)
+
+
+def _abstract_model(**kwargs):
+    """`tiny_model(**kwargs)` with shapes and metadata only: for programs that are lowered or
+    compiled, never run."""
+    return nnx.eval_shape(lambda: tiny_model(**kwargs))
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_prefill_then_decode_matches_full_forward(tie):
     # fp32: prefill + N decode steps reproduce the full-forward logits at every position to
@@ -31,7 +45,8 @@ def test_prefill_then_decode_matches_full_forward(tie):
     lengths = np.array([5, 3, 1])
     tokens = jnp.asarray(rng.integers(1, 64, size=(3, total)).astype(np.int32))
     positions = jnp.broadcast_to(jnp.arange(total), (3, total))
-    full = model(tokens, positions)  # [b, t, v], no padding: the continuation is real.
+    # [b, t, v], no padding: the continuation is real.
+    full = _forward(model, tokens, positions)
 
     prompt = jnp.where(jnp.arange(prompt_len)[None] < lengths[:, None], tokens[:, :prompt_len], 0)
     logits, cache = jax.jit(model.prefill, static_argnums=2)(
@@ -50,19 +65,19 @@ def test_padding_never_changes_real_logits():
     model = tiny_model()
     rng = np.random.default_rng(1)
     tokens, positions, valid = padded_batch(rng, 64, [7, 4], 7)
-    padded = model(tokens, positions, valid)
+    padded = _forward(model, tokens, positions, valid)
     # Right padding with different junk in the padded slots.
     junk = jnp.where(valid, tokens, 17)
-    padded_junk = model(junk, positions, valid)
+    padded_junk = _forward(model, junk, positions, valid)
     np.testing.assert_allclose(padded[1, :4], padded_junk[1, :4], atol=1e-6)
     # Unpadded, alone.
-    alone = model(tokens[1:2, :4], positions[1:2, :4])
+    alone = _forward(model, tokens[1:2, :4], positions[1:2, :4])
     np.testing.assert_allclose(padded[1, :4], alone[0], atol=1e-5)
     # Left padding with explicit positions gives the same logits as the unpadded row.
     left_tokens = jnp.concatenate([jnp.full((1, 3), 9), tokens[1:2, :4]], axis=1)
     left_pos = jnp.concatenate([jnp.zeros((1, 3), jnp.int32), positions[1:2, :4]], axis=1)
     left_valid = jnp.arange(7)[None] >= 3
-    left = model(left_tokens, left_pos, left_valid)
+    left = _forward(model, left_tokens, left_pos, left_valid)
     np.testing.assert_allclose(left[0, 3:], alone[0], atol=1e-5)
     assert np.isfinite(np.asarray(left)).all()
 
@@ -70,11 +85,11 @@ def test_padding_never_changes_real_logits():
 def test_return_hidden_and_unembedding_give_logits():
     model = tiny_model(tie_embeddings=False)
     tokens, positions, valid = padded_batch(np.random.default_rng(2), 64, [6, 6], 6)
-    hidden = model(tokens, positions, valid, return_hidden=True)
+    hidden = _forward(model, tokens, positions, valid, return_hidden=True)
     assert hidden.shape == (2, 6, model.cfg.d_model)
     w = model.unembedding()
     assert w.shape == (model.cfg.d_model, model.cfg.vocab_size)
-    np.testing.assert_allclose(hidden @ w, model(tokens, positions, valid), atol=1e-5)
+    np.testing.assert_allclose(hidden @ w, _forward(model, tokens, positions, valid), atol=1e-5)
 
 
 def test_bf16_policy_runs_and_differs_by_small_measured_amount():
@@ -82,8 +97,8 @@ def test_bf16_policy_runs_and_differs_by_small_measured_amount():
     bf16 = tiny_model(seed=3, policy=ROLLOUT_POLICY)
     assert bf16.embed[...].dtype == jnp.bfloat16
     tokens, positions, valid = padded_batch(np.random.default_rng(3), 64, [16, 16], 16)
-    z = fp32(tokens, positions, valid)
-    z_bf16 = bf16(tokens, positions, valid)
+    z = _forward(fp32, tokens, positions, valid)
+    z_bf16 = _forward(bf16, tokens, positions, valid)
     assert z_bf16.dtype == jnp.float32  # logits are upcast
     diff = float(jnp.abs(z - z_bf16).max())
     dlogp = float(jnp.abs(jax.nn.log_softmax(z) - jax.nn.log_softmax(z_bf16)).max())
@@ -97,9 +112,9 @@ def test_fp8_kv_cache_policy_decodes():
     cfg_policy = DTypePolicy.named("bfloat16_fp8kv")
     model = tiny_model(seed=4, policy=cfg_policy)
     tokens = jnp.array([[3, 4, 5, 0]], jnp.int32)
-    logits, cache = model.prefill(tokens, jnp.array([3]), 8)
+    logits, cache = jax.jit(model.prefill, static_argnums=2)(tokens, jnp.array([3]), 8)
     assert cache.k.dtype == jnp.float8_e4m3fn
-    logits2, cache = model.decode(jnp.array([6]), jnp.array([3]), cache)
+    logits2, cache = jax.jit(model.decode)(jnp.array([6]), jnp.array([3]), cache)
     assert np.isfinite(np.asarray(logits2)).all()
 
 
@@ -119,19 +134,17 @@ def test_remat_policies_give_the_same_loss_and_gradients():
     # Rematerialisation recomputes the same fp32 operations: equal up to fusion-order rounding.
     tokens, positions, valid = padded_batch(np.random.default_rng(5), 64, [8, 5], 8)
 
-    @nnx.jit
-    def value_and_grad(model):
-        def loss(model):
-            return jnp.mean(jax.nn.log_softmax(model(tokens, positions, valid))[..., 3])
+    def loss(model):
+        return jnp.mean(jax.nn.log_softmax(model(tokens, positions, valid))[..., 3])
 
-        return nnx.value_and_grad(loss)(model)
-
-    l1, g1 = value_and_grad(tiny_model(seed=5))
+    # Every policy's loss and gradients in one program (one compile instead of one per policy);
+    # each model is its own argument, so no policy's computation is shared with another's.
+    value_and_grads = nnx.jit(lambda models: [nnx.value_and_grad(loss)(m) for m in models])
+    models = [tiny_model(seed=5)] + [tiny_model(seed=5, remat=r) for r in REMAT_POLICIES[1:]]
+    assert [m.remat for m in models[1:]] == list(REMAT_POLICIES[1:])
     assert tiny_model(seed=5, remat=True).remat == "full"  # True is "full": the same program
-    for remat in REMAT_POLICIES[1:]:
-        model = tiny_model(seed=5, remat=remat)
-        assert model.remat == remat
-        l2, g2 = value_and_grad(model)
+    (l1, g1), *others = value_and_grads(models)
+    for remat, (l2, g2) in zip(REMAT_POLICIES[1:], others, strict=True):
         np.testing.assert_allclose(l1, l2, rtol=1e-6, err_msg=str(remat))
         for a, b in zip(
             jax.tree.leaves(nnx.state(g1)), jax.tree.leaves(nnx.state(g2)), strict=True
@@ -152,7 +165,7 @@ def test_layers_are_stacked_and_the_block_body_is_compiled_once():
     tokens, positions, valid = padded_batch(np.random.default_rng(6), 64, [8, 5], 8)
     programs = {}
     for n_layers in (2, 5):
-        model = tiny_model(seed=6, n_layers=n_layers, remat="full")
+        model = _abstract_model(seed=6, n_layers=n_layers, remat="full")
         for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
             axes = var.get_metadata()["logical_axes"]
             assert len(axes) == var.get_value().ndim, path
@@ -198,6 +211,13 @@ def _cache_passes(hlo: str, shape: tuple) -> list[str]:
     ]
 
 
+def _abstract_cache(cfg, batch: int, length: int, policy) -> KVCache:
+    """The shapes and dtypes of `KVCache.zeros` in the policy's storage dtype."""
+    return jax.eval_shape(
+        lambda: KVCache.zeros(cfg, batch, length, cache_storage(policy.cache_dtype))
+    )
+
+
 @pytest.mark.parametrize("name", ["float32", "bfloat16"])
 def test_decode_updates_the_cache_in_place(name):
     """The layer scan carries the whole donated cache and scatters each layer's new entry into
@@ -207,17 +227,18 @@ def test_decode_updates_the_cache_in_place(name):
     (`cache_storage`): a bf16 scatter on CPU converts the whole cache to float32 and back
     around every layer's write (before this layout: 4 such passes per layer)."""
     policy = DTypePolicy.named(name)
-    model = tiny_model(seed=7, n_layers=6, policy=policy)
+    model = _abstract_model(seed=7, n_layers=6, policy=policy)
     graphdef, params = nnx.split(model)
     b, cache_len = 8, 1024
-    cache = KVCache.zeros(model.cfg, b, cache_len, cache_storage(policy.cache_dtype))
+    cache = _abstract_cache(model.cfg, b, cache_len, policy)
     step = jax.jit(
         lambda p, t, pos, c: nnx.merge(graphdef, p).decode(t, pos, c), donate_argnums=(3,)
     )
-    zeros = jnp.zeros((b,), jnp.int32)
+    zeros = jax.ShapeDtypeStruct((b,), jnp.int32)
     compiled = step.lower(params, zeros, zeros, cache).compile()
     scratch = compiled.memory_analysis().temp_size_in_bytes
-    assert scratch < cache.k.nbytes, (scratch, cache.k.nbytes)
+    cache_bytes = cache.k.size * cache.k.dtype.itemsize
+    assert scratch < cache_bytes, (scratch, cache_bytes)
     assert _cache_passes(compiled.as_text(), cache.k.shape) == []
 
 
@@ -239,14 +260,14 @@ def test_decode_reads_the_live_cache_in_its_stored_layout(name):
     h]` layout made XLA re-lay out both per layer and step (2 extra passes over the live cache;
     on a GPU at batch 256 those passes dominate the step)."""
     policy = DTypePolicy.named(name)
-    model = tiny_model(seed=7, policy=policy)
+    model = _abstract_model(seed=7, policy=policy)
     graphdef, params = nnx.split(model)
     b, cache_len, kv_len = 8, 1024, 256
-    cache = KVCache.zeros(model.cfg, b, cache_len, cache_storage(policy.cache_dtype))
+    cache = _abstract_cache(model.cfg, b, cache_len, policy)
     step = jax.jit(
         lambda p, t, pos, c: nnx.merge(graphdef, p).decode(t, pos, c, kv_len), donate_argnums=(3,)
     )
-    zeros = jnp.zeros((b,), jnp.int32)
+    zeros = jax.ShapeDtypeStruct((b,), jnp.int32)
     hlo = step.lower(params, zeros, zeros, cache).compile().as_text()
     live = b * kv_len * model.cfg.n_kv_heads * model.cfg.head_dim
     assert _relayouts(hlo, live) == []
@@ -289,7 +310,7 @@ def test_mixed_policy_keeps_fp32_params_and_is_close_to_fp32():
         assert b.dtype == jnp.float32
         np.testing.assert_array_equal(a, b)  # the same fp32 master weights
     tokens, positions, valid = padded_batch(np.random.default_rng(8), 64, [16, 9], 16)
-    z, z_mixed = fp32(tokens, positions, valid), mixed(tokens, positions, valid)
+    z, z_mixed = _forward(fp32, tokens, positions, valid), _forward(mixed, tokens, positions, valid)
     assert z_mixed.dtype == jnp.float32
     diff = float(jnp.abs(z - z_mixed)[valid].max())
     print(f"mixed_bf16 vs float32 tiny model: max |dz| = {diff:.3e}")
