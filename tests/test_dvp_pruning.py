@@ -7,7 +7,6 @@ over V) and, between chunk sizes or between a mesh and one device, 1e-5 of the l
 the largest entry on the vocabulary-parallel mesh).
 """
 
-import functools
 import math
 import re
 
@@ -41,6 +40,15 @@ def _objective(out, g):
     )
 
 
+# The functions under test as one compiled program per call signature (an eager call compiles
+# and dispatches each operation on its own).
+_token_logprobs = jax.jit(pruning.pruned_token_logprobs, static_argnums=(2, 3))
+_chunked = jax.jit(
+    chunked.chunked_pruned_logprobs, static_argnames=("log_rho", "temperature", "chunk_size")
+)
+_token_stats = jax.jit(chunked.chunked_token_stats, static_argnames=("log_rho", "chunk_size"))
+
+
 def test_four_token_vocab_by_hand():
     # z = [2, 1, -1, -3], log_rho = -2.5: max 2, threshold -0.5 -> V_S = {0, 1}.
     # logsumexp over V_S = log(e^2 + e^1) = 2 + log(1 + e^-1) = 2.3132617
@@ -48,8 +56,7 @@ def test_four_token_vocab_by_hand():
     # delta_S = (e^-1 + e^-3) / (e^2 + e^1 + e^-1 + e^-3) = 0.4176665 / 10.5250036 = 0.0396833.
     z = jnp.array([[2.0, 1.0, -1.0, -3.0]])
     every = jnp.arange(4)  # each token of the vocabulary as a target, one row each
-    token_logprobs = jax.jit(pruning.pruned_token_logprobs, static_argnums=(2, 3))
-    out = token_logprobs(jnp.repeat(z, 4, axis=0), every, -2.5)
+    out = _token_logprobs(jnp.repeat(z, 4, axis=0), every, -2.5)
     np.testing.assert_array_equal(out.in_safe, [True, True, False, False])
     lse = 2.0 + math.log1p(math.exp(-1.0))
     np.testing.assert_allclose(out.logp[:2], [2.0 - lse, 1.0 - lse], rtol=1e-6)
@@ -68,14 +75,14 @@ def test_four_token_vocab_by_hand():
     )
     # tau = 2: z / tau = [1, 0.5, -0.5, -1.5], threshold 1 - 2.5 = -1.5 (exact in binary), and
     # E1 is ">=": token 3 sits exactly on the threshold, so all four are safe and delta_S = 0.
-    hot = token_logprobs(jnp.repeat(z, 4, axis=0), every, -2.5, 2.0)
+    hot = _token_logprobs(jnp.repeat(z, 4, axis=0), every, -2.5, 2.0)
     np.testing.assert_array_equal(hot.in_safe, [True] * 4)
     np.testing.assert_array_equal(hot.pruned_mass, [0.0] * 4)
     # The same case through the chunked path (h = [[1], [1]], W = z, so h W = z): y = 1 is
     # inside, y = 3 is not.
     h = jnp.ones((2, 1))
     w = z  # [d=1, V=4]
-    out = chunked.chunked_pruned_logprobs(h, w, jnp.array([1, 3]), log_rho=-2.5, chunk_size=3)
+    out = _chunked(h, w, jnp.array([1, 3]), log_rho=-2.5, chunk_size=3)
     np.testing.assert_allclose(out.logp[0], 1.0 - lse, rtol=1e-6)
     assert out.logp[1] == pruning.LOGP_FLOOR
     np.testing.assert_array_equal(out.in_safe, [True, False])
@@ -89,24 +96,44 @@ def test_tiny_pruned_mass_is_accurate():
     z = np.array([[20.0, 0.0, -1.0, -30.0]], np.float32)
     expect = ref.pruned_token_logprob(z[0], 0, -13.0)["pruned_mass"]
     assert 2.8e-9 < expect < 2.83e-9
-    stats = pruning.pruned_token_logprobs(z, jnp.array([0]), -13.0)
+    stats = _token_logprobs(z, jnp.array([0]), -13.0)
     np.testing.assert_allclose(stats.pruned_mass, [expect], rtol=1e-5)
-    out = chunked.chunked_pruned_logprobs(
-        jnp.ones((1, 1)), z, jnp.array([0]), log_rho=-13.0, chunk_size=2
-    )
+    out = _chunked(jnp.ones((1, 1)), z, jnp.array([0]), log_rho=-13.0, chunk_size=2)
     np.testing.assert_allclose(out.pruned_mass, [expect], rtol=1e-5)
+
+
+LOGITS_CASES = [(r, tau) for r in (-2.0, -13.0, None) for tau in (1.0, 0.7)]
+
+
+@pytest.fixture(scope="module")
+def logits_path():
+    """{(log_rho, temperature): (record, safe-set mask)} of every `test_logits_path_matches_
+    reference` case, in one program."""
+    h, w, y = _inputs(scale=1.5)
+    logits, y = jnp.asarray(h @ w), jnp.asarray(y)
+
+    @jax.jit
+    def run(logits, y):
+        return [
+            (
+                pruning.pruned_token_logprobs(logits, y, log_rho, tau),
+                pruning.safe_set_sums(logits / tau, log_rho).safe,
+            )
+            for log_rho, tau in LOGITS_CASES
+        ]
+
+    return dict(zip(LOGITS_CASES, run(logits, y), strict=True))
 
 
 @pytest.mark.parametrize("log_rho", [-2.0, -13.0, None])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logits_path_matches_reference(log_rho, temperature):
+def test_logits_path_matches_reference(logits_path, log_rho, temperature):
     h, w, y = _inputs(scale=1.5)
     logits = h @ w
     lr = -math.inf if log_rho is None else log_rho
     expect = ref.pruned_token_logprobs(logits, y, lr, temperature)
-    got = pruning.pruned_token_logprobs(jnp.asarray(logits), jnp.asarray(y), log_rho, temperature)
+    got, mask = logits_path[log_rho, temperature]
     _assert_matches_reference(got, expect)
-    mask = pruning.safe_set_sums(jnp.asarray(logits) / temperature, log_rho).safe
     for n in range(N):
         assert set(np.flatnonzero(mask[n])) == ref.safe_set(logits[n], lr, temperature)
 
@@ -169,16 +196,21 @@ def test_chunk_sizes_agree(log_rho):
     h, w, y = _inputs(seed=3, scale=2.0)
     g = [jnp.linspace(-1, 1, N), jnp.ones(N), jnp.full(N, 0.5)]
 
-    @functools.partial(jax.jit, static_argnums=0)
-    def run(chunk_size):
-        fn = lambda h, w: chunked.chunked_pruned_logprobs(
-            h, w, jnp.asarray(y), log_rho=log_rho, chunk_size=chunk_size
-        )
-        return fn(h, w), jax.grad(lambda h, w: _objective(fn(h, w), g), argnums=(0, 1))(h, w)
+    chunk_sizes = (V, math.ceil(V / 7), 1024, 13)
 
-    base_out, base_grads = run(V)
-    for chunk_size in (math.ceil(V / 7), 1024, 13):
-        out, grads = run(chunk_size)
+    @jax.jit
+    def run_all(h, w):  # every chunk size in one program
+        results = []
+        for chunk_size in chunk_sizes:
+            fn = lambda h, w, c=chunk_size: chunked.chunked_pruned_logprobs(
+                h, w, jnp.asarray(y), log_rho=log_rho, chunk_size=c
+            )
+            grads = jax.grad(lambda h, w, fn=fn: _objective(fn(h, w), g), argnums=(0, 1))(h, w)
+            results.append((fn(h, w), grads))
+        return results
+
+    (base_out, base_grads), *others = run_all(h, w)
+    for out, grads in others:
         for a, b in zip(out, base_out, strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
         for a, b in zip(grads, base_grads, strict=True):
@@ -188,9 +220,7 @@ def test_chunk_sizes_agree(log_rho):
 def test_chunked_leading_dims_bf16_and_extreme_logits_are_finite():
     h, w, y = _inputs(seed=4)
     h_bf16, w_bf16 = jnp.asarray(h, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
-    out = chunked.chunked_pruned_logprobs(
-        h_bf16.reshape(4, 6, D), w_bf16, y.reshape(4, 6), log_rho=-2.0, chunk_size=16
-    )
+    out = _chunked(h_bf16.reshape(4, 6, D), w_bf16, y.reshape(4, 6), log_rho=-2.0, chunk_size=16)
     assert out.logp.shape == (4, 6) and out.logp.dtype == jnp.float32
     # Logits in the thousands: exponentials are of z - max <= 0, so nothing overflows.
     fn = lambda h, w: jnp.sum(
@@ -480,7 +510,7 @@ def test_streaming_entropy_of_extreme_and_uniform_logits():
     h, w, y = _inputs(seed=9)
     h2, y2 = np.concatenate([h * 1e3, h * 0.0]), np.concatenate([y, y])
     for log_rho in (-2.0, None):
-        _, stats = chunked.chunked_token_stats(h2, w, y2, log_rho=log_rho, chunk_size=16)
+        _, stats = _token_stats(h2, w, y2, log_rho=log_rho, chunk_size=16)
         assert np.isfinite(stats.entropy).all()
         assert 0.0 <= float(stats.entropy[:N].min()) and float(stats.entropy[:N].max()) < 1e-3
         np.testing.assert_allclose(stats.entropy[N:], math.log(V), rtol=1e-6)
