@@ -271,12 +271,13 @@ def test_restore_into_a_differently_configured_pipeline_names_the_field(workdir)
     ckpt.close()
 
 
-# Run by each of two CPU processes (gloo collectives, 4 fake devices each): argv = phase,
-# workdir, process id, coordinator port. `w` is sharded over all 8 devices, so each process
-# writes (to `state/ocdbt.process_<id>/`) and reads back only its own rows.
+# Run by each of two CPU processes (gloo collectives, 4 fake devices each): argv = workdir,
+# process id, coordinator port. `w` is sharded over all 8 devices, so each process writes (to
+# `state/ocdbt.process_<id>/`) and reads back only its own rows. Both save steps 1, 2, 3, then
+# process 1 damages its own part of step 3 and both restore through a fresh `Checkpointer`.
 _WORKER = """
 import os, sys
-phase, workdir, pid, port = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+workdir, pid, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=4"  # the suite's flags
 import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -298,29 +299,38 @@ def data(step):  # this process's shard (pid, pid + 2, ...), `step` items consum
         next(it)
     return it
 
+from jax.experimental import multihost_utils
+
 ckpt = Checkpointer(workdir, keep=5)
-if phase == "save":
-    for step in (1, 2, 3):
-        ckpt.save(step, state(step), data(step), {}, force=True)
-else:
-    abstract = {"w": jax.ShapeDtypeStruct((128, 128), np.float32, sharding=sharding)}
-    step, restored, it, _ = ckpt.restore_latest(abstract, data(0))
-    want = state(step)["w"].addressable_shards
-    exact = all(
-        np.array_equal(np.asarray(a.data), np.asarray(b.data))
-        for a, b in zip(restored["w"].addressable_shards, want, strict=True)
-    )
-    print(f"RESULT step={step} next={next(it)} exact={exact}", flush=True)
+for step in (1, 2, 3):
+    ckpt.save(step, state(step), data(step), {}, force=True)
+ckpt.close()  # this process's writes are done
+multihost_utils.sync_global_devices("saved")  # and the other's
+if pid == 1:  # truncate one of process 1's array files of step 3: only its reads fail
+    files = os.path.join(workdir, "checkpoints", "3", "state", "ocdbt.process_1", "d")
+    largest = max((os.path.join(files, f) for f in os.listdir(files)), key=os.path.getsize)
+    with open(largest, "r+b") as f:
+        f.truncate(os.path.getsize(largest) // 2)
+multihost_utils.sync_global_devices("damaged")
+ckpt = Checkpointer(workdir, keep=5)  # as a resumed run opens it
+abstract = {"w": jax.ShapeDtypeStruct((128, 128), np.float32, sharding=sharding)}
+step, restored, it, _ = ckpt.restore_latest(abstract, data(0))
+want = state(step)["w"].addressable_shards
+exact = all(
+    np.array_equal(np.asarray(a.data), np.asarray(b.data))
+    for a, b in zip(restored["w"].addressable_shards, want, strict=True)
+)
+print(f"RESULT step={step} next={next(it)} exact={exact}", flush=True)
 ckpt.close()
 """
 
 
-def _run_two_processes(phase, workdir):
+def _run_two_processes(workdir):
     port = portpicker.pick_unused_port()
     env = child_env()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _WORKER, phase, str(workdir), str(pid), str(port)],
+            [sys.executable, "-c", _WORKER, str(workdir), str(pid), str(port)],
             cwd=REPO,
             env={**env, "PYTHONPATH": REPO},
             stdout=subprocess.PIPE,
@@ -345,17 +355,7 @@ def _run_two_processes(phase, workdir):
 def test_two_processes_agree_when_only_one_sees_the_damage(tmp_path):
     """A truncated array file of process 1 fails only process 1's reads; both must still
     resume from the same older step (no process left waiting in Orbax's restore barrier)."""
-    _run_two_processes("save", tmp_path)
-    data_dir = os.path.join(str(tmp_path), "checkpoints", "3", "data")
-    assert [f for f in sorted(os.listdir(data_dir)) if f.startswith("process_")] == [
-        "process_0-of-2.json",
-        "process_1-of-2.json",
-    ]
-    files = os.path.join(str(tmp_path), "checkpoints", "3", "state", "ocdbt.process_1", "d")
-    largest = max((os.path.join(files, f) for f in os.listdir(files)), key=os.path.getsize)
-    with open(largest, "r+b") as f:
-        f.truncate(os.path.getsize(largest) // 2)
-    out0, out1 = _run_two_processes("restore", tmp_path)
+    out0, out1 = _run_two_processes(tmp_path)
     # Each process resumes its own iterator position (Grain's process_<i>-of-2.json): the item
     # after 2 consumed of shard pid, pid + 2, ... is 4 + pid.
     for pid, out in enumerate((out0, out1)):
@@ -363,4 +363,11 @@ def test_two_processes_agree_when_only_one_sees_the_damage(tmp_path):
     step3 = os.path.join(str(tmp_path), "checkpoints", "3")
     assert "OUT_OF_RANGE" in out1 and step3 in out1  # the process that saw the damage says so
     assert "failed on process(es) [1]" in out0
-    assert len(os.listdir(os.path.join(str(tmp_path), "checkpoints", "damaged"))) == 1
+    aside = os.listdir(os.path.join(str(tmp_path), "checkpoints", "damaged"))
+    assert len(aside) == 1
+    # Step 3, set aside whole, holds each process's iterator position.
+    data_dir = os.path.join(str(tmp_path), "checkpoints", "damaged", aside[0], "data")
+    assert [f for f in sorted(os.listdir(data_dir)) if f.startswith("process_")] == [
+        "process_0-of-2.json",
+        "process_1-of-2.json",
+    ]
