@@ -24,6 +24,10 @@ from tests.shared_runs import TINY_RUN, run_trainer, timeless, tiny_trainer
 from tests.train_utils import REPO, main_command
 
 _run = run_trainer
+# The processes of tests that are not about the trackers log to metrics.jsonl only: the
+# TensorBoard writer imports torch, seconds of each process's start. `train.trackers` may
+# change on a resume and changes no metric row.
+NO_TRACKERS = {"train.trackers": ""}
 
 
 def _assert_one_row_per_step(workdir, steps=TINY_RUN["train.steps"], sft_steps=2):
@@ -32,19 +36,6 @@ def _assert_one_row_per_step(workdir, steps=TINY_RUN["train.steps"], sft_steps=2
     expect = list(range(-sft_steps, 0)) + list(range(steps + 1)) + [steps]
     assert [r["step"] for r in rows] == expect
     assert [r.get("phase") for r in rows].count(1.0) == 1  # one final evaluation row
-
-
-def test_fresh_start_discards_rows_of_a_run_killed_before_its_first_checkpoint(tmp_path, tiny_run):
-    # What a kill during the first checkpoint write leaves: the warm-up and step-0 rows are in
-    # the log, no checkpoint is. The rerun starts fresh and must not append a second copy.
-    stale = [{"step": -1, "sft_loss": 9.0, "phase_sft": 1.0}, {"step": 0, "phase": 0.0}]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in stale))
-    fresh = _run(tmp_path, **TINY_RUN)
-    _assert_one_row_per_step(tmp_path)
-    assert all(r.get("sft_loss") != 9.0 for r in read_metrics(str(tmp_path)))
-    # It is the uninterrupted run, row for row (same programs, same inputs: exact).
-    assert timeless(read_metrics(str(tmp_path))) == timeless(tiny_run.rows())
-    assert fresh["eval_accuracy"] == tiny_run.summary["eval_accuracy"]
 
 
 def test_rerunning_a_finished_run_or_one_with_a_torn_log_keeps_one_row_per_step(tmp_path, tiny_run):
@@ -65,10 +56,13 @@ def test_rerunning_a_finished_run_or_one_with_a_torn_log_keeps_one_row_per_step(
     assert second["wall_time_s"] > first["wall_time_s"] * 0.5
 
 
+def _mtimes(workdir):
+    return {p: os.stat(os.path.join(workdir, p)).st_mtime_ns for p in os.listdir(workdir)}
+
+
 def test_a_workdir_with_another_config_is_refused_before_anything_is_written(tmp_path, tiny_run):
     workdir = tiny_run.copy_to(tmp_path / "run")  # finished: checkpoint at step 6
-    mtimes = lambda: {p: os.stat(os.path.join(workdir, p)).st_mtime_ns for p in os.listdir(workdir)}
-    before = mtimes()
+    before = _mtimes(workdir)
     model_config = (workdir / "model_config.json").read_bytes()
     other = {**TINY_RUN, "model.d_ff": 128, "train.learning_rate": 1e-3}
     with pytest.raises(WorkdirMismatchError) as e:
@@ -85,18 +79,9 @@ def test_a_workdir_with_another_config_is_refused_before_anything_is_written(tmp
             trainer.run()
     finally:
         trainer.close()
-    # From the command line, both: one clear line, no traceback (one interpreter, two runs).
-    cmd, env = main_command(workdir, **{**TINY_RUN, "model.d_ff": 128})
-    short, _ = main_command(workdir, **{"train.steps": 1})
-    results = run_cases("dvp_jax.main", [cmd[2:], short[2:]], env=env, cwd=REPO)
-    for result, expected in zip(
-        results, ("model.d_ff: workdir 64, now 128", "past train.steps = 1"), strict=True
-    ):
-        text = result["output"]
-        assert result["status"] == 2, text[-3000:]
-        assert expected in text.strip().splitlines()[-1], text[-3000:]
-        assert "Traceback" not in text and "Event loop is closed" not in text
-    assert mtimes() == before
+    # From the command line: test_sigterm_during_the_warm_up_..._are_refused (one interpreter
+    # for every refusal).
+    assert _mtimes(workdir) == before
     assert (workdir / "model_config.json").read_bytes() == model_config
     # Fields a resume may change (here: more steps) are accepted.
     _run(workdir, **{"train.steps": 7})
@@ -112,24 +97,46 @@ def _wait_for(path, needle, proc, timeout=300):
     return False
 
 
-def test_sigterm_during_the_warm_up_exits_75_and_a_second_trainer_meanwhile_is_refused(tmp_path):
+def test_sigterm_during_the_warm_up_exits_75_and_second_trainers_meanwhile_are_refused(
+    tmp_path, tiny_run
+):
     workdir, log = tmp_path / "run", tmp_path / "log.txt"
-    cmd, env = main_command(workdir, **{"sft.steps": 100_000})
+    other = tiny_run.copy_to(tmp_path / "other")  # finished: checkpoint at step 6
+    before, model_config = _mtimes(other), (other / "model_config.json").read_bytes()
+    cmd, env = main_command(workdir, **{"sft.steps": 100_000, **NO_TRACKERS})
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT)
         try:
             assert _wait_for(log, "supervised warm-up:", proc), open(log).read()[-3000:]
-            # A second trainer on the workdir in use: one line naming the holder, exit 2.
-            second = subprocess.run(
-                cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+            # Paused (holding the workdir) while the second trainers run: its steps would only
+            # take their CPU.
+            proc.send_signal(signal.SIGSTOP)
+            # From the command line, each refusal is one line and exit 2, no traceback (one
+            # interpreter, three runs): a second trainer on the workdir in use (naming the
+            # holder), and on a finished run's workdir another config, or fewer steps than its
+            # checkpoint holds; neither writes anything there.
+            mismatch, _ = main_command(other, **{**TINY_RUN, "model.d_ff": 128})
+            short, _ = main_command(other, **{"train.steps": 1})
+            results = run_cases(
+                "dvp_jax.main", [cmd[2:], mismatch[2:], short[2:]], env=env, cwd=REPO
             )
-            last = second.stderr.strip().splitlines()[-1]
-            assert second.returncode == 2, second.stderr[-2000:]
-            assert "is in use by another trainer" in last and f"pid {proc.pid}" in last
-            assert "Traceback" not in second.stderr
+            expected = (
+                ("is in use by another trainer", f"pid {proc.pid}"),
+                ("model.d_ff: workdir 64, now 128",),
+                ("past train.steps = 1",),
+            )
+            for result, needles in zip(results, expected, strict=True):
+                text = result["output"]
+                assert result["status"] == 2, text[-3000:]
+                last = text.strip().splitlines()[-1]
+                assert all(n in last for n in needles), text[-3000:]
+                assert "Traceback" not in text and "Event loop is closed" not in text
+            assert _mtimes(other) == before
+            assert (other / "model_config.json").read_bytes() == model_config
             # The Python API refuses too, before building anything.
             with pytest.raises(WorkdirInUseError, match=f"pid {proc.pid}"):
                 WorkdirLock(workdir).acquire()
+            proc.send_signal(signal.SIGCONT)
             time.sleep(1.0)  # inside the step loop
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=120)  # 100k steps would take hours: SIGTERM was honoured
@@ -156,8 +163,11 @@ def test_sigterm_then_kill_9_at_random_moments_then_resume_equal_one_uninterrupt
     programs on the same inputs), parameters and every metric row."""
     run_dir = tmp_path / "run"
     cmd, env = main_command(run_dir, "--export_hf", **TINY_RUN)
+    # The first attempt with the trackers a run has by default (they close on a preemption),
+    # the kills and the run to the end without.
+    quiet, _ = main_command(run_dir, "--export_hf", **TINY_RUN, **NO_TRACKERS)
     start = lambda: subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        quiet, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     # SIGTERM once the step-0 checkpoint is written: the step running then is dropped inside
     # its rollouts (or finished, if the signal came after them) and the last step done saved.
@@ -197,8 +207,12 @@ def test_sigterm_then_kill_9_at_random_moments_then_resume_equal_one_uninterrupt
             proc.send_signal(signal.SIGKILL)
             proc.wait()
         assert proc.returncode in (-signal.SIGKILL, 0), (attempt, proc.returncode)
-    final = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert final.returncode == 0, final.stdout[-2000:] + final.stderr[-2000:]
+    # The run to the end, unless the last attempt was it (it was not killed before the end).
+    if proc.returncode != 0:
+        final = subprocess.run(
+            quiet, cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert final.returncode == 0, final.stdout[-2000:] + final.stderr[-2000:]
 
     from safetensors.numpy import load_file
 
@@ -223,14 +237,15 @@ def test_sigterm_and_sigint_during_the_first_evaluation_stop_within_one_dispatch
     runs = {}
     for sig in (signal.SIGTERM, signal.SIGINT):
         workdir = tmp_path / sig.name
-        cmd, env = main_command(workdir, **{"eval.k": 100_000})
+        cmd, env = main_command(workdir, **{"eval.k": 100_000, **NO_TRACKERS})
         log = open(tmp_path / f"{sig.name}.txt", "w")
         runs[sig] = (workdir, log, subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=log))
     try:
-        for sig, (workdir, log, proc) in runs.items():
-            # Checkpoint 0 is written after the evaluation, so its absence means "evaluating".
+        for _, log, proc in runs.values():
             assert _wait_for(log.name, "warm-up 2/2", proc), open(log.name).read()[-3000:]
-            time.sleep(3.0)
+        time.sleep(1.0)  # both inside their evaluations
+        for sig, (workdir, _, proc) in runs.items():
+            # Checkpoint 0 is written after the evaluation, so its absence means "evaluating".
             assert not (workdir / "checkpoints" / "0").exists()
             proc.send_signal(sig)
         for sig, (workdir, log, proc) in runs.items():
@@ -259,10 +274,19 @@ class _StopAfter:
         return self.asked >= self.n
 
 
-def test_stops_inside_each_phase_then_resumes_equal_one_uninterrupted_run(tmp_path, tiny_run):
-    """Three stops in one run, each between two dispatches of a phase, each resumed by a new
-    trainer on the workdir: the interrupted phase is redone from the checkpoint it left, and
-    the run ends exactly as one that was never stopped."""
+def test_fresh_start_over_stale_rows_then_stops_inside_each_phase_resume_equal_one_run(
+    tmp_path, tiny_run
+):
+    """The workdir holds what a kill during the first checkpoint write leaves: the warm-up and
+    step-0 rows in the log, no checkpoint. The first trainer starts fresh (and must not keep
+    those rows or append a second copy). Then three stops in one run, each between two
+    dispatches of a phase, each resumed by a new trainer on the workdir: the interrupted phase
+    is redone from the checkpoint it left, and the run ends exactly as one that was never
+    stopped, row for row (same programs, same inputs: exact)."""
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    stale = [{"step": -1, "sft_loss": 9.0, "phase_sft": 1.0}, {"step": 0, "phase": 0.0}]
+    (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in stale))
     # (method, its step, the question the stop comes at, the checkpoint it leaves)
     stops = [
         ("evaluate", 0, 2, 0),  # the first evaluation, after its first dispatch
@@ -270,7 +294,7 @@ def test_stops_inside_each_phase_then_resumes_equal_one_uninterrupted_run(tmp_pa
         ("evaluate", 2, 2, 2),  # step 2 is done; its row waits for the evaluation
     ]
     for method, at_step, nth_question, checkpoint in stops:
-        trainer = tiny_trainer(str(tmp_path / "run"), **TINY_RUN)
+        trainer = tiny_trainer(str(workdir), **TINY_RUN)
         original = getattr(trainer, method)
 
         def stop_inside(step, *args, _at=at_step, _n=nth_question, _f=original, _t=trainer, **kw):
@@ -283,9 +307,11 @@ def test_stops_inside_each_phase_then_resumes_equal_one_uninterrupted_run(tmp_pa
             assert trainer.run() == {"preempted_at": checkpoint}, (method, at_step)
         finally:
             trainer.close()
-        assert (tmp_path / "run" / "checkpoints" / str(checkpoint)).is_dir()
-    resumed = _run(tmp_path / "run", **TINY_RUN)
-    assert timeless(read_metrics(str(tmp_path / "run"))) == timeless(tiny_run.rows())
+        assert (workdir / "checkpoints" / str(checkpoint)).is_dir()
+    resumed = _run(workdir, **TINY_RUN)
+    _assert_one_row_per_step(workdir)
+    assert all(r.get("sft_loss") != 9.0 for r in read_metrics(str(workdir)))
+    assert timeless(read_metrics(str(workdir))) == timeless(tiny_run.rows())
     untimed = lambda summary: {k: v for k, v in summary.items() if k != "wall_time_s"}
     assert untimed(resumed) == untimed(tiny_run.summary)
 
@@ -308,15 +334,18 @@ def small_disk(tmp_path):
 
 def test_a_full_disk_stops_the_run_at_the_failing_write_and_the_rerun_resumes(small_disk, caplog):
     workdir, filler = small_disk / "run", small_disk / "filler"
-    # Saves every 10 steps: the disk is full well before the next one starts.
-    run = {"train.steps": 40, "checkpoint.every": 10}
+    # Saves every 4 steps: the disk is full well before the next one starts (filling it takes
+    # milliseconds, a step a fraction of a second). No evaluation between the first and the
+    # last: the writes that fail are the step rows and the next checkpoint.
+    every, steps = 4, 12
+    run = {"train.steps": steps, "checkpoint.every": every, "eval.every": 0, **NO_TRACKERS}
     cmd, env = main_command(workdir, **run)
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
         deadline = time.time() + 300
-        while not (workdir / "checkpoints" / "10").is_dir() and time.time() < deadline:
+        while not (workdir / "checkpoints" / str(every)).is_dir() and time.time() < deadline:
             time.sleep(0.05)
         with open(filler, "wb", buffering=0) as fh:  # fill the disk
             try:
@@ -332,16 +361,18 @@ def test_a_full_disk_stops_the_run_at_the_failing_write_and_the_rerun_resumes(sm
     assert last.startswith("error: ") and "No space left on device" in last, out[-3000:]
     assert str(workdir) in last
     assert "Traceback" not in out
-    steps = [r["step"] for r in read_metrics(str(workdir)) if "loss" in r]
-    assert max(steps) < 40  # it stopped, and did not train on to the next save
+    done = [r["step"] for r in read_metrics(str(workdir)) if "loss" in r]
+    assert max(done) < steps  # it stopped, and did not train on to the next save
     saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
-    assert max(steps) <= max(saved) + 10  # not past the save that failed
+    assert max(done) <= max(saved) + every  # not past the save that failed
     os.remove(filler)
     # The rerun (in this process: what is tested is the workdir the failed write left).
     with caplog.at_level(logging.INFO):
-        assert _run(workdir, **run)["steps"] == 40
+        assert _run(workdir, **run)["steps"] == steps
     assert f"resuming from step {max(saved)}" in caplog.text
-    assert [r["step"] for r in read_metrics(str(workdir)) if "loss" in r] == list(range(1, 41))
+    assert [r["step"] for r in read_metrics(str(workdir)) if "loss" in r] == list(
+        range(1, steps + 1)
+    )
 
 
 def test_a_lease_on_an_object_store_refuses_while_renewed_and_is_taken_over_when_stale(tmp_path):
