@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dvp_jax.cli import use_compilation_cache
 from dvp_jax.data import pipeline
 from dvp_jax.dvp import diagnostics
 from dvp_jax.model import TRAIN_POLICY, Transformer
@@ -66,7 +67,16 @@ SMOKE_SETTINGS = (SETTINGS[1],)  # fp8 KV: exercises the prefill + decode-throug
 # Sizes of `run` (each overridable): SFT steps of the warm-up, held-out sequences, samples per
 # prompt and generated tokens of the sampled continuations.
 SIZES = {"sft_steps": 600, "num_seqs": 256, "samples": 4, "gen_len": 40}
-SMOKE_SIZES = {"sft_steps": 3, "num_seqs": 16, "samples": 2, "gen_len": 8}
+# Smoke: one sample per prompt of configs/tiny_cpu.py's decode length (6), so that the sampled
+# batch has the held-out batch's shape and prompt lengths and each path compiles once.
+SMOKE_SIZES = {"sft_steps": analyze.SMOKE["sft.steps"], "num_seqs": 16, "samples": 1, "gen_len": 6}
+# Smoke: the warm-up of the smoke units of e002/e003 (`analyze.SMOKE`), whose compiled programs
+# a caller's compilation cache then holds, and no event files.
+SMOKE_CONFIG = {
+    "sft.warmup_steps": analyze.SMOKE["sft.warmup_steps"],
+    "sft.batch_size": analyze.SMOKE["sft.batch_size"],
+    "train.trackers": "",
+}
 LOG_RHO = -13.0  # the paper's threshold, for the "outside the trainer safe set" count
 # Trainer-probability bin edges for the signed l_t of sampled tokens (log-spaced in the tail).
 P_EDGES = (0.0, 1e-4, 1e-3, 1e-2, 0.05, 0.2, 0.5, 0.8, 0.95, 0.99, 1.0 + 1e-9)
@@ -308,7 +318,8 @@ def run(out: str, smoke: bool = False, init_hf: str | None = None, seed: int = 0
     sft_steps, num_seqs, samples, gen_len = (sizes[k] for k in SIZES)
     settings = SMOKE_SETTINGS if smoke else SETTINGS
     # The warm-up recipe of the demo (configs/tiny_cpu.py), no RL.
-    cfg = analyze.tiny_config({"sft.steps": sft_steps, "train.steps": 0, "plots": False})
+    overrides = {"sft.steps": sft_steps, "train.steps": 0, "plots": False}
+    cfg = analyze.tiny_config({**overrides, **(SMOKE_CONFIG if smoke else {})})
     tokenizer = load_tokenizer("char")
     model = warm_model(cfg, init_hf)
     task = cfg.data.make_task()
@@ -373,6 +384,8 @@ def main(argv=None) -> int:
     for name in SIZES:
         ap.add_argument(f"--{name}", type=int, default=None, help="default: SIZES / SMOKE_SIZES")
     args = ap.parse_args(argv)
+    if args.smoke:  # the caller's cache (a test session's), shared with the units' warm-up
+        use_compilation_cache(os.environ.get("DVP_JAX_COMPILATION_CACHE", ""))
     sizes = {name: getattr(args, name) for name in SIZES}
     report = run(args.out, smoke=args.smoke, init_hf=args.init_hf, **sizes)
     print(f"[e001] wrote {args.out}/e001.json in {report['wall_time_s']:.0f} s")

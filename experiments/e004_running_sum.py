@@ -92,7 +92,7 @@ SIZES = {
     "checkpoint.every": 10,
     "plots": False,
 }
-SMOKE = {  # CI sizes: random init, 2 RL steps, 2 prompts x 2 responses of <= 17 tokens
+SMOKE = {  # CI sizes: a random model, 2 RL steps, 2 prompts x 2 responses of <= 17 tokens
     "sft.steps": 0,
     "train.steps": 2,
     "train.prompts_per_step": 2,
@@ -138,10 +138,15 @@ def get_sweep(
 ) -> list[dict]:
     """The units of one stage: "gain" (M0 RLOO, pilot seeds), "premise" (RLOO at `level` and
     M0 RLOO, final seeds), "methods" (TIS, MIS, DVP, MIS+DVP at `level`, final seeds).
-    `smoke`: one MIS+DVP unit at M3 at the CI sizes (`SMOKE`, from a random init)."""
+    `smoke`: one MIS+DVP unit at M3 at the CI sizes (`SMOKE`), from a random init, or from
+    `init_hf` (an export of a random model at those sizes: its init is not compiled)."""
     if smoke:
         dtype = CFG.LEVELS["M3"]
-        return [{"_name": "smoke_mis_dvp_M3", "method": "mis_dvp", "rollout.dtype": dtype, **SMOKE}]
+        start = {"model.hf_path": os.path.abspath(init_hf)} if init_hf else {}
+        return [
+            {"_name": "smoke_mis_dvp_M3", "method": "mis_dvp", "rollout.dtype": dtype, **SMOKE}
+            | start
+        ]
     final = FINAL_SEEDS[:seeds]
     if stage == "gain":
         return [unit("rloo", "M0", s, "gain", init_hf, gain_steps) for s in PILOT_SEEDS]

@@ -225,7 +225,9 @@ def sample_unit(rung: str, chunk: int, root: str, init_hf, smoke: bool = False) 
     bins = {"sampled": bin_sums(d_tok[mask], np.exp(st["logp_full"][mask]), rows_group, prompts)}
     # B and the control where a rung is judged; M4's noise is the engine's, not in these paths.
     if rung != "M0" and not cfg.rollout.noise_std:
-        tf_rows = (2 if smoke else TF_PROMPTS) * samples
+        # Smoke: one group, so that the sampled rows have the reference rows' shape and prompt
+        # lengths and each path compiles once (as TF_PROMPTS and the rows per pass do).
+        tf_rows = (1 if smoke else TF_PROMPTS) * samples
         sl = slice(0, tf_rows)
         valid = np.asarray(rl.valid)
         bins["sampled_tf"] = _tf_part(

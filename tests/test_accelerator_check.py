@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+from tests import child_env
 from tests.train_utils import REPO
 
 
@@ -20,6 +21,7 @@ def test_accelerator_check_smoke_writes_one_table_of_every_check(tmp_path):
             str(out),
         ],
         cwd=REPO,
+        env=child_env(),  # one CPU device: the scripts measure one device
         capture_output=True,
         text=True,
         timeout=900,

@@ -1,11 +1,12 @@
 """e004 (experiments/e004_running_sum.py, e004_measure.py, e004_verdict.py): smoke run, gates.
 
-The smoke run is real and minimal: one MIS+DVP work unit at M3 through the launcher
-(`python -m dvp_jax.launch local`; random init, 2 RL steps, 2 prompts x 2 responses of <= 17
-tokens, tiny model) in a subprocess, while this process runs stage 1's measurement (`measure`:
-engine sampling at M4, i.e. M3's int4 weights plus the synthetic tail-shaped logit noise, and
-the trainer's teacher-forced statistics) on a random tiny model exported here. Then the unit's
-record and the verdict are built from the real outputs. The gates are pure functions,
+The smoke run is real and minimal, on a random tiny model exported here: one MIS+DVP work unit
+at M3 through the launcher (`python -m dvp_jax.launch local`; started from the export as real
+units start from the warm start, 2 RL steps, 2 prompts x 2 responses of <= 17 tokens) in a
+subprocess, while this process runs stage 1's measurement on the same export (`measure`: engine
+sampling at M4, i.e. M3's int4 weights plus the synthetic tail-shaped logit noise, and the
+trainer's teacher-forced statistics). Then the unit's record and the verdict are built from the
+real outputs. The gates are pure functions,
 each checked passing and failing on synthetic numbers.
 """
 
@@ -37,29 +38,31 @@ def _smoke_overrides() -> dict:
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    """Starts the smoke unit, measures M4 on a random exported model meanwhile; yields both."""
+    """Exports a random model, starts the smoke unit from it and measures M4 on it meanwhile;
+    yields both."""
+    from dvp_jax.model import TRAIN_POLICY
+    from dvp_jax.model.hf_import import save_hf
+    from dvp_jax.model.transformer import Transformer
+
     root = tmp_path_factory.mktemp("e004")
+    overrides = _smoke_overrides()
+    cfg = measure_lib.level_config("M4", overrides)
+    hf = str(root / "random_hf")
+    # Initialised under jit: one program instead of one per parameter shape.
+    save_hf(nnx.jit(lambda: Transformer(cfg.model, TRAIN_POLICY, rngs=nnx.Rngs(0)))(), hf)
     env = child_env()  # one CPU device
     argv = [sys.executable, "-m", "dvp_jax.launch", "local", E004, "--sweep", "smoke=True"]
     proc = subprocess.Popen(
-        [*argv, "--root", str(root)],
+        [*argv, "--sweep", f"init_hf={hf}", "--root", str(root)],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
-    from dvp_jax.model import TRAIN_POLICY
-    from dvp_jax.model.hf_import import save_hf
-    from dvp_jax.model.transformer import Transformer
-
-    overrides = _smoke_overrides()
-    cfg = measure_lib.level_config("M4", overrides)
-    hf = str(root / "random_hf")
-    save_hf(Transformer(cfg.model, TRAIN_POLICY, rngs=nnx.Rngs(0)), hf)
     measured = measure_lib.measure(hf, "M4", num_prompts=2, samples=3, overrides=overrides)
     out, _ = proc.communicate(timeout=600)
-    return root, proc.returncode, out, measured
+    return root, hf, proc.returncode, out, measured
 
 
 def test_stage_sweeps_name_roles_levels_and_seeds():
@@ -201,10 +204,13 @@ def test_config_meets_the_task_budget():
 
 
 def test_smoke_unit_and_stage1_measurement(smoke, tmp_path):
-    root, rc, out, m = smoke
+    root, hf, rc, out, m = smoke
     assert rc == 0, out[-3000:]
-    assert "get_sweep(smoke=True)" in out
+    assert f"get_sweep(smoke=True, init_hf={hf!r})" in out
     workdir = root / "e004_running_sum" / "00_smoke_mis_dvp_M3"
+    # The unit started from the exported model (no warm-up), as every real unit starts.
+    config = json.loads((workdir / "config.json").read_text())
+    assert config["init_hf_path"] == hf and config["sft.steps"] == 0
     rec = e004.unit_record(str(workdir), _smoke_overrides())
     assert rec["role"] == "smoke" and rec["level"] == "M3" and rec["steps"] == 2
     assert rec["eval_responses"] == 2 * 2  # eval.num_prompts x eval.k of the smoke sizes

@@ -1,12 +1,12 @@
 """CI smoke variants of the science experiments (e001 mismatch bound, e002 methods, e003 rho).
 
-Real runs at minimal sizes: e001 `--smoke` (3 SFT steps, 16 held-out sequences, one setting) and
-one 2-step work unit of e002 and of e003 through the launcher (2 SFT steps, 4 prompts x
-2 responses, 8 eval prompts). e001 runs beside the two units, which run one after the other so
-that e003's unit loads the programs it shares with e002's (warm-up, rollouts, evaluation) from
-the session's compilation cache (subprocesses without the session's 8 fake devices); the
-assertions read their real outputs. Then the analyses run on those outputs, and e003's bias check
-runs in-process at small sizes.
+Real runs at minimal sizes: one 2-step work unit of e002 and of e003 through the launcher (2 SFT
+steps, 4 prompts x 2 responses, 8 eval prompts), then e001 `--smoke` (the units' 2-step warm-up,
+16 held-out sequences with one sampled response each, one setting). They run one after the other
+(subprocesses without the session's 8 fake devices), each later one loading the programs it
+shares with the earlier ones from the session's compilation cache; the assertions read their
+real outputs. Then the analyses run on those outputs, and e003's bias check runs in-process at
+small sizes.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ E003 = os.path.join("experiments", "e003_rho_ablation.py")
 
 @pytest.fixture(scope="module")
 def smoke_runs(tmp_path_factory):
-    """Starts e001 --smoke and one tiny unit each of e002 and e003; yields their locations."""
+    """Runs one tiny unit each of e002 and e003, then e001 --smoke; yields their locations."""
     root = tmp_path_factory.mktemp("experiments")
     module = [sys.executable, "-m"]
     jobs = {
@@ -68,24 +68,22 @@ def smoke_runs(tmp_path_factory):
             str(root),
         ],
     }
-    # Without the test session's 8 fake devices.
-    env = child_env()
-    start = lambda argv: subprocess.Popen(
-        argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    # Without the test session's 8 fake devices, one after another (CPU time is the cost, two at
+    # once only share the cores): e003's unit and e001's warm-up load the programs they share
+    # with e002's unit (the warm-up; e003 also the rollouts and evaluation) from the session's
+    # compilation cache.
     outputs = {}
-    with open(
-        tmp_path_factory.mktemp("logs") / "e001.log", "w+"
-    ) as log:  # a file: nobody reads a pipe meanwhile
-        e001 = subprocess.Popen(
-            jobs["e001"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True
+    for name in ("e002", "e003", "e001"):
+        run = subprocess.run(
+            jobs[name],
+            cwd=REPO,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=600,
         )
-        for name in ("e002", "e003"):
-            out, _ = (proc := start(jobs[name])).communicate(timeout=600)
-            outputs[name] = (proc.returncode, out)
-        e001.wait(timeout=600)
-        log.seek(0)
-        outputs["e001"] = (e001.returncode, log.read())
+        outputs[name] = (run.returncode, run.stdout)
     return root, outputs
 
 
