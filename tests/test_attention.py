@@ -44,19 +44,22 @@ def _attend(impl: str, name: str = "float32"):
     return jax.jit(lambda q, k, v, valid: full_attention(q, k, v, valid, policy))
 
 
-def _grads(fn, q, k, v, valid, cotangent):
-    """d/d(q, k, v) of sum(fn(q, k, v) * cotangent)."""
+def _forward_and_grads(fn, q, k, v, valid, cotangent):
+    """(fn(q, k, v, valid), d/d(q, k, v) of sum(fn(q, k, v) * cotangent)), one program."""
 
     def loss(q, k, v):
-        return jnp.sum(fn(q, k, v, valid).astype(F32) * cotangent)
+        out = fn(q, k, v, valid)
+        return jnp.sum(out.astype(F32) * cotangent), out
 
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return out, grads
 
 
-def _grads_on_valid_queries(fn, q, k, v, valid, seed: int = 1):
-    """d/d(q, k, v) of a random loss read on valid queries only (as the trainer's loss is)."""
+def _on_valid_queries(fn, q, k, v, valid, seed: int = 1):
+    """`_forward_and_grads` of a random loss read on valid queries only (as the trainer's loss
+    is)."""
     cotangent = jnp.asarray(np.random.default_rng(seed).normal(size=q.shape), F32)
-    return _grads(fn, q, k, v, valid, cotangent * valid[:, :, None, None])
+    return _forward_and_grads(fn, q, k, v, valid, cotangent * valid[:, :, None, None])
 
 
 def _assert_grads_match(ga_all, gb_all, name: str):
@@ -172,20 +175,16 @@ def test_dot_product_equals_explicit_forward_and_gradients(name, atol):
     q, k, v = _qkv(16, policy.compute_dtype)
     valid = _valid(16, KINDS)
     explicit, fused = _attend("xla", name), _attend("dot_product", name)
-    a, b = explicit(q, k, v, valid), fused(q, k, v, valid)
+    cotangent = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), F32)
+    a, grads_a = _forward_and_grads(explicit, q, k, v, valid, cotangent)
+    b, grads_b = _forward_and_grads(fused, q, k, v, valid, cotangent)
     assert a.dtype == b.dtype == policy.compute_dtype
     assert np.isfinite(np.asarray(b, F32)).all()
     # Every row, padding rows included: a query with no visible key (left padding, the
     # all-padding row) gets the same uniform softmax over all keys in both.
     print(f"{name}: dot_product vs explicit max |d out| = {_max_diff(a, b):.3e}")
     np.testing.assert_allclose(np.asarray(a, F32), np.asarray(b, F32), atol=atol, rtol=0)
-    cotangent = jnp.asarray(np.random.default_rng(1).normal(size=a.shape), F32)
-    for ga, gb, what in zip(
-        _grads(explicit, q, k, v, valid, cotangent),
-        _grads(fused, q, k, v, valid, cotangent),
-        "qkv",
-        strict=True,
-    ):
+    for ga, gb, what in zip(grads_a, grads_b, "qkv", strict=True):
         print(f"{name}: d{what} max diff = {_max_diff(ga, gb):.3e}")
         scale = float(jnp.abs(ga.astype(F32)).max())
         np.testing.assert_allclose(
@@ -201,27 +200,25 @@ def test_cudnn_mask_semantics_equal_explicit_on_right_padding_and_nan_on_left():
     valid = _valid(16, KINDS)
     cudnn_on_xla = jax.jit(functools.partial(kernels.cudnn_attention, implementation="xla"))
     explicit = _attend("xla")
-    a, c = explicit(q, k, v, valid), cudnn_on_xla(q, k, v, valid)
     right = np.array([True, True, False, False])
+    cotangent = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), F32)
+    cotangent = cotangent * right[:, None, None, None]
+    a, explicit_grads = _forward_and_grads(explicit, q, k, v, valid, cotangent)
+    c = cudnn_on_xla(q, k, v, valid)
     np.testing.assert_allclose(a[right], c[right], atol=1e-6, rtol=0)
     assert np.isfinite(np.asarray(c[3])).all()  # all padding: finite (and unused)
     assert np.isnan(np.asarray(c[2])).all()  # left padding cannot be given as lengths
-    cotangent = jnp.asarray(np.random.default_rng(1).normal(size=a.shape), F32)
-    cotangent = cotangent * right[:, None, None, None]
-    for ga, gc in zip(
-        _grads(explicit, q, k, v, valid, cotangent),
-        _grads(
-            lambda q, k, v, valid: jnp.where(
-                right[:, None, None, None], cudnn_on_xla(q, k, v, valid), 0.0
-            ),
-            q,
-            k,
-            v,
-            valid,
-            cotangent,
+    _, cudnn_grads = _forward_and_grads(
+        lambda q, k, v, valid: jnp.where(
+            right[:, None, None, None], cudnn_on_xla(q, k, v, valid), 0.0
         ),
-        strict=True,
-    ):
+        q,
+        k,
+        v,
+        valid,
+        cotangent,
+    )
+    for ga, gc in zip(explicit_grads, cudnn_grads, strict=True):
         np.testing.assert_allclose(ga[right], gc[right], atol=1e-6, rtol=0)
 
 
@@ -238,7 +235,7 @@ def splash_one():
     valid = _valid(SPLASH_T, SPLASH_KINDS)
     one = functools.partial(kernels.splash_attention, block=128, interpret=True)
     inputs = (q, k, v, valid)
-    return inputs, jax.jit(one)(*inputs), _grads_on_valid_queries(one, *inputs)
+    return inputs, *_on_valid_queries(one, *inputs)
 
 
 def test_splash_kernel_in_the_interpreter_equals_explicit(splash_one):
@@ -247,12 +244,12 @@ def test_splash_kernel_in_the_interpreter_equals_explicit(splash_one):
     1e-5 (blockwise online softmax: another summation order); finite on padding queries."""
     (q, k, v, valid), s, splash_grads = splash_one
     explicit = _attend("xla")
-    a = explicit(q, k, v, valid)
+    a, explicit_grads = _on_valid_queries(explicit, q, k, v, valid)
     assert np.isfinite(np.asarray(s)).all()
     print(f"splash (interpreted) vs explicit max |d out| = {_max_diff(a, s, valid):.3e}")
     np.testing.assert_allclose(a[valid], s[valid], atol=1e-5, rtol=0)
     # The loss reads valid queries only (as the trainer's does).
-    _assert_grads_match(_grads_on_valid_queries(explicit, q, k, v, valid), splash_grads, "splash")
+    _assert_grads_match(explicit_grads, splash_grads, "splash")
 
 
 def test_blockwise_attention_equals_explicit():
@@ -273,18 +270,13 @@ def test_blockwise_attention_equals_explicit():
             q, k, v, valid, jax.lax.Precision.HIGHEST, 64
         )
     )
-    explicit = _attend("xla")
-    a = explicit(q, k, v, valid)
-    for fn in (blockwise, small):
-        b = fn(q, k, v, valid)
+    a, explicit_grads = _on_valid_queries(_attend("xla"), q, k, v, valid)
+    small_out, small_grads = _on_valid_queries(small, q, k, v, valid)
+    for b in (blockwise(q, k, v, valid), small_out):
         assert np.isfinite(np.asarray(b)).all()
         print(f"blockwise vs explicit max |d out| = {_max_diff(a, b, valid):.3e}")
         np.testing.assert_allclose(a[valid], b[valid], atol=1e-5, rtol=0)
-    _assert_grads_match(
-        _grads_on_valid_queries(explicit, q, k, v, valid),
-        _grads_on_valid_queries(small, q, k, v, valid),
-        "blockwise",
-    )
+    _assert_grads_match(explicit_grads, small_grads, "blockwise")
 
 
 def test_blockwise_attention_holds_no_t_by_t_array():
@@ -347,12 +339,10 @@ def test_splash_per_shard_on_a_mesh_equals_one_kernel(splash_one, tensor):
     sharded = functools.partial(
         kernels.splash_attention, block=128, interpret=True, sharder=sharder
     )
-    s = jax.jit(sharded)(q, k, v, valid)
+    s, sharded_grads = _on_valid_queries(sharded, q, k, v, valid)
     # The same kernel on the same rows and heads: only XLA's handling of the shards differs.
     np.testing.assert_allclose(a, s, atol=1e-6, rtol=0)
-    _assert_grads_match(
-        one_grads, _grads_on_valid_queries(sharded, q, k, v, valid), "splash per shard"
-    )
+    _assert_grads_match(one_grads, sharded_grads, "splash per shard")
 
 
 def test_splash_block_defaults_to_the_largest_tile_that_divides_t():

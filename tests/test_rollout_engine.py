@@ -536,10 +536,11 @@ def test_length_buckets_equal_the_whole_cache_and_the_decode_loop_stops_where_a_
 
     # Where the loop stops (its 2-step dispatches attend over the whole cache, as above).
     m = config.max_decode_length
-    keys = _raw_keys(4, 2)
+    keys = _raw_keys(4, len(PROMPTS))
 
     def two_slots():
-        prefix = engine.prefill_batch(engine.params, PROMPTS[:2], keys)
+        # All prompts prefilled (the rollouts' prefill and insert programs), two inserted.
+        prefix = engine.prefill_batch(engine.params, PROMPTS, keys)
         state = engine.insert_batch(prefix, engine.init_decode_state(), [0], [0], [0])
         state = engine.generate_steps(engine.params, state, 2)
         return engine.insert_batch(prefix, state, [1], [1], [0])

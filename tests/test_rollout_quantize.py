@@ -165,7 +165,10 @@ def test_mismatch_ladder_is_ordered_on_the_tiny_model(trainer):
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (4, 20)), jnp.int32)
     prompt, t = 4, tokens.shape[1]
     positions = jnp.broadcast_to(jnp.arange(t), tokens.shape)
-    log_pi = np.asarray(jax.nn.log_softmax(trainer(tokens, positions)[:, prompt - 1 : -1]))
+    # The trainer's full forward as one program (op-by-op dispatch compiles every op).
+    trainer_def, trainer_params = nnx.split(trainer)
+    forward = jax.jit(lambda params: nnx.merge(trainer_def, params)(tokens, positions))
+    log_pi = np.asarray(jax.nn.log_softmax(forward(trainer_params)[:, prompt - 1 : -1]))
     kl, max_diff, compiled = [], [], {}
     for name in LADDER:
         graphdef, params, _, _ = _rollout_params(cfg, DTypePolicy.named(name), trainer)
@@ -179,9 +182,11 @@ def test_mismatch_ladder_is_ordered_on_the_tiny_model(trainer):
         log_mu, lp = log_mu.astype(np.float64), log_pi.astype(np.float64)
         kl.append(float(np.mean(np.sum(np.exp(log_mu) * (log_mu - lp), axis=-1))))
         max_diff.append(float(np.abs(log_mu - lp).max()))
-    # Measured (init_std 0.1): KL 1e-11 / 1.5e-3 / 4.1e-3 / 3.7e-2 and max |d log p| 4e-6 / 0.2 /
-    # 0.4 / 1.3; each rung is required to be at least 1.5x the one below.
-    assert kl[0] < 1e-8 and max_diff[0] < 1e-4, (kl, max_diff)  # M0: no mismatch
+    # Measured (init_std 0.1): KL 1e-8 / 1.3e-4 / 1.1e-3 / 7.8e-3 and max |d log p| 1.4e-6 / 0.12 /
+    # 0.20 / 0.63; each rung is required to be at least 1.5x the one below. M0 compares two float32
+    # programs (decode loop vs full forward): their rounding gives a first-order KL of ~1e-8 (each
+    # log-softmax is normalised only to float32), so M0's bound sits 100x under M1's.
+    assert kl[0] < 1e-6 and max_diff[0] < 1e-4, (kl, max_diff)  # M0: no mismatch
     for lower, upper in zip(kl[:-1], kl[1:], strict=True):
         assert upper > 1.5 * lower, kl
     for lower, upper in zip(max_diff[:-1], max_diff[1:], strict=True):

@@ -146,15 +146,16 @@ def test_the_two_level_draw_follows_the_weights_across_vocabulary_chunks():
     w[support] = [1.0, 0.5, 0.25, 2.0, 0.1, 0.7, 1.2, 0.05]
     n = 20_000
     u = jax.random.uniform(jax.random.key(3), (n, 2))
-    tokens = np.asarray(jax.jit(sampling.inverse_cdf_draw)(jnp.broadcast_to(w, (n, v)), u))
+    # Rows n, n + 1: uniforms at the top of [0, 1); row n + 2: zeros (one compiled draw).
+    top = jnp.full((2, 2), np.nextafter(np.float32(1), np.float32(0)))
+    u = jnp.concatenate([u, top, jnp.zeros((1, 2))])
+    drawn = np.asarray(jax.jit(sampling.inverse_cdf_draw)(jnp.broadcast_to(w, (n + 3, v)), u))
+    tokens, edge, zero = drawn[:n], drawn[n : n + 2], drawn[n + 2 :]
     counts = np.bincount(tokens, minlength=v)
     assert counts[w == 0].sum() == 0
     p = w[support].astype(np.float64) / w[support].astype(np.float64).sum()
     assert stats.chisquare(counts[support], n * p).pvalue > 1e-3
-    top = jnp.full((2, 2), np.nextafter(np.float32(1), np.float32(0)))
-    edge = sampling.inverse_cdf_draw(jnp.asarray(np.stack([w, w])), top)
-    assert list(np.asarray(edge)) == [2499, 2499]  # the last positive entry
-    zero = sampling.inverse_cdf_draw(jnp.asarray(w[None]), jnp.zeros((1, 2)))
+    assert list(edge) == [2499, 2499]  # the last positive entry
     assert int(zero[0]) == 0
 
 
@@ -308,10 +309,11 @@ def test_tail_noise_leaves_the_head_and_perturbs_the_tail():
         z[mid], ((np.asarray(logits, np.float64) + 3.0 * ramp * n) / 1.3)[mid], atol=1e-5
     )
     # The argmax token's log mu moves only by the renormalisation over the perturbed tail.
-    _, st = _sample(_keys(9, 2), logits, params.replace(greedy=jnp.asarray(True)), context)
-    _, st_clean = _sample(
-        _keys(9, 2), logits, params.replace(greedy=jnp.asarray(True), noise_std=jnp.asarray(0.0))
-    )
+    # (The default 512 rows: the noisy draw is the program the next test compiles.)
+    logits, params, context = _tail_case()
+    greedy = params.replace(greedy=jnp.asarray(True))
+    _, st = _sample(_keys(9, 512), logits, greedy, context)
+    _, st_clean = _sample(_keys(9, 512), logits, greedy.replace(noise_std=jnp.asarray(0.0)))
     assert abs(float(st.logp_full[0] - st_clean.logp_full[0])) < 0.05
 
 

@@ -128,7 +128,9 @@ def test_from_rollouts_aligns_behaviour_stats_with_targets():
 
 def _dense_tail_reference(model, batch, log_rho):
     """float64 NumPy tail metrics from the model's dense logits (docs/design.md, Diagnostics)."""
-    logits = model(jnp.asarray(batch.tokens), jnp.asarray(batch.positions), batch.valid)
+    # One compiled forward (an eager one compiles and dispatches each operation on its own).
+    forward = nnx.jit(lambda model, *args: model(*args))
+    logits = forward(model, jnp.asarray(batch.tokens), jnp.asarray(batch.positions), batch.valid)
     z = np.asarray(logits, np.float64)[:, :-1]  # predicts tokens[:, 1:]
     y = batch.tokens[:, 1:]
     log_p = z - z.max(-1, keepdims=True)
