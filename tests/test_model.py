@@ -19,6 +19,7 @@ from dvp_jax.model import (
     ModelConfig,
 )
 from dvp_jax.model.attention import KVCache, cache_storage, to_storage
+from tests import DEFAULT_CPU_CODEGEN
 from tests.helpers import padded_batch, tiny_model
 
 
@@ -235,7 +236,7 @@ def test_decode_updates_the_cache_in_place(name):
         lambda p, t, pos, c: nnx.merge(graphdef, p).decode(t, pos, c), donate_argnums=(3,)
     )
     zeros = jax.ShapeDtypeStruct((b,), jnp.int32)
-    compiled = step.lower(params, zeros, zeros, cache).compile()
+    compiled = step.lower(params, zeros, zeros, cache).compile(DEFAULT_CPU_CODEGEN)
     scratch = compiled.memory_analysis().temp_size_in_bytes
     cache_bytes = cache.k.size * cache.k.dtype.itemsize
     assert scratch < cache_bytes, (scratch, cache_bytes)
@@ -268,7 +269,7 @@ def test_decode_reads_the_live_cache_in_its_stored_layout(name):
         lambda p, t, pos, c: nnx.merge(graphdef, p).decode(t, pos, c, kv_len), donate_argnums=(3,)
     )
     zeros = jax.ShapeDtypeStruct((b,), jnp.int32)
-    hlo = step.lower(params, zeros, zeros, cache).compile().as_text()
+    hlo = step.lower(params, zeros, zeros, cache).compile(DEFAULT_CPU_CODEGEN).as_text()
     live = b * kv_len * model.cfg.n_kv_heads * model.cfg.head_dim
     assert _relayouts(hlo, live) == []
 

@@ -25,6 +25,7 @@ from dvp_jax.rollout.engine import EngineConfig, Prefix, RolloutEngine
 from dvp_jax.rollout.jetstream import JetStreamEngine
 from dvp_jax.rollout.offline import STEPS_PER_SYNC, RolloutBatch, generate_rollouts
 from dvp_jax.sharding import TRAIN_RULES, MeshConfig, Sharder, init_sharded, make_mesh
+from tests import DEFAULT_CPU_CODEGEN
 
 LOG_RHO = -3.0
 CFG = ModelConfig.preset("tiny", init_std=0.5)
@@ -559,19 +560,21 @@ def test_length_buckets_equal_the_whole_cache_and_the_decode_loop_stops_where_a_
     )
 
 
-def test_the_decode_loop_updates_the_cache_in_place(bf16, batch):
+def test_the_decode_loop_updates_the_cache_in_place(bf16):
     """The compiled k-step decode loop of the bf16 engine never passes over a whole cache
     array (no copy, no float32 convert of the bf16 cache around a scatter; the state carries
     the cache's bits): only parameters, loop plumbing and in-place scatters have its shape.
-    The loop is the one `batch`'s rollouts ran (k = `STEPS_PER_SYNC`, the whole cache, the
-    flag as `generate_steps` passes it), so this compile is a hit in the persistent cache."""
+    The loop is the one rollouts run (k = `STEPS_PER_SYNC`, the whole cache, the flag as
+    `generate_steps` passes it), compiled as a user's process compiles it
+    (`DEFAULT_CPU_CODEGEN`)."""
     from tests.test_model import _cache_passes
 
     state = bf16.init_decode_state()
     assert state.cache.k.dtype == jnp.uint16
     flag = np.bool_(True)
     hlo = bf16.programs.loop.lower(bf16.params, state, STEPS_PER_SYNC, ENGINE.cache_length, flag)
-    assert _cache_passes(hlo.compile().as_text(), state.cache.k.shape) == []
+    hlo = hlo.compile(DEFAULT_CPU_CODEGEN).as_text()
+    assert _cache_passes(hlo, state.cache.k.shape) == []
 
 
 def test_bad_input_gets_clear_errors_and_the_engine_keeps_working(bf16):
