@@ -5,9 +5,9 @@ real TPU compiler (libtpu, installed by `make install`) compiles them for a v5p 
 devices (one host) or 8 (two hosts). The configs are small; what they cover is what decides
 whether a program compiles on a pod: every trainer policy, every attention kernel `auto` picks
 on TPU (splash for 16-bit compute with T and h multiples of 128, the explicit path otherwise),
-every rollout precision, tensor parallelism 1 and 2, and meshes with fsdp > 1. Each config is
-compiled once (its checks share the compile); `python -m dvp_jax.aot` runs in one subprocess, on
-the tiny config on two hosts.
+every rollout precision, tensor parallelism 1 and 2, and meshes with fsdp > 1. Each program is
+compiled once (a test's checks share its compiles); `python -m dvp_jax.aot` runs in one
+subprocess, on the tiny config on two hosts.
 """
 
 from __future__ import annotations
@@ -113,11 +113,12 @@ def test_float32_on_an_fsdp_mesh_compiles_without_a_kernel_and_decode_does_not_c
     """float32 trainer (explicit attention: no Mosaic kernel) on a (1, 4, 1) mesh, a bf16
     engine with 8 slots x 512 positions at tensor parallel 1 on the first device. The update
     and the weight sync come from the config at T = 256, the engine's programs from the same
-    config at T = 512 (the update's cost grows with T, and nothing checked here needs it
-    longer). The decode loop's temporaries stay far below its KV cache: with the cache laid
-    out heads first on TPU the compiler copied k and v in and out of the loop (temporaries =
-    0.95 of the decode state), which is what ran the paper config's decode out of HBM;
-    positions first (TPU's layout, `attention.cache_layout`) leaves ~0.35."""
+    config at T = 512 (compiling the float32 update takes 14 s at T = 256 and 21 s at 512 on a
+    2-core host, and nothing checked here needs it longer). The decode loop's temporaries stay
+    far below its KV cache: with the cache laid out heads first on TPU the compiler copied k
+    and v in and out of the loop (temporaries = 0.95 of the decode state), which is what ran
+    the paper config's decode out of HBM; positions first (TPU's layout,
+    `attention.cache_layout`) leaves ~0.35."""
     fsdp = dict(precision="float32", mesh=(1, 4, 1), tensor_parallel=1, rollout_dtype="bfloat16")
     programs = _compile(_config(**fsdp), "v5p:2x2x1", programs=("rl_update", "weight_sync"))
     assert set(programs) == {"rl_update", "weight_sync/on_device"}
