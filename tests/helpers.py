@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -19,6 +21,13 @@ def tiny_model(seed: int = 0, policy=None, remat: bool | str = False, **override
     return Transformer(
         tiny_config(**overrides), policy or TRAIN_POLICY, rngs=nnx.Rngs(seed), remat=remat
     )
+
+
+@functools.partial(nnx.jit, static_argnames="return_hidden")
+def forward(model, tokens, positions, valid=None, return_hidden=False):
+    """The model's forward as one compiled program per model graph and shapes (an eager call
+    compiles and dispatches each operation on its own)."""
+    return model(tokens, positions, valid, return_hidden=return_hidden)
 
 
 def padded_batch(rng: np.random.Generator, vocab: int, lengths, total: int):

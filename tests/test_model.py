@@ -1,7 +1,6 @@
 """Model invariances: cached == uncached, padding-invariance, bf16 vs fp32 mismatch; the
 stacked layer layout under `nnx.scan` (one compiled block body) and its remat policies."""
 
-import functools
 import math
 import re
 
@@ -20,14 +19,7 @@ from dvp_jax.model import (
 )
 from dvp_jax.model.attention import KVCache, cache_storage, to_storage
 from tests import DEFAULT_CPU_CODEGEN
-from tests.helpers import padded_batch, tiny_model
-
-
-@functools.partial(nnx.jit, static_argnames="return_hidden")
-def _forward(model, tokens, positions, valid=None, return_hidden=False):
-    """The model's forward as one compiled program per model graph and shapes (an eager call
-    compiles and dispatches each operation on its own)."""
-    return model(tokens, positions, valid, return_hidden=return_hidden)
+from tests.helpers import forward, padded_batch, tiny_model
 
 
 def _abstract_model(**kwargs):
@@ -37,7 +29,7 @@ def _abstract_model(**kwargs):
 
 
 @pytest.mark.parametrize("tie", [True, False])
-def test_prefill_then_decode_matches_full_forward(tie):
+def test_prefill_then_decode_matches_fullforward(tie):
     # fp32: prefill + N decode steps reproduce the full-forward logits at every position to
     # <= 1e-5 (only summation order differs between the two paths).
     model = tiny_model(tie_embeddings=tie)
@@ -47,7 +39,7 @@ def test_prefill_then_decode_matches_full_forward(tie):
     tokens = jnp.asarray(rng.integers(1, 64, size=(3, total)).astype(np.int32))
     positions = jnp.broadcast_to(jnp.arange(total), (3, total))
     # [b, t, v], no padding: the continuation is real.
-    full = _forward(model, tokens, positions)
+    full = forward(model, tokens, positions)
 
     prompt = jnp.where(jnp.arange(prompt_len)[None] < lengths[:, None], tokens[:, :prompt_len], 0)
     logits, cache = jax.jit(model.prefill, static_argnums=2)(
@@ -66,19 +58,19 @@ def test_padding_never_changes_real_logits():
     model = tiny_model()
     rng = np.random.default_rng(1)
     tokens, positions, valid = padded_batch(rng, 64, [7, 4], 7)
-    padded = _forward(model, tokens, positions, valid)
+    padded = forward(model, tokens, positions, valid)
     # Right padding with different junk in the padded slots.
     junk = jnp.where(valid, tokens, 17)
-    padded_junk = _forward(model, junk, positions, valid)
+    padded_junk = forward(model, junk, positions, valid)
     np.testing.assert_allclose(padded[1, :4], padded_junk[1, :4], atol=1e-6)
     # Unpadded, alone.
-    alone = _forward(model, tokens[1:2, :4], positions[1:2, :4])
+    alone = forward(model, tokens[1:2, :4], positions[1:2, :4])
     np.testing.assert_allclose(padded[1, :4], alone[0], atol=1e-5)
     # Left padding with explicit positions gives the same logits as the unpadded row.
     left_tokens = jnp.concatenate([jnp.full((1, 3), 9), tokens[1:2, :4]], axis=1)
     left_pos = jnp.concatenate([jnp.zeros((1, 3), jnp.int32), positions[1:2, :4]], axis=1)
     left_valid = jnp.arange(7)[None] >= 3
-    left = _forward(model, left_tokens, left_pos, left_valid)
+    left = forward(model, left_tokens, left_pos, left_valid)
     np.testing.assert_allclose(left[0, 3:], alone[0], atol=1e-5)
     assert np.isfinite(np.asarray(left)).all()
 
@@ -86,11 +78,11 @@ def test_padding_never_changes_real_logits():
 def test_return_hidden_and_unembedding_give_logits():
     model = tiny_model(tie_embeddings=False)
     tokens, positions, valid = padded_batch(np.random.default_rng(2), 64, [6, 6], 6)
-    hidden = _forward(model, tokens, positions, valid, return_hidden=True)
+    hidden = forward(model, tokens, positions, valid, return_hidden=True)
     assert hidden.shape == (2, 6, model.cfg.d_model)
     w = model.unembedding()
     assert w.shape == (model.cfg.d_model, model.cfg.vocab_size)
-    np.testing.assert_allclose(hidden @ w, _forward(model, tokens, positions, valid), atol=1e-5)
+    np.testing.assert_allclose(hidden @ w, forward(model, tokens, positions, valid), atol=1e-5)
 
 
 def test_bf16_policy_runs_and_differs_by_small_measured_amount():
@@ -98,8 +90,8 @@ def test_bf16_policy_runs_and_differs_by_small_measured_amount():
     bf16 = tiny_model(seed=3, policy=ROLLOUT_POLICY)
     assert bf16.embed[...].dtype == jnp.bfloat16
     tokens, positions, valid = padded_batch(np.random.default_rng(3), 64, [16, 16], 16)
-    z = _forward(fp32, tokens, positions, valid)
-    z_bf16 = _forward(bf16, tokens, positions, valid)
+    z = forward(fp32, tokens, positions, valid)
+    z_bf16 = forward(bf16, tokens, positions, valid)
     assert z_bf16.dtype == jnp.float32  # logits are upcast
     diff = float(jnp.abs(z - z_bf16).max())
     dlogp = float(jnp.abs(jax.nn.log_softmax(z) - jax.nn.log_softmax(z_bf16)).max())
@@ -311,7 +303,7 @@ def test_mixed_policy_keeps_fp32_params_and_is_close_to_fp32():
         assert b.dtype == jnp.float32
         np.testing.assert_array_equal(a, b)  # the same fp32 master weights
     tokens, positions, valid = padded_batch(np.random.default_rng(8), 64, [16, 9], 16)
-    z, z_mixed = _forward(fp32, tokens, positions, valid), _forward(mixed, tokens, positions, valid)
+    z, z_mixed = forward(fp32, tokens, positions, valid), forward(mixed, tokens, positions, valid)
     assert z_mixed.dtype == jnp.float32
     diff = float(jnp.abs(z - z_mixed)[valid].max())
     print(f"mixed_bf16 vs float32 tiny model: max |dz| = {diff:.3e}")

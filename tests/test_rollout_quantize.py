@@ -14,6 +14,7 @@ from flax import nnx
 from dvp_jax.model import PRECISIONS, TRAIN_POLICY, DTypePolicy, ModelConfig, Transformer
 from dvp_jax.model.config import WEIGHT_QUANTS
 from dvp_jax.rollout import quantize
+from tests.helpers import forward
 
 LADDER = ("float32", "bfloat16_fp8kv", "bfloat16_fp8kv_fp8w", "bfloat16_fp8kv_int4w")
 # fp32 rounding of the product q * s and of w / s: a few ulps of the channel/group scale.
@@ -165,10 +166,7 @@ def test_mismatch_ladder_is_ordered_on_the_tiny_model(trainer):
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (4, 20)), jnp.int32)
     prompt, t = 4, tokens.shape[1]
     positions = jnp.broadcast_to(jnp.arange(t), tokens.shape)
-    # The trainer's full forward as one program (op-by-op dispatch compiles every op).
-    trainer_def, trainer_params = nnx.split(trainer)
-    forward = jax.jit(lambda params: nnx.merge(trainer_def, params)(tokens, positions))
-    log_pi = np.asarray(jax.nn.log_softmax(forward(trainer_params)[:, prompt - 1 : -1]))
+    log_pi = np.asarray(jax.nn.log_softmax(forward(trainer, tokens, positions)[:, prompt - 1 : -1]))
     kl, max_diff, compiled = [], [], {}
     for name in LADDER:
         graphdef, params, _, _ = _rollout_params(cfg, DTypePolicy.named(name), trainer)

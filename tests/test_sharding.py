@@ -15,7 +15,7 @@ from dvp_jax.sharding import (
     init_sharded,
     make_mesh,
 )
-from tests.helpers import padded_batch, tiny_config
+from tests.helpers import forward, padded_batch, tiny_config
 
 
 def test_mesh_config_shapes():
@@ -70,7 +70,6 @@ def test_sharded_init_places_params_and_forward_matches_single_device():
         return nnx.merge(graphdef, state)(tokens, positions, valid)
 
     out = fwd(state, tokens, positions, valid)
-    # One compiled forward (an eager one compiles and dispatches each operation on its own).
-    ref = nnx.jit(lambda model, *args: model(*args))(single, tokens, positions, valid)
+    ref = forward(single, tokens, positions, valid)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)
     assert len(out.sharding.device_set) == 8

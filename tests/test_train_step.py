@@ -12,7 +12,7 @@ from dvp_jax.dvp.losses import LossConfig
 from dvp_jax.sharding import Sharder
 from dvp_jax.train import step as step_lib
 from dvp_jax.train.state import init_train_state, make_optimizer, skipped_updates
-from tests.helpers import tiny_model
+from tests.helpers import forward, tiny_model
 from tests.train_utils import synthetic_batch
 
 
@@ -128,8 +128,6 @@ def test_from_rollouts_aligns_behaviour_stats_with_targets():
 
 def _dense_tail_reference(model, batch, log_rho):
     """float64 NumPy tail metrics from the model's dense logits (docs/design.md, Diagnostics)."""
-    # One compiled forward (an eager one compiles and dispatches each operation on its own).
-    forward = nnx.jit(lambda model, *args: model(*args))
     logits = forward(model, jnp.asarray(batch.tokens), jnp.asarray(batch.positions), batch.valid)
     z = np.asarray(logits, np.float64)[:, :-1]  # predicts tokens[:, 1:]
     y = batch.tokens[:, 1:]
