@@ -23,9 +23,11 @@ import re
 import sys
 from typing import Any
 
+import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from dvp_jax import length_mix
 from dvp_jax.aot_report import Program, Spec, compile_spec, failures, per_chip_bytes, table
 from dvp_jax.cli import USAGE_EXIT_CODE, fail, flag_error, parse_flags
 from dvp_jax.errors import ConfigError
@@ -273,6 +275,24 @@ def compile_config(
     return out
 
 
+def step_lengths(cfg, opts) -> tuple[np.ndarray, np.ndarray] | None:
+    """One step's (prompt lengths, response lengths), each [prompts_per_step * group_size],
+    from the length flags; None when neither --response_length_mean nor --response_lengths is
+    given (no cost at real lengths is printed)."""
+    mean, path = opts["response_length_mean"], opts["response_lengths"]
+    if mean is None and not path:
+        return None
+    n = cfg.train.prompts_per_step * cfg.train.group_size
+    responses = length_mix.response_lengths(n, cfg.rollout.max_decode_length, mean=mean, path=path)
+    prompt = opts["prompt_length"] or cfg.data.max_prompt_len
+    if not 1 <= prompt <= cfg.data.max_prompt_len:
+        raise ValueError(
+            f"--prompt_length={prompt} must be in [1, data.max_prompt_len="
+            f"{cfg.data.max_prompt_len}]"
+        )
+    return np.full((n,), prompt, np.int64), responses
+
+
 def check_architecture_source(config) -> None:
     """Where `model.hf_path` is not a local directory here, `model.preset` must say the
     architecture (compiling "tiny" for someone's 14B checkpoint would report nothing useful)."""
@@ -360,6 +380,24 @@ def _define_flags() -> None:
         "hbm_fraction", 0.9, "A program fits when its peak is at most this fraction of HBM."
     )
     f["json_out"] = flags.DEFINE_string("json_out", "", "Also write the JSON line to this file.")
+    f["response_length_mean"] = flags.DEFINE_float(
+        "response_length_mean",
+        None,
+        "Price a step at real lengths: responses of this mean length, long-tailed "
+        "(`dvp_jax.length_mix`).",
+    )
+    f["response_lengths"] = flags.DEFINE_string(
+        "response_lengths",
+        "",
+        "Price a step at real lengths: a text file of response lengths (ints), in order, "
+        "repeated to fill the step.",
+    )
+    f["prompt_length"] = flags.DEFINE_integer(
+        "prompt_length",
+        None,
+        "With --response_length_mean / --response_lengths: every prompt's length in tokens "
+        "(default data.max_prompt_len).",
+    )
     f["verbose"] = flags.DEFINE_bool("verbose", False, "Tracebacks for every error.")
     flags.mark_flags_as_required(["config", "topology"])
 
