@@ -8,11 +8,18 @@ counted), compile_s, peak memory (the allocator's peak, else argument + output +
 donated: `peak_memory_source`) and temp_gib.
 
   python benchmarks/train_step.py [--quick]        # CPU: "d128" and "50m"
+  python benchmarks/train_step.py --packing [--quick]   # packed vs padded rows, long tail
   python benchmarks/train_step.py --preset d256 --compile-layers 2,24   # compile vs depth
   python benchmarks/train_step.py --preset qwen3_0_6b --policy mixed_bf16 --batch 8 --seq 4096 --remat save_dots_no_batch
 
 The last is the GPU target (remat is needed unless attention is fused). `--preset`: a size
 in SIZES ("d128", "d256", "50m") or a `ModelConfig` preset; `--layers` overrides the depth.
+
+`--packing` times the update as the trainer runs it (`packing.pack` rows, `rl_update` with its
+micro-batches) on one long-tailed mix of response lengths (`length_mix`: most short, a few at
+`--max_response`), laid out twice: padded (one sequence per row) and packed (several per row,
+empty micro-batches skipped), and prints the real tokens (prompt + response) per second of each
+and their ratio, measured alternately in one process.
 """  # noqa: E501 (the GPU command is one line)
 
 from __future__ import annotations
@@ -28,11 +35,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dvp_jax import length_mix
 from dvp_jax.cli import BACKENDS, require_backend
 from dvp_jax.dvp.losses import LossConfig
 from dvp_jax.model import ModelConfig, Transformer
 from dvp_jax.model.config import PRESETS, REMAT_POLICIES, TRAIN_PRECISIONS, DTypePolicy
+from dvp_jax.rollout.offline import RolloutBatch
 from dvp_jax.sharding import Sharder, count_params
+from dvp_jax.train import packing
 from dvp_jax.train import step as step_lib
 from dvp_jax.train.batch import RLBatch
 from dvp_jax.train.state import init_train_state, make_optimizer
@@ -169,7 +179,7 @@ def _batch(cfg: ModelConfig, rows: int, length: int) -> RLBatch:
     return RLBatch(
         tokens=jax.random.randint(k_tokens, (rows, length), 3, cfg.vocab_size, jnp.int32),
         positions=jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (rows, length)),
-        valid=jnp.ones((rows, length), bool),
+        segment_ids=jnp.ones((rows, length), jnp.int32),
         response_mask=response,
         behaviour_logp=logp,
         behaviour_logp_full=logp,
@@ -266,6 +276,113 @@ def compile_seconds(cfg: ModelConfig, rows: int, length: int, policy: str, remat
     return _compile(fn, state, batch)[1]
 
 
+def _long_tail_rollouts(vocab: int, n: int, prompt: int, max_response: int, mean: float):
+    """`n` random rollouts of `prompt` prompt tokens and long-tailed response lengths of mean
+    `mean` (`length_mix.lengths_from_mean`, capped at `max_response`)."""
+    rng = np.random.default_rng(0)
+    lengths = length_mix.lengths_from_mean(mean, n, max_response)
+    t = prompt + max_response
+    cols = np.arange(t)[None, :]
+    prompt_mask = np.broadcast_to(cols < prompt, (n, t))
+    response_mask = ~prompt_mask & (cols < prompt + lengths[:, None])
+    logp = np.where(response_mask, -rng.uniform(0.5, 4.0, (n, t)), 0.0).astype(np.float32)
+    zeros = np.zeros((n,), np.int32)
+    return RolloutBatch(
+        tokens=rng.integers(3, vocab, (n, t)).astype(np.int32),
+        prompt_mask=prompt_mask,
+        response_mask=response_mask,
+        behaviour_logp=logp,
+        behaviour_logp_full=logp,
+        behaviour_pruned_mass=np.zeros((n, t), np.float32),
+        behaviour_safe_size=np.full((n, t), vocab, np.int32),
+        prompt_index=zeros,
+        group_index=zeros,
+        prompt_lengths=np.full((n,), prompt, np.int32),
+        response_lengths=lengths.astype(np.int32),
+        finished=np.ones((n,), bool),
+    )
+
+
+def measure_packing(
+    cfg: ModelConfig,
+    sequences: int,
+    prompt: int,
+    max_response: int,
+    mean: float,
+    micro_batches: int,
+    repeats: int,
+    policy: str,
+    remat: str,
+) -> dict:
+    """Real tokens/s of the update on packed rows and on padded rows (one sequence per row), the
+    same sequences, timed alternately (module docstring)."""
+    rollouts = _long_tail_rollouts(cfg.vocab_size, sequences, prompt, max_response, mean)
+    advantages = np.random.default_rng(1).normal(size=sequences).astype(np.float32)
+    real = int(rollouts.prompt_lengths.sum() + rollouts.response_lengths.sum())
+    policy_ = DTypePolicy.named(policy).for_platform(jax.default_backend())
+    model = Transformer(cfg, policy_, rngs=nnx.Rngs(0), remat=remat)
+    optimizer = make_optimizer(1e-4, 0, 0.0, 1.0)
+    graphdef, state, state_sh = init_train_state(model, optimizer, 0, Sharder())
+    del model
+    runs = {}
+    for name, packed in (("padded", False), ("packed", True)):
+        layout = packing.make_layout(
+            sequences=sequences,
+            longest=prompt + max_response,
+            row_length=0,
+            micro_batches=micro_batches,
+            packed=packed,
+        )
+        batch = jax.tree.map(jnp.asarray, packing.pack(rollouts, advantages, layout))
+        fn = step_lib.jit_step(
+            functools.partial(
+                step_lib.rl_update,
+                graphdef=graphdef,
+                optimizer=optimizer,
+                loss_cfg=LossConfig.preset("mis_dvp"),
+                chunk_size=min(8192, cfg.vocab_size),
+                micro_batches=layout.micro_batches,
+                sequences_per_row=layout.sequences_per_row if packed else None,
+            ),
+            state_sh,
+            None,
+            Sharder(),
+        )
+        compiled, compile_s = _compile(fn, state, batch)
+        filled = int((batch.segment_ids > 0).any(axis=1).sum())
+        split = packing.micro_batch_split(batch.response_mask, layout.micro_batches)
+        active = int(split.any(axis=(1, 2)).sum())
+        runs[name] = dict(compiled=compiled, batch=batch, times=[], compile_s=compile_s)
+        runs[name]["info"] = dict(rows=layout.rows, rows_filled=filled, micro_batches_run=active)
+    holder = {"state": state}
+
+    def step(run):
+        holder["state"], metrics = run["compiled"](holder["state"], run["batch"])
+        return metrics["loss"]
+
+    for run in runs.values():
+        jax.block_until_ready(step(run))  # warm-up
+    for _ in range(repeats):  # alternately, so both see the same machine load
+        for run in runs.values():
+            t = time.perf_counter()
+            jax.block_until_ready(step(run))
+            run["times"].append(time.perf_counter() - t)
+    out = {
+        "sequences": sequences,
+        "row_length": prompt + max_response,
+        "real_tokens": real,
+        "mean_response": float(rollouts.response_lengths.mean()),
+        "max_response": int(rollouts.response_lengths.max()),
+    }
+    for name, run in runs.items():
+        seconds = float(np.median(run["times"]))
+        out |= {f"{name}_{k}": v for k, v in run["info"].items()}
+        out |= {f"{name}_step_s": seconds, f"{name}_tok_s": real / seconds}
+        out[f"{name}_compile_s"] = run["compile_s"]
+    out["packed_over_padded_tok_s"] = out["packed_tok_s"] / out["padded_tok_s"]
+    return out
+
+
 def _round(result: dict) -> dict:
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}
 
@@ -300,6 +417,16 @@ def main(argv=None):
     parser.add_argument(
         "--backend", choices=BACKENDS, default=None, help="refuse to run on another backend"
     )
+    parser.add_argument(
+        "--packing",
+        action="store_true",
+        help="packed vs padded rows on a long-tailed length mix (default preset d256)",
+    )
+    parser.add_argument("--sequences", type=int, default=32, help="--packing: responses")
+    parser.add_argument("--prompt", type=int, default=16, help="--packing: prompt tokens")
+    parser.add_argument("--max_response", type=int, default=240, help="--packing: the cap")
+    parser.add_argument("--mean_response", type=float, default=40.0, help="--packing: mean")
+    parser.add_argument("--micro_batches", type=int, default=4, help="--packing: per update")
     args = parser.parse_args(argv)
     require_backend(args.backend)
     repeats = 3 if args.quick else 5
@@ -314,6 +441,23 @@ def main(argv=None):
         "remat": args.remat,
     }
     compute_dtype = DTypePolicy.named(args.policy).compute_dtype
+    if args.packing:
+        name = args.preset or "d256"
+        cfg = model_config(name, args.layers)
+        result |= {"preset": name, "n_layers": cfg.n_layers, "d_model": cfg.d_model}
+        result |= measure_packing(
+            cfg,
+            args.sequences,
+            args.prompt,
+            args.max_response,
+            args.mean_response,
+            args.micro_batches,
+            3 if args.quick else repeats,
+            args.policy,
+            args.remat,
+        )
+        print(json.dumps(_round(result)))
+        return
     peak = None
     if args.compile_layers:
         pass  # nothing runs: no MFU, no peak

@@ -36,6 +36,9 @@ from dvp_jax.model.config import PRESETS as MODEL_PRESETS
 # Usable HBM per JAX device in GiB, as the TPU compiler reports it ("exceeds available HBM")
 # for libtpu 0.0.42.1. A v4 chip is two devices (16 GiB each); v5p, v5e, v6e one per chip.
 CHIP_HBM_GIB = {"v4": 15.25, "v5e": 15.75, "v5p": 95.74, "v6e": 31.25}
+# Dense bf16 matmul peak per JAX device, FLOP/s (Cloud TPU system-architecture pages: v5p 459,
+# v5e 197, v6e 918 TFLOP/s per chip; v4 275 per chip, two devices).
+CHIP_BF16_FLOPS = {"v4": 137.5e12, "v5e": 197e12, "v5p": 459e12, "v6e": 918e12}
 
 # The command line's flags, defined when the module runs as a program (`_define_flags`): the
 # library functions here are imported by tests next to other absl programs' flags.
@@ -81,77 +84,58 @@ def _structs(tree, shardings):
 
 
 def train_specs(cfg, devices) -> tuple[list[Spec], dict[str, Any]]:
-    """The trainer's programs on all of `devices`, and what they share with the engine."""
+    """The trainer's programs on all of `devices` (`programs.trainer_programs`, as a run builds
+    them), and what they share with the engine."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from dvp_jax.model import Transformer
     from dvp_jax.sharding import TRAIN_RULES, Sharder, make_mesh
     from dvp_jax.train import batch as batch_lib
     from dvp_jax.train import sft as sft_lib
     from dvp_jax.train import step as step_lib
-    from dvp_jax.train.builders import train_policy
-    from dvp_jax.train.state import abstract_train_state, make_optimizer
+    from dvp_jax.train.builders import model_factory
+    from dvp_jax.train.programs import train_optimizer, trainer_programs
+    from dvp_jax.train.state import abstract_train_state
 
     try:
         mesh = make_mesh(cfg.mesh, devices)
     except ValueError as e:
         raise ValueError(f"config.mesh on {len(devices)} devices: {e}") from e
     sharder = Sharder(mesh, TRAIN_RULES)
-    t = cfg.train
-    abstract_model = nnx.eval_shape(
-        lambda: Transformer(
-            cfg.model, train_policy(cfg, sharder.platform), sharder, rngs=nnx.Rngs(0), remat=t.remat
-        )
-    )
-    optimizer = make_optimizer(t.learning_rate, t.warmup_steps, t.weight_decay, t.grad_clip)
+    abstract_model = nnx.eval_shape(model_factory(cfg, sharder))
+    optimizer = train_optimizer(cfg.train)
     reference = cfg.loss.kl_reference_dtype if cfg.loss.uses_reference else None
     graphdef, state, state_sh = abstract_train_state(abstract_model, optimizer, sharder, reference)
-    rows = t.prompts_per_step * t.group_size // t.updates_per_batch
-    length = cfg.data.max_prompt_len + cfg.rollout.max_decode_length
+    hosts = len({d.process_index for d in devices})
+    programs = trainer_programs(cfg, sharder, graphdef, optimizer, state_sh, hosts)
+    layout, batch = programs.layout, programs.batch
 
-    def rl_batch(n):  # the trainer's batch shapes (`batch.abstract_batch`), sharded
-        batch = batch_lib.abstract_batch(n, length, cfg.loss.uses_reference)
-        return _structs(batch, batch_lib.batch_shardings(batch, sharder))
-
-    def update_spec(name, n, micro_batches):
-        batch = rl_batch(n)
-        fn = step_lib.jit_rl_update(
-            graphdef=graphdef,
-            optimizer=optimizer,
-            loss_cfg=cfg.loss,
-            chunk_size=t.chunk_size,
-            micro_batches=micro_batches,
-            state_shardings=state_sh,
-            batch_shardings=jax.tree.map(lambda x: x.sharding, batch),
-            sharder=sharder,
-        )
-        return Spec(name, fn, (state, batch), chips=mesh.size)
-
-    specs = [update_spec("rl_update", rows, t.micro_batches)]
+    specs = [Spec("rl_update", programs.update, (state, batch), chips=mesh.size)]
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    if (rows // t.micro_batches) % shards:
+    per_micro = layout.rows * hosts // layout.micro_batches
+    if per_micro % shards:
         specs[0].warning = (
-            f"a micro-batch of {rows // t.micro_batches} rows does not split over the "
-            f"{shards} data x fsdp shards: every chip holds all of its rows (set "
-            "config.train.micro_batches so that rows / micro_batches is a multiple)"
+            f"a micro-batch of {per_micro} rows does not split over the {shards} data x fsdp "
+            "shards: every chip holds all of its rows (set config.train.micro_batches so that "
+            "the update's rows / micro_batches is a multiple)"
         )
-    if t.micro_batches > 1:
-        specs.append(update_spec("rl_update/one_micro_batch", rows // t.micro_batches, 1))
-    if cfg.sft.steps > 0:
-        sft_opt = make_optimizer(cfg.sft.learning_rate, cfg.sft.warmup_steps, 0.0, 1.0)
-        _, sft_state, sft_sh = abstract_train_state(abstract_model, sft_opt, sharder)
-        n = cfg.sft.batch_size
+    if programs.logprobs is not None:
+        inputs = step_lib.logprob_inputs(batch)
+        specs.append(Spec("logprobs", programs.logprobs, (state.params, inputs), chips=mesh.size))
+    if programs.sft_step is not None:
+        _, sft_state, _ = abstract_train_state(
+            abstract_model, sft_lib.sft_optimizer(cfg.sft), sharder
+        )
+        n, length = cfg.sft.batch_size, cfg.sequence_length
         host = (
             jax.ShapeDtypeStruct((n, length), jnp.int32),
             jax.ShapeDtypeStruct((n, length), jnp.bool_),
             jax.ShapeDtypeStruct((n,), jnp.int32),
         )
         sft_batch = _structs(host, batch_lib.batch_shardings(host, sharder))
-        fn = sft_lib.jit_sft_step(graphdef, sft_opt, t.chunk_size, sharder)
-        specs.append(Spec("sft_step", fn, (sft_state, sft_batch), chips=mesh.size))
-    shared = {"state": state, "params": state.params, "mesh": mesh}
+        specs.append(Spec("sft_step", programs.sft_step, (sft_state, sft_batch), chips=mesh.size))
+    shared = {"state": state, "params": state.params, "mesh": mesh, "programs": programs}
     return specs, shared
 
 
@@ -275,22 +259,91 @@ def compile_config(
     return out
 
 
-def step_lengths(cfg, opts) -> tuple[np.ndarray, np.ndarray] | None:
-    """One step's (prompt lengths, response lengths), each [prompts_per_step * group_size],
-    from the length flags; None when neither --response_length_mean nor --response_lengths is
-    given (no cost at real lengths is printed)."""
-    mean, path = opts["response_length_mean"], opts["response_lengths"]
-    if mean is None and not path:
-        return None
+def length_mixes(cfg, opts) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """Each step the length flags describe, as (name, prompt lengths, response lengths), each
+    [prompts_per_step * group_size]: one per mean of --response_length_mean (a comma-separated
+    list), or the file of --response_lengths; [] when neither is given (no cost at real lengths
+    is printed).
+
+    Raises:
+      ValueError: a mean that is not a number >= 1, a bad file, both flags, a bad prompt length.
+    """
+    means, path = opts["response_length_mean"] or [], opts["response_lengths"]
+    if not means and not path:
+        return []
+    if means and path:
+        raise ValueError("give one of --response_length_mean and --response_lengths")
     n = cfg.train.prompts_per_step * cfg.train.group_size
-    responses = length_mix.response_lengths(n, cfg.rollout.max_decode_length, mean=mean, path=path)
     prompt = opts["prompt_length"] or cfg.data.max_prompt_len
     if not 1 <= prompt <= cfg.data.max_prompt_len:
         raise ValueError(
             f"--prompt_length={prompt} must be in [1, data.max_prompt_len="
             f"{cfg.data.max_prompt_len}]"
         )
-    return np.full((n,), prompt, np.int64), responses
+    prompts = np.full((n,), prompt, np.int64)
+    cap = cfg.rollout.max_decode_length
+    if path:
+        return [(path, prompts, length_mix.response_lengths(n, cap, path=path))]
+    out = []
+    for text in means:
+        try:
+            mean = float(text)
+        except ValueError:
+            raise ValueError(
+                f"--response_length_mean: {text!r} is not a number (a mean, or a comma-separated "
+                "list of means)"
+            ) from None
+        name = f"mean {mean:g}, lognormal"
+        out.append((name, prompts, length_mix.response_lengths(n, cap, mean=mean)))
+    return out
+
+
+def step_lengths(cfg, opts) -> tuple[np.ndarray, np.ndarray] | None:
+    """The first step of `length_mixes` as (prompt lengths, response lengths), or None."""
+    mixes = length_mixes(cfg, opts)
+    return mixes[0][1:] if mixes else None
+
+
+def update_cost_report(cfg, opts, results: list[Program], mixes) -> list[dict]:
+    """Prints the update's cost at each step's real lengths (`train/cost.py`), all from the one
+    compiled `rl_update`, and returns them for the JSON line; says so when `rl_update` was not
+    compiled (`--programs`)."""
+    from dvp_jax.train import cost
+
+    update = next((p for p in results if p.name == "rl_update" and not p.error), None)
+    if update is None:
+        print("\n(rl_update was not compiled: no update cost at real lengths)", flush=True)
+        return []
+    chip = chip_of(opts["topology"])
+    hosts = len({d.process_index for d in topology_devices(opts["topology"])})
+    out = []
+    for name, prompts, responses in mixes:
+        print(
+            f"\nupdate at real lengths: responses {name} (mean {responses.mean():,.0f}, max "
+            f"{responses.max():,}), prompts {prompts.mean():,.0f} tokens",
+            flush=True,
+        )
+        costs = cost.update_costs(
+            cfg,
+            prompts,
+            responses,
+            hosts=hosts,
+            flops=update.flops,
+            attention_flops=update.attention_flops,
+            peak_flops=CHIP_BF16_FLOPS[chip],
+        )
+        print(cost.table(costs, cfg.train.precision, CHIP_BF16_FLOPS[chip]), flush=True)
+        out.append(
+            {
+                "lengths": name,
+                "response_length_mean": float(responses.mean()),
+                "prompt_length_mean": float(prompts.mean()),
+                "peak_bf16_tflops": CHIP_BF16_FLOPS[chip] / 1e12,
+                "passes": cost.PASSES[cfg.train.precision],
+                "layouts": [c.row() for c in costs],
+            }
+        )
+    return out
 
 
 def check_architecture_source(config) -> None:
@@ -332,6 +385,7 @@ def main(argv):
         # aot never reads weights: a checkpoint that lives on the pod need not exist here.
         check_architecture_source(config)
         cfg = ExperimentConfig.from_config_dict(config, vocab, read_checkpoint=False)
+        mixes = length_mixes(cfg, opts)
     except (UserError, ValueError) as e:
         fail(str(e), USAGE_EXIT_CODE, e)
     programs = tuple(p for p in opts["programs"].split(",") if p)
@@ -343,15 +397,16 @@ def main(argv):
     hbm = CHIP_HBM_GIB[chip_of(opts["topology"])]
     print(table(results, hbm), flush=True)
     bad = failures(results, hbm, opts["hbm_fraction"])
-    line = json.dumps(
-        {
-            "topology": opts["topology"],
-            "hbm_gib": hbm,
-            "hbm_fraction_limit": opts["hbm_fraction"],
-            "ok": not bad,
-            "programs": [p.row(hbm) for p in results],
-        }
-    )
+    report = {
+        "topology": opts["topology"],
+        "hbm_gib": hbm,
+        "hbm_fraction_limit": opts["hbm_fraction"],
+        "ok": not bad,
+        "programs": [p.row(hbm) for p in results],
+    }
+    if mixes:
+        report["update_at_real_lengths"] = update_cost_report(cfg, opts, results, mixes)
+    line = json.dumps(report)
     print(line, flush=True)
     if opts["json_out"]:
         with open(opts["json_out"], "w") as f:
@@ -380,11 +435,11 @@ def _define_flags() -> None:
         "hbm_fraction", 0.9, "A program fits when its peak is at most this fraction of HBM."
     )
     f["json_out"] = flags.DEFINE_string("json_out", "", "Also write the JSON line to this file.")
-    f["response_length_mean"] = flags.DEFINE_float(
+    f["response_length_mean"] = flags.DEFINE_list(
         "response_length_mean",
-        None,
+        [],
         "Price a step at real lengths: responses of this mean length, long-tailed "
-        "(`dvp_jax.length_mix`).",
+        "(`dvp_jax.length_mix`); a comma-separated list prices each from the one compile.",
     )
     f["response_lengths"] = flags.DEFINE_string(
         "response_lengths",

@@ -22,16 +22,19 @@ _GIB = 1024**3
 # ==============================================================================================
 # FLOPs with loop trip counts
 # ==============================================================================================
-def dot_flops(closed_jaxpr, while_trips: int = 1) -> float:
+def dot_flops(closed_jaxpr, while_trips: int = 1, scope: str = "") -> float:
     """Multiply-add FLOPs (2 per MAC) of every dot in a jaxpr, loops counted by trip count.
 
     Scans count `length` times; a `while` (trip count known only at run time) counts
-    `while_trips` times; `shard_map` bodies count once per shard; Pallas kernels count their
-    own cost estimate, and one without (the splash kernel gives none) counts 0: see
-    `uncounted_kernels`. Elementwise work is not counted (small beside a transformer's
-    matmuls).
+    `while_trips` times; a `cond` counts its costliest branch (a skipped block or micro-batch
+    is counted as run: the count is the program's, not the data's); `shard_map` bodies count
+    once per shard; Pallas kernels count their own cost estimate, and one without (the splash
+    kernel gives none) counts 0: see `uncounted_kernels`. Elementwise work is not counted
+    (small beside a transformer's matmuls). With `scope`, only the dots traced under
+    `jax.named_scope(scope)` (and its transposes and rematerialisations), e.g.
+    `attention.ATTENTION_SCOPE`.
     """
-    return _flops(closed_jaxpr.jaxpr, while_trips)
+    return _flops(closed_jaxpr.jaxpr, while_trips, scope=scope, inside=not scope)
 
 
 def uncounted_kernels(closed_jaxpr) -> int:
@@ -42,12 +45,17 @@ def uncounted_kernels(closed_jaxpr) -> int:
     return len(counts)
 
 
-def _flops(jaxpr, while_trips: int, uncounted: list | None = None) -> float:
+def _flops(
+    jaxpr, while_trips: int, uncounted: list | None = None, scope: str = "", inside: bool = True
+) -> float:
     total = 0.0
-    recurse = lambda inner: _flops(inner, while_trips, uncounted)
     for eqn in jaxpr.eqns:
         name, params = eqn.primitive.name, eqn.params
+        here = inside or scope in str(eqn.source_info.name_stack)
+        recurse = lambda inner, here=here: _flops(inner, while_trips, uncounted, scope, here)
         if name == "dot_general":
+            if not here:
+                continue
             (lhs_contract, _), _ = params["dimension_numbers"]
             lhs = eqn.invars[0].aval.shape
             out = eqn.outvars[0].aval.shape
@@ -64,7 +72,8 @@ def _flops(jaxpr, while_trips: int, uncounted: list | None = None) -> float:
             estimate = params.get("cost_estimate")
             if estimate is None and uncounted is not None:
                 uncounted.append(eqn)
-            total += float(getattr(estimate, "flops", 0) or 0)
+            if here:
+                total += float(getattr(estimate, "flops", 0) or 0)
         else:
             for value in params.values():
                 inner = _inner(value)
@@ -100,6 +109,7 @@ class Program:
     resident: int = 0  # bytes the other phase keeps on the chip while this one runs
     moved: int = 0  # weight sync: bytes a chip (on device) or a host (via host) receives
     flops: float = 0.0  # per chip, per call, loops by trip count
+    attention_flops: float = 0.0  # of `flops`, the full-sequence attention's (its name scope)
     compile_s: float = 0.0
     mosaic_kernels: int = 0  # Pallas (Mosaic) kernel calls in the program, e.g. splash
     uncounted_kernels: int = 0  # of those, the ones whose FLOPs `flops` leaves out
@@ -123,6 +133,7 @@ class Program:
             "peak_gib": gib(self.peak),
             "hbm_fraction": round(self.peak / (hbm * _GIB), 4),
             "tflop_per_call": round(self.flops / 1e12, 6),
+            "attention_tflop_per_call": round(self.attention_flops / 1e12, 6),
             "compile_s": round(self.compile_s, 2),
             "warning": self.warning,
             "mosaic_kernels": self.mosaic_kernels,
@@ -180,7 +191,12 @@ def compile_spec(spec: Spec) -> Program:
     program.temp = m.temp_size_in_bytes
     program.alias = m.alias_size_in_bytes
     program.code = m.generated_code_size_in_bytes
+    from dvp_jax.model.attention import ATTENTION_SCOPE
+
     program.flops = dot_flops(traced.jaxpr, spec.while_trips) / spec.chips
+    program.attention_flops = (
+        dot_flops(traced.jaxpr, spec.while_trips, ATTENTION_SCOPE) / spec.chips
+    )
     program.uncounted_kernels = uncounted_kernels(traced.jaxpr)
     return program
 

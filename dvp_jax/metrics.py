@@ -100,6 +100,10 @@ METRICS: dict[str, str] = {
     "skipped_updates": "updates skipped so far for a non-finite gradient",
     # ----- rollout and rewards (train.trainer)
     "reward_mean": "mean reward of the rollout batch",
+    "zero_advantage_fraction": (
+        "responses of groups whose G rewards are all equal (RLOO advantage 0; left out of the "
+        "update with train.skip_zero_advantage)"
+    ),
     "response_length": "mean response length in tokens",
     "frac_finished": "responses that ended with a stop token",
     "truncation_rate": "responses cut at max_decode_length (no stop token)",

@@ -209,7 +209,9 @@ def trainer_token_stats(cfg, model, rl, rows: int = 64) -> dict:
     parts = {}
     for s in range(0, rl.tokens.shape[0], rows):
         sl = slice(s, s + rows)
-        tl, st = fn(params, tokens=rl.tokens[sl], positions=rl.positions[sl], valid=rl.valid[sl])
+        tl, st = fn(
+            params, tokens=rl.tokens[sl], positions=rl.positions[sl], segment_ids=rl.valid[sl]
+        )
         for k, x in (*tl._asdict().items(), ("entropy", st.entropy)):
             parts.setdefault(k, []).append(np.asarray(x))
     return {k: np.concatenate(v) for k, v in parts.items()}

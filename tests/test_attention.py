@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dvp_jax.model import TRAIN_POLICY, DTypePolicy, Transformer, attention, kernels
+from dvp_jax.model import TRAIN_POLICY, DTypePolicy, Transformer, attention, blockwise, kernels
 from dvp_jax.model.attention import full_attention, select_attention_impl
 from dvp_jax.model.config import ATTENTION_IMPLS, POLICY_NAMES
 from tests import DEFAULT_CPU_CODEGEN
@@ -58,9 +58,10 @@ def _forward_and_grads(fn, q, k, v, valid, cotangent):
 
 def _on_valid_queries(fn, q, k, v, valid, seed: int = 1):
     """`_forward_and_grads` of a random loss read on valid queries only (as the trainer's loss
-    is)."""
+    is); `valid` is bool, or segment ids (0 padding)."""
     cotangent = jnp.asarray(np.random.default_rng(seed).normal(size=q.shape), F32)
-    return _forward_and_grads(fn, q, k, v, valid, cotangent * valid[:, :, None, None])
+    real = (jnp.asarray(valid) != 0)[:, :, None, None]
+    return _forward_and_grads(fn, q, k, v, valid, cotangent * real)
 
 
 def _assert_grads_match(ga_all, gb_all, name: str):
@@ -195,18 +196,21 @@ def test_dot_product_equals_explicit_forward_and_gradients(name, atol):
 
 def test_cudnn_mask_semantics_equal_explicit_on_right_padding_and_nan_on_left():
     """The cuDNN branch gives padding to the kernel as key lengths with a causal mask; through
-    XLA (same `jax.nn.dot_product_attention` contract) this equals the explicit path on every
-    right-padded row, stays finite on an all-padding row and is NaN on a left-padded row."""
+    XLA (same `jax.nn.dot_product_attention` contract) this equals the explicit path on the
+    real queries of every right-padded row (padding queries see the row's keys there, none in
+    the explicit path: both are padding, never read), stays finite on an all-padding row and is
+    NaN on a left-padded row."""
     q, k, v = _qkv(16, F32)
     valid = _valid(16, KINDS)
     cudnn_on_xla = jax.jit(functools.partial(kernels.cudnn_attention, implementation="xla"))
     explicit = _attend("xla")
     right = np.array([True, True, False, False])
+    real = valid & right[:, None]  # the real queries of the right-padded rows
     cotangent = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), F32)
-    cotangent = cotangent * right[:, None, None, None]
+    cotangent = cotangent * real[:, :, None, None]
     a, explicit_grads = _forward_and_grads(explicit, q, k, v, valid, cotangent)
     c = cudnn_on_xla(q, k, v, valid)
-    np.testing.assert_allclose(a[right], c[right], atol=1e-6, rtol=0)
+    np.testing.assert_allclose(a[real], c[real], atol=1e-6, rtol=0)
     assert np.isfinite(np.asarray(c[3])).all()  # all padding: finite (and unused)
     assert np.isnan(np.asarray(c[2])).all()  # left padding cannot be given as lengths
     _, cudnn_grads = _forward_and_grads(
@@ -481,3 +485,109 @@ def test_dot_product_attention_takes_the_policy_precision():
     assert len(found) == n_dots > 10
     assert set(found) == {("HIGHEST", "HIGHEST")}, found
     assert TRAIN_POLICY.attention_impl == "auto"
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed rows: several sequences per row, told apart by segment ids
+# ---------------------------------------------------------------------------------------------
+def _packed_segments(t: int, rows) -> jax.Array:
+    """[len(rows), t] int32 segment ids: each row's sequence lengths laid out left to right as
+    segments 1, 2, ..., padding (0) after."""
+    out = np.zeros((len(rows), t), np.int32)
+    for r, lengths in enumerate(rows):
+        start = 0
+        for k, n in enumerate(lengths, 1):
+            out[r, start : start + n] = k
+            start += n
+    return jnp.asarray(out)
+
+
+# T = 128 (one splash block): a row of three sequences and padding, a whole row, a row of ten
+# short sequences, a row of padding only.
+PACKED_T, PACKED_ROWS = 128, [(40, 50, 30), (128,), (12,) * 10, ()]
+
+
+@pytest.fixture(scope="module")
+def packed_explicit():
+    """(inputs, explicit output, gradients) on packed rows, loss read on real queries."""
+    q, k, v = _qkv(PACKED_T, F32, b=4, seed=5)
+    seg = _packed_segments(PACKED_T, PACKED_ROWS)
+    inputs = (q, k, v, seg)
+    return inputs, *_on_valid_queries(_attend("xla"), q, k, v, seg)
+
+
+def test_packed_rows_attend_within_their_own_sequence(packed_explicit):
+    """The explicit path on a packed row equals each of its sequences attended alone (its own
+    row, right-padded): attention never crosses a sequence. Same operations on each query's
+    visible keys, so equal to float32 rounding (1e-6)."""
+    (q, k, v, seg), packed, _ = packed_explicit
+    explicit = _attend("xla")
+    for r, lengths in enumerate(PACKED_ROWS):
+        start = 0
+        for n in lengths:
+            span = slice(start, start + n)
+            alone = [
+                jnp.pad(x[r : r + 1, span], ((0, 0), (0, PACKED_T - n), (0, 0), (0, 0)))
+                for x in (q, k, v)
+            ]
+            out = explicit(*alone, jnp.arange(PACKED_T)[None] < n)[0, :n]
+            np.testing.assert_allclose(packed[r, span], out, atol=1e-6, rtol=0)
+            start += n
+
+
+@pytest.mark.parametrize("impl", ["dot_product", "blockwise", "cudnn", "splash"])
+def test_every_kernel_equals_explicit_on_packed_rows(packed_explicit, impl):
+    """Each kernel on packed segment ids equals the explicit path on real queries, forward and
+    gradients: dot_product (XLA's own softmax; 1e-6), blockwise (32-token blocks, so rows skip
+    block pairs; another summation order: 1e-5), cuDNN's mask branch (through XLA; 1e-6) and
+    splash (Pallas interpreter; 1e-5)."""
+    (q, k, v, seg), a, explicit_grads = packed_explicit
+    fns = {
+        "dot_product": _attend("dot_product"),
+        "blockwise": lambda q, k, v, s: attention.blockwise_attention(
+            q, k, v, s, jax.lax.Precision.HIGHEST, 32
+        ),
+        "cudnn": functools.partial(kernels.cudnn_attention, implementation="xla"),
+        "splash": functools.partial(kernels.splash_attention, block=128, interpret=True),
+    }
+    out, grads = _on_valid_queries(fns[impl], q, k, v, seg)
+    real = np.asarray(seg > 0)
+    atol = 1e-6 if impl in ("dot_product", "cudnn") else 1e-5
+    print(f"{impl} vs explicit on packed rows: max |d out| = {_max_diff(a, out, real):.3e}")
+    np.testing.assert_allclose(a[real], out[real], atol=atol, rtol=0)
+    assert np.isfinite(np.asarray(out, F32)).all()
+    _assert_grads_match(explicit_grads, grads, impl)
+
+
+def test_blockwise_visits_only_the_block_pairs_a_row_needs():
+    """`block_visits` (the pairs the blockwise kernel computes): causal, within a sequence,
+    none for padding. A row of two 64-token sequences in 32-token blocks needs the 3 causal
+    pairs inside each sequence (6 of the 10 causal pairs of 4 blocks); a sequence that ends
+    mid-block shares that block with the next; a padding row needs none."""
+    seg = _packed_segments(128, [(64, 64), (40, 88), (), (128,)])
+    visits = np.asarray(blockwise.block_visits(seg, 32))
+    assert visits.shape == (4, 4, 4)
+    assert visits[0].sum() == 6 and not visits[0][2:, :2].any()
+    assert visits[1].sum() == 8  # (40, 88): block 1 holds both sequences, block 0 only one
+    assert visits[2].sum() == 0
+    assert visits[3].sum() == 10 and not np.triu(visits[3], 1).any()
+    # The host's NumPy count (the cost model's) is the kernel's.
+    np.testing.assert_array_equal(blockwise.block_visits(np.asarray(seg), 32, np), visits)
+
+
+def test_blockwise_per_shard_on_a_mesh_equals_one_call(packed_explicit):
+    """On a mesh the blockwise path runs per (rows, heads) shard (each shard skips its own
+    rows' block pairs): the same values and gradients as one unsharded call."""
+    from dvp_jax.sharding import TRAIN_RULES, MeshConfig, Sharder, make_mesh
+
+    (q, k, v, seg), _, _ = packed_explicit
+    sharder = Sharder(make_mesh(MeshConfig(1, 4, 2)), TRAIN_RULES)
+    fn = lambda sh: (
+        lambda q, k, v, s: attention.blockwise_attention(
+            q, k, v, s, jax.lax.Precision.HIGHEST, 32, sh
+        )
+    )
+    one, one_grads = _on_valid_queries(fn(None), q, k, v, seg)
+    sharded, sharded_grads = _on_valid_queries(fn(sharder), q, k, v, seg)
+    np.testing.assert_allclose(one, sharded, atol=1e-6, rtol=0)
+    _assert_grads_match(one_grads, sharded_grads, "blockwise per shard")

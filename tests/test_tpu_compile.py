@@ -39,6 +39,7 @@ def _config(
     sft_steps: int = 0,
     prompts: int = 4,
     attention_impl: str = "auto",
+    updates_per_batch: int = 1,
 ) -> ExperimentConfig:
     """A 2-layer model (d 256, 4 query / 2 KV heads) on a 128-token vocabulary-sized test."""
     c = default_config("mis_dvp")
@@ -60,6 +61,9 @@ def _config(
     c.train.attention_impl = attention_impl
     c.train.group_size = 2
     c.train.micro_batches = micro_batches
+    c.train.updates_per_batch = updates_per_batch
+    if updates_per_batch > 1:
+        c.loss.ppo_clip_eps = 0.2
     c.train.precision = precision
     c.train.chunk_size = 256
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh
@@ -84,27 +88,29 @@ def _one(programs: dict[str, aot_report.Program], prefix: str) -> aot_report.Pro
 
 
 def test_mixed_bf16_with_splash_on_a_tensor_parallel_mesh_compiles():
-    """mixed_bf16, head_dim 128, T = 256: `auto` runs splash in the update and in prefill, on a
-    (1, 2, 2) mesh and a tensor-parallel-2 engine. Before splash ran under shard_map both failed
-    ("Mosaic kernels cannot be automatically partitioned"). An untied unembedding with 2
-    micro-batches failed the TPU compiler's while-loop-all-reduce-code-motion RET_CHECK until
-    the project turned that pass off for TPU programs (`sharding.TPU_COMPILER_OPTIONS`)."""
+    """mixed_bf16, head_dim 128, T = 256: `auto` runs splash (packed segment ids) in the update,
+    in the PPO old policy's forward and in prefill, on a (1, 2, 2) mesh and a tensor-parallel-2
+    engine. Before splash ran under shard_map both failed ("Mosaic kernels cannot be
+    automatically partitioned"). An untied unembedding with 2 micro-batches failed the TPU
+    compiler's while-loop-all-reduce-code-motion RET_CHECK until the project turned that pass
+    off for TPU programs (`sharding.TPU_COMPILER_OPTIONS`)."""
     cfg = _config(
         precision="mixed_bf16",
         mesh=(1, 2, 2),
         tensor_parallel=2,
         rollout_dtype="bfloat16_fp8kv_fp8w",
         micro_batches=2,
+        updates_per_batch=2,
     )
     programs = _compile(cfg, "v5p:2x2x1")
-    expected = {"rl_update", "rl_update/one_micro_batch", "engine/init_state"}
+    expected = {"rl_update", "logprobs", "engine/init_state"}
     assert expected <= set(programs)
-    update, micro = programs["rl_update"], programs["rl_update/one_micro_batch"]
+    update, forward = programs["rl_update"], programs["logprobs"]
     prefill = _one(programs, "engine/prefill")
-    assert update.mosaic_kernels > 0 and prefill.mosaic_kernels > 0
-    # Two micro-batches of half the rows: the accumulated step does twice the dot FLOPs of
-    # one micro-batch's (the loop counted by its trip count), to within the optimizer's work.
-    assert update.flops == pytest.approx(2 * micro.flops, rel=0.05)
+    assert update.mosaic_kernels > 0 and forward.mosaic_kernels > 0 and prefill.mosaic_kernels
+    # The same micro-batches, with and without the backward pass: the update's dots outside
+    # splash (which gives no FLOP count) are the forward's and twice them for the gradients.
+    assert update.flops == pytest.approx(3 * forward.flops, rel=0.15)
     decode = _one(programs, "engine/decode_loop")
     assert decode.flops > 0 and prefill.flops > 0
 
@@ -196,7 +202,11 @@ def test_aot_command_on_the_tiny_config_on_two_hosts_with_every_axis_split():
     three-pass float32_x3 trainer with a tied embedding and 2 micro-batches; each host's engine
     on a tensor row of the trainer's mesh (bf16 compute, but h = 32: the explicit path), with
     int4 weights and an fp8 cache. Every program compiles, no Mosaic kernel, the table and one
-    JSON line on stdout, exit 0."""
+    JSON line on stdout, exit 0; the update priced at two response-length mixes from the one
+    compile (a long tail of mean 2 and every response at the cap)."""
+    from configs import tiny_cpu
+
+    cap = tiny_cpu.get_config().rollout.max_decode_length
     overrides = {
         "mesh.data": 2,
         "mesh.fsdp": 2,
@@ -209,7 +219,7 @@ def test_aot_command_on_the_tiny_config_on_two_hosts_with_every_axis_split():
     }
     out = subprocess.run(
         [sys.executable, "-m", "dvp_jax.aot", "--config=configs/tiny_cpu.py"]
-        + ["--topology=v5p:2x2x2"]
+        + ["--topology=v5p:2x2x2", f"--response_length_mean=2,{cap}", "--prompt_length=4"]
         + [f"--config.{name}={value}" for name, value in overrides.items()],
         capture_output=True,
         text=True,
@@ -218,14 +228,25 @@ def test_aot_command_on_the_tiny_config_on_two_hosts_with_every_axis_split():
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     rows = {p["program"]: p for p in result["programs"]}
-    for name in ("rl_update", "rl_update/one_micro_batch", "sft_step", "engine/init_state"):
+    for name in ("rl_update", "sft_step", "engine/init_state"):
         assert name in rows, sorted(rows)
     assert "engine/insert_batch" in rows and "weight_sync/on_device" in rows
     assert any(n.startswith("engine/decode_loop") for n in rows)
     assert result["ok"] and all(p["error"] == "" for p in rows.values())
     assert all(p["mosaic_kernels"] == 0 for p in rows.values())
-    assert rows["rl_update"]["tflop_per_call"] > 0
+    update = rows["rl_update"]
+    assert 0 < update["attention_tflop_per_call"] < update["tflop_per_call"]
     assert "rl_update" in out.stdout.splitlines()[2]  # the table's first row
+    short, full = result["update_at_real_lengths"]
+    assert (short["response_length_mean"], full["response_length_mean"]) == (2.0, cap)
+    for mix in (short, full):
+        padded, packed = mix["layouts"]
+        assert (padded["layout"], packed["layout"]) == ("padded (today)", "packed")
+        assert packed["tflop_per_chip"] <= padded["tflop_per_chip"]
+        assert packed["rows"] <= padded["rows"]
+    # Sequences of 4 + ~2 tokens pack several to a row: fewer rows than responses.
+    assert short["layouts"][1]["rows"] < short["layouts"][0]["rows"]
+    assert "packed / padded FLOPs" in out.stdout
 
 
 @pytest.mark.parametrize(
@@ -233,11 +254,15 @@ def test_aot_command_on_the_tiny_config_on_two_hosts_with_every_axis_split():
     [
         ({"topology": "v9:2x2"}, "--topology 'v9:2x2' is not <chip>:<dims>"),
         ({"config.mesh.tensor": 3}, "config.mesh"),
+        ({"response_length_mean": ["4", "many"]}, "--response_length_mean: 'many' is not a"),
+        ({"prompt_length": 99, "response_length_mean": ["4"]}, "--prompt_length=99 must be in"),
+        ({"response_lengths": "/no/such/file"}, "--response_lengths /no/such/file: No such file"),
     ],
 )
 def test_aot_command_refuses_bad_input_in_one_line(override, message, monkeypatch, capsys):
     """`aot.main` on the flags' values (in this process: no compile is reached): a bad
-    topology or a mesh the topology cannot hold ends with exit status 2 and one line."""
+    topology, a mesh the topology cannot hold, or a bad response-length flag ends with exit
+    status 2 and one line."""
     import types
 
     from configs import tiny_cpu
@@ -245,6 +270,7 @@ def test_aot_command_refuses_bad_input_in_one_line(override, message, monkeypatc
     config = tiny_cpu.get_config()
     values = {"topology": "v5p:2x2x1", "all_buckets": False, "programs": "", "json_out": ""}
     values.update(hbm_fraction=0.9, verbose=False, config=config)
+    values.update(response_length_mean=[], response_lengths="", prompt_length=None)
     for name, value in override.items():
         if name.startswith("config."):
             config.mesh.tensor = value

@@ -128,7 +128,8 @@ def test_malformed_data_rows_are_counted_and_skipped_in_a_mixed_bf16_ppo_run(tmp
         ({"loss.correction": "seq_magic"}, "correction"),
         ({"method": "ppo"}, "config.method"),
         ({"rollout.dtype": "float16"}, "config.rollout.dtype"),
-        ({"train.micro_batches": 3}, "config.train.micro_batches"),
+        ({"train.micro_batches": 0}, "config.train.micro_batches"),
+        ({"train.row_length": 3}, "config.train.row_length"),
     ],
 )
 def test_bad_config_values_fail_fast_naming_the_field(override, field):

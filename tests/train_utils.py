@@ -66,7 +66,7 @@ def synthetic_batch(
     return RLBatch(
         tokens=tokens,
         positions=np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)).copy(),
-        valid=np.ones((rows, length), bool),
+        segment_ids=np.ones((rows, length), np.int32),
         response_mask=response,
         behaviour_logp=logp,
         behaviour_logp_full=logp.copy(),
@@ -75,6 +75,41 @@ def synthetic_batch(
         advantages=rng.normal(size=rows).astype(np.float32),
         old_logp=np.zeros_like(logp),
         old_in_safe=np.ones(logp.shape, bool),
+    )
+
+
+def synthetic_rollouts(vocab_size: int, prompt_lengths, response_lengths, seed: int = 0):
+    """A random host `RolloutBatch` with the given prompt and response lengths (N rows, T =
+    max prompt + max response columns), laid out as `offline.generate_rollouts` lays it out:
+    the prompt from column 0, its response after it, zeros beyond. Behaviour log-probs are
+    uniform in [-4, -0.2] (the unpruned ones up to 0.3 lower), pruned masses in [0, 1e-3),
+    safe-set sizes in [1, vocab]; about one response in four is cut (not finished)."""
+    from dvp_jax.rollout.offline import RolloutBatch
+
+    rng = np.random.default_rng(seed)
+    lp, lr = np.asarray(prompt_lengths, np.int32), np.asarray(response_lengths, np.int32)
+    n, t = lp.size, int(lp.max() + lr.max())
+    cols = np.arange(t)[None, :]
+    prompt_mask = cols < lp[:, None]
+    response_mask = ~prompt_mask & (cols < (lp + lr)[:, None])
+    tokens = np.where(prompt_mask | response_mask, rng.integers(3, vocab_size, (n, t)), 0)
+    on = lambda x: np.where(response_mask, x, 0).astype(np.float32)
+    logp = on(-rng.uniform(0.2, 4.0, (n, t)))
+    return RolloutBatch(
+        tokens=tokens.astype(np.int32),
+        prompt_mask=prompt_mask,
+        response_mask=response_mask,
+        behaviour_logp=logp,
+        behaviour_logp_full=on(logp - rng.uniform(0.0, 0.3, (n, t))),
+        behaviour_pruned_mass=on(rng.uniform(0.0, 1e-3, (n, t))),
+        behaviour_safe_size=np.where(response_mask, rng.integers(1, vocab_size, (n, t)), 0).astype(
+            np.int32
+        ),
+        prompt_index=np.arange(n, dtype=np.int32),
+        group_index=np.zeros(n, np.int32),
+        prompt_lengths=lp,
+        response_lengths=lr,
+        finished=rng.uniform(size=n) > 0.25,
     )
 
 

@@ -2,13 +2,15 @@
 
 Rewards arrive either flat `[P * G]` (the G responses of a prompt contiguous, prompt-major) or
 grouped `[P, G]`; the advantage has the same shape as the rewards. Broadcasting over a response's
-tokens is the loss's job (`losses.dvp_loss` takes `[B]` advantages).
+tokens is the loss's job (`losses.dvp_loss` takes `[B]` advantages, or the packer's per-token
+ones). `zero_advantage` finds the groups whose advantages are all 0 (equal rewards).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def _grouped(rewards: jax.Array, group_size: int) -> jax.Array:
@@ -77,3 +79,12 @@ def grpo(
     if scale_by_std:
         a = a / (jnp.std(r, axis=1, keepdims=True, ddof=1) + eps)
     return a.reshape(jnp.shape(rewards))
+
+
+def zero_advantage(rewards, group_size: int):
+    """`[P * G]` bool: the responses of groups whose G rewards are all equal, so every RLOO
+    advantage of the group is 0 (E8) and, with no KL or entropy term, so is its gradient (the
+    responses `train.skip_zero_advantage` leaves out of the update, as DAPO's dynamic sampling
+    does). Host NumPy; `rewards` flat `[P * G]`, groups contiguous."""
+    r = np.asarray(rewards).reshape(-1, group_size)
+    return np.repeat(np.all(r == r[:, :1], axis=1), group_size)

@@ -1,7 +1,9 @@
 """Mismatch diagnostics (docs/design.md section 2, "Diagnostics"): flat dicts of scalars.
 
-Pure functions of `[B, T]` per-token arrays (B responses, T positions) and a `[B, T]` response
-mask; masked positions may hold anything (-inf, NaN) and never reach arithmetic. Each function
+Pure functions of `[B, T]` per-token arrays (B rows, T positions) and a `[B, T]` response mask;
+masked positions may hold anything (-inf, NaN) and never reach arithmetic. A row is one response
+unless `segments` (`dvp/segments.py`) says which packed sequence each token belongs to; every
+per-response quantity is then reduced per sequence, with the same values. Each function
 lists its keys: `mismatch_metrics` (verl's perplexity, KL and chi^2 definitions),
 `pruning_metrics` (the one home of frac_tokens_outside_train_safe), `exclusion_metrics` and
 `is_weight_stats` (called by `losses.dvp_loss`), `lt_by_p_bins` (the (1 - p) evidence),
@@ -18,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from dvp_jax.dvp.bound import BoundReport, mismatch_bound  # noqa: F401 (re-exported)
+from dvp_jax.dvp.segments import Segments
 
 # Clamp on log-ratios before exponentiating for chi^2 (as verl's SAFETY_BOUND): exp(2 * 20) is
 # finite in float32.
@@ -49,7 +52,11 @@ def _masked_max(x: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def mismatch_metrics(
-    logp: jax.Array, behaviour_logp: jax.Array, mask: jax.Array, prefix: str = ""
+    logp: jax.Array,
+    behaviour_logp: jax.Array,
+    mask: jax.Array,
+    prefix: str = "",
+    segments: Segments | None = None,
 ) -> dict[str, jax.Array]:
     """Trainer/rollout log-probability mismatch metrics on the E6 log-ratios (verl definitions).
 
@@ -68,23 +75,25 @@ def mismatch_metrics(
       behaviour_logp: `[B, T]` rollout (behaviour) log-probs of the same tokens.
       mask: `[B, T]` tokens to use (must exclude any position whose log-prob is a floor).
       prefix: prepended to every key.
+      segments: which response each token belongs to (None: one response per row).
 
     Returns:
       Dict of float32 scalars.
     """
+    seqs = segments or Segments()
     mask = mask.astype(bool)
     lt = jnp.where(mask, _f32(logp), 0.0)
     lr = jnp.where(mask, _f32(behaviour_logp), 0.0)
-    count = jnp.sum(mask, axis=-1)  # [B]
+    count = seqs.sum(mask.astype(jnp.int32))  # per response
     seq = count > 0
-    mt = jnp.sum(lt, axis=-1) / jnp.maximum(count, 1)
-    mr = jnp.sum(lr, axis=-1) / jnp.maximum(count, 1)
+    mt = seqs.sum(lt) / jnp.maximum(count, 1)
+    mr = seqs.sum(lr) / jnp.maximum(count, 1)
     ppl_t, ppl_r = jnp.exp(-mt), jnp.exp(-mr)
     r = lt - lr  # 0 off the mask
     # mt - mr as the mean of per-token differences: no cancellation between two large means.
-    mean_r = jnp.sum(r, axis=-1) / jnp.maximum(count, 1)
+    mean_r = seqs.sum(r) / jnp.maximum(count, 1)
     r_safe = jnp.clip(r, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    r_seq = jnp.clip(jnp.sum(r, axis=-1), -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    r_seq = jnp.clip(seqs.sum(r), -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     out = {
         "training_ppl": masked_mean(ppl_t, seq),
         "rollout_ppl": masked_mean(ppl_r, seq),
@@ -150,21 +159,24 @@ def exclusion_metrics(
     excluded: jax.Array,
     seq_masked: jax.Array,
     token_masked: jax.Array,
+    segments: Segments | None = None,
 ) -> dict[str, jax.Array]:
     """Fractions of responses excluded (E5) or masked (E7 seq_mis) and of tokens masked (token_mis).
 
     Args:
       response_mask: `[B, T]` response tokens; responses without tokens are not counted.
-      excluded: `[B]` bool, response has a sampled token outside the trainer safe set (E5).
-      seq_masked: `[B]` bool, response masked by the correction (seq_mis, exp L > C).
+      excluded: per response (`segments`' shape, `[B, 1]` one per row; `[B]` also works then),
+        bool, response has a sampled token outside the trainer safe set (E5).
+      seq_masked: per response, bool, response masked by the correction (seq_mis, exp L > C).
       token_masked: `[B, T]` bool, token masked by the correction (token_mis, exp l_t > C).
+      segments: which response each token belongs to (None: one response per row).
 
     Returns:
       frac_responses_excluded and frac_responses_masked (over responses with tokens),
       frac_tokens_masked (over response tokens).
     """
     mask = response_mask.astype(bool)
-    has_tokens = jnp.any(mask, axis=-1)
+    has_tokens = (segments or Segments()).any(mask).reshape(excluded.shape)
     return {
         "frac_responses_excluded": masked_mean(excluded, has_tokens),
         "frac_responses_masked": masked_mean(seq_masked, has_tokens),
@@ -244,6 +256,7 @@ def mismatch_diagnostics(
     behaviour_pruned_mass: jax.Array | None = None,
     behaviour_safe_size: jax.Array | None = None,
     num_bins: int = 10,
+    segments: Segments | None = None,
 ) -> dict[str, jax.Array]:
     """All config-independent diagnostics of one batch (docs/design.md section 2).
 
@@ -265,17 +278,19 @@ def mismatch_diagnostics(
       pruned_mass, safe_size: `[B, T]` trainer delta_S (E3) and |V_S| (E1).
       behaviour_pruned_mass, behaviour_safe_size: `[B, T]` the rollout's delta_S and |V_S|.
       num_bins: number of (1 - p) bins (static).
+      segments: which response each token belongs to (None: one response per row).
 
     Returns:
       Flat dict of float32 scalars.
     """
+    seqs = segments or Segments()
     mask = response_mask.astype(bool)
     inside = jnp.ones_like(mask) if in_safe is None else in_safe.astype(bool)
-    kept = mask & ~jnp.any(mask & ~inside, axis=-1, keepdims=True)  # E5-kept responses
-    out = mismatch_metrics(logp, behaviour_logp, kept)
+    kept = mask & ~seqs.spread(seqs.any(mask & ~inside))  # E5-kept responses
+    out = mismatch_metrics(logp, behaviour_logp, kept, segments=seqs)
     have_full = logp_full is not None and behaviour_logp_full is not None
     if have_full:
-        out |= mismatch_metrics(logp_full, behaviour_logp_full, mask, prefix="full_")
+        out |= mismatch_metrics(logp_full, behaviour_logp_full, mask, "full_", seqs)
     out |= pruning_metrics(
         mask,
         pruned_mass=pruned_mass,
@@ -305,6 +320,7 @@ def tail_metrics(
     in_safe: jax.Array | None = None,
     entropy: jax.Array | None = None,
     tail_p: float = TAIL_P,
+    segments: Segments | None = None,
 ) -> dict[str, jax.Array]:
     """Entropy, tail tokens and the sequence log-ratio L (E6) with its share from the tail.
 
@@ -335,29 +351,31 @@ def tail_metrics(
       in_safe: `[B, T]` bool, the objective's E5 membership (None: pruning off, all kept).
       entropy: `[B, T]` H(pi) per position (`chunked.PositionStats.entropy`); None omits it.
       tail_p: the probability below which a token is in the tail.
+      segments: which response each token belongs to (None: one response per row).
 
     Returns:
       Dict of float32 scalars.
     """
+    seqs = segments or Segments()
     mask = response_mask.astype(bool)
     outside = mask & ~safe.astype(bool)
-    has_tokens = jnp.any(mask, axis=-1)  # [B]
+    has_tokens = seqs.any(mask)  # per response
     on = lambda x, m: jnp.where(m, _f32(x), 0.0)  # masked values never reach arithmetic
     l_full = on(logp_full, mask) - on(behaviour_logp_full, mask)  # [B, T], 0 off the mask
-    l_seq = jnp.sum(l_full, axis=-1)  # [B]
-    l_out = jnp.sum(jnp.where(outside, l_full, 0.0), axis=-1)
+    l_seq = seqs.sum(l_full)  # per response
+    l_out = seqs.sum(jnp.where(outside, l_full, 0.0))
     mean_out = masked_mean(l_out, has_tokens)
     mean_in = masked_mean(l_seq - l_out, has_tokens)
     parts = jnp.abs(mean_in) + jnp.abs(mean_out)
     inside = jnp.ones_like(mask) if in_safe is None else in_safe.astype(bool)
-    kept = has_tokens & ~jnp.any(mask & ~inside, axis=-1)  # E5-kept responses
-    tok = mask & kept[:, None]
+    kept = has_tokens & ~seqs.any(mask & ~inside)  # E5-kept responses
+    tok = mask & seqs.spread(kept)
     l_pruned = on(logp, tok) - on(behaviour_logp, tok)
     tail = outside & (on(logp_full, mask) < math.log(tail_p))
     out = {
         "frac_tokens_tail": masked_mean(tail, mask),
         "seq_log_ratio": masked_mean(l_seq, has_tokens),
-        "seq_log_ratio_pruned": masked_mean(jnp.sum(l_pruned, axis=-1), kept),
+        "seq_log_ratio_pruned": masked_mean(seqs.sum(l_pruned), kept),
         "seq_log_ratio_outside": mean_out,
         "seq_log_ratio_outside_share": jnp.where(
             parts > 0, jnp.abs(mean_out) / jnp.where(parts > 0, parts, 1.0), 0.0

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from dvp_jax.dvp import diagnostics, pruning
+from dvp_jax.dvp.segments import Segments
 
 CORRECTIONS = ("none", "token_tis", "token_mis", "seq_tis", "seq_mis")
 NORMALISATIONS = ("token_mean", "seq_mean_token_sum")
@@ -146,8 +147,10 @@ def dvp_loss(
     ref_logp: jax.Array | None = None,
     ref_in_safe: jax.Array | None = None,
     entropy: jax.Array | None = None,
+    segments: Segments | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """DVP-RLOO loss (E5-E9, optionally + E11 + E12) of a batch of B responses padded to T tokens.
+    """DVP-RLOO loss (E5-E9, optionally + E11 + E12) of B rows of T tokens: one response per row
+    (padded), or several packed sequences per row told apart by `segments`.
 
     E5: a response with any sampled token outside the trainer safe set (`in_safe` False on a
     response token, only when `cfg.pruning`) has token ratio 0: it is excluded from numerator and
@@ -180,7 +183,9 @@ def dvp_loss(
     Args:
       logp: `[B, T]` log pi_S(y_t) from the trainer (differentiable; E2).
       behaviour_logp: `[B, T]` log mu_S(y_t) recorded by the rollout (E4).
-      advantages: `[B]` per-response advantage A_i (E8), broadcast over tokens.
+      advantages: `[B]` per-response advantage A_i (E8) of one response per row, broadcast over
+        its tokens; or `[B, T]` per token (the A_i of the response each token belongs to: the
+        packed layout).
       response_mask: `[B, T]` bool, True on response tokens.
       in_safe: `[B, T]` bool, y_t in the trainer's V_S; None means all inside. Ignored when
         pruning is off.
@@ -194,6 +199,9 @@ def dvp_loss(
         pruning is on, ignored when it is off.
       entropy: `[B, T]` H(pi_S(. | s_t)) (H(pi) unpruned), differentiable; required iff
         `cfg.entropy_coef > 0` (`chunked.PositionStats.policy_entropy`).
+      segments: which response each token belongs to (`dvp/segments.py`); None: row b is one
+        response. Every per-response quantity (E5's exclusion, L, the seq corrections, kept
+        responses) is reduced per response either way, with the same values.
 
     Returns:
       `(loss, metrics)`: float32 scalar and a dict of float32 scalars (see `diagnostics` for
@@ -222,11 +230,12 @@ def dvp_loss(
             "entropy must be given exactly when LossConfig.entropy_coef > 0 "
             f"(entropy_coef={cfg.entropy_coef}, entropy given: {entropy is not None})."
         )
-    if logp.ndim != 2 or advantages.shape != logp.shape[:1]:
+    if logp.ndim != 2 or advantages.shape not in (logp.shape[:1], logp.shape):
         raise ValueError(
-            f"need logp [B, T] and advantages [B]; got {logp.shape}, {advantages.shape}."
+            f"need logp [B, T] and advantages [B] or [B, T]; got {logp.shape}, {advantages.shape}."
         )
     f32 = jnp.float32
+    seqs = segments or Segments()
     mask = response_mask.astype(bool)  # [B, T]
 
     # ----- E5: exclusion of responses with a sampled token outside a trainer safe set -----
@@ -237,8 +246,8 @@ def dvp_loss(
             inside = inside & in_safe.astype(bool)
         if old_in_safe is not None:
             inside = inside & old_in_safe.astype(bool)
-    excluded = jnp.any(mask & ~inside, axis=-1)  # [B]
-    tok = mask & ~excluded[:, None]  # [B, T] tokens of included responses, all inside V_S
+    excluded = seqs.any(mask & ~inside)  # per response
+    tok = mask & ~seqs.spread(excluded)  # [B, T] tokens of included responses, all inside V_S
 
     # ----- E6: stop-gradient log-ratios on included tokens only (no floor/-inf beyond here) ----
     lp = jnp.where(tok, logp.astype(f32), 0.0)
@@ -249,7 +258,7 @@ def dvp_loss(
     else:
         lref = lp
     l_tok = jax.lax.stop_gradient(lref - lmu)  # [B, T], 0 off `tok`
-    l_seq = jnp.sum(l_tok, axis=-1)  # [B]
+    l_seq = seqs.sum(l_tok)  # per response
 
     # ----- E7: corrections -----
     log_cap = math.log(cfg.cap)
@@ -263,15 +272,16 @@ def dvp_loss(
         token_masked = tok & (l_tok > log_cap)
         w = jnp.exp(jnp.minimum(l_tok, log_cap))
     elif cfg.correction == "seq_tis":
-        w = jnp.broadcast_to(jnp.exp(jnp.minimum(l_seq, log_cap))[:, None], lp.shape)
+        w = jnp.broadcast_to(seqs.spread(jnp.exp(jnp.minimum(l_seq, log_cap))), lp.shape)
     else:  # seq_mis
-        seq_masked = ~excluded & jnp.any(mask, axis=-1) & (l_seq > log_cap)
-        w = jnp.broadcast_to(jnp.exp(jnp.minimum(l_seq, log_cap))[:, None], lp.shape)
-    keep = tok & ~token_masked & ~seq_masked[:, None]  # [B, T]
+        seq_masked = ~excluded & seqs.any(mask) & (l_seq > log_cap)
+        w = jnp.broadcast_to(seqs.spread(jnp.exp(jnp.minimum(l_seq, log_cap))), lp.shape)
+    keep = tok & ~token_masked & ~seqs.spread(seq_masked)  # [B, T]
     w = jnp.where(keep, w, 0.0)
 
     # ----- E9 (+ decoupled PPO): weighted REINFORCE with stop-gradient coefficients -----
-    adv = jax.lax.stop_gradient(advantages.astype(f32))[:, None]  # [B, 1]
+    adv = jax.lax.stop_gradient(advantages.astype(f32))
+    adv = adv[:, None] if adv.ndim == 1 else adv  # [B, 1] or [B, T]
     coef = w * adv
     metrics = {}
     if cfg.ppo_clip_eps is not None:
@@ -282,7 +292,7 @@ def dvp_loss(
         coef = coef * jnp.where(clipped, 0.0, r)
         metrics["ppo_clip_frac"] = diagnostics.masked_mean(clipped, keep)
     total = -jnp.sum(jnp.where(keep, coef * lp, 0.0))
-    kept_responses = jnp.any(keep, axis=-1)  # [B]
+    kept_responses = seqs.any(keep)  # per response
     if cfg.normalisation == "token_mean":
         z = jnp.sum(keep).astype(f32)
     else:
@@ -312,10 +322,10 @@ def dvp_loss(
     metrics["loss"] = loss
     metrics["kept_tokens"] = jnp.sum(keep).astype(f32)
     metrics["kept_responses"] = jnp.sum(kept_responses).astype(f32)
-    metrics |= diagnostics.exclusion_metrics(mask, excluded, seq_masked, token_masked)
+    metrics |= diagnostics.exclusion_metrics(mask, excluded, seq_masked, token_masked, seqs)
     if cfg.correction.startswith("seq"):
         # One weight per response: w is constant over a kept response's tokens, 0 elsewhere.
-        metrics |= diagnostics.is_weight_stats(jnp.max(w, axis=-1), kept_responses)
+        metrics |= diagnostics.is_weight_stats(seqs.max(w), kept_responses)
     else:
         metrics |= diagnostics.is_weight_stats(w, keep)
     return loss, metrics

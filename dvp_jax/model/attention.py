@@ -2,11 +2,13 @@
 
 Full-sequence attention (training forward, prefill) computes per query head n of KV group
 k = n // g: out[t] = sum_s softmax_s(q[t] . k[s] / sqrt(h) + mask[t, s]) v[s], mask 0 where
-s <= t and key s is valid, a large negative number elsewhere, by the kernel
-`select_attention_impl` picks for `DTypePolicy.attention_impl`: the explicit einsum softmax
-("xla", the reference, any `valid` pattern, finite on padding rows), `blockwise.py`, or a
-library kernel of `kernels.py`. Decode (one query against the cache) always runs the explicit
-path, over a static length bucket `kv_len` (docs/design.md section 3).
+s <= t and key s is in query t's segment (not padding), a large negative number elsewhere
+(`causal_mask`): a row may hold several packed sequences, told apart by segment ids, and
+attention never crosses one. The kernel is the one `select_attention_impl` picks for
+`DTypePolicy.attention_impl`: the explicit einsum softmax ("xla", the reference, any segment
+pattern, finite on padding rows), `blockwise.py`, or a library kernel of `kernels.py`. Decode
+(one query against the cache) always runs the explicit path, over a static length bucket
+`kv_len` (docs/design.md section 3).
 
 The KV cache is `k, v: [L, b, k, S, h]` (kv heads before positions: the layout both decode
 matmuls read as stored), `[L, b, S, k, h]` on TPU (`cache_layout`); rows are right-padded and a
@@ -73,6 +75,9 @@ _FUSED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # "auto" runs the blockwise path (no T x T scores) from this many tokens where no fused kernel
 # serves the policy: at 2,048 the explicit path's float32 scores are 16 MiB per row and head.
 BLOCKWISE_FROM = 2048
+# The name scope of every full-sequence attention kernel call: the dots inside it (forward,
+# rematerialised forward and backward) are the attention's FLOPs (`aot_report.dot_flops`).
+ATTENTION_SCOPE = "full_attention"
 # What `jax.nn.dot_product_attention(implementation="cudnn")` raises at trace time when it cannot
 # run: NotImplementedError for a shape or dtype the kernel lacks, RuntimeError when cuDNN itself
 # is missing or too old ("cuDNN is not detected"), ValueError for a layout it refuses. "auto"
@@ -126,15 +131,25 @@ def _masked_softmax_attention(q, k, v, mask, policy: DTypePolicy):
     return matmul("bkgts,bskh->btkgh", probs, v, policy)
 
 
-def causal_mask(valid: jax.Array) -> jax.Array:
-    """[b, t(query), s(key)] bool: the key is at or before the query and is not padding.
+def as_segments(segment_ids: jax.Array) -> jax.Array:
+    """[b, t] int32 segment ids: int ids as given (0 = padding), a bool `valid` as 1 / 0 (one
+    segment per row)."""
+    return jnp.asarray(segment_ids).astype(jnp.int32)
+
+
+def causal_mask(segment_ids: jax.Array) -> jax.Array:
+    """[b, t(query), s(key)] bool: the key is at or before the query, in the query's segment,
+    and not padding (segment 0), so attention never crosses a packed sequence.
 
     Args:
-      valid: [b, t] bool, False on padding.
+      segment_ids: [b, t] int32 segment of each token (0 = padding), or bool valid (False on
+        padding: one segment per row).
     """
-    t = valid.shape[1]
+    seg = as_segments(segment_ids)
+    t = seg.shape[1]
     causal = jnp.tril(jnp.ones((t, t), bool))
-    return causal[None] & valid[:, None, :]
+    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0)
+    return causal[None] & same
 
 
 def select_attention_impl(
@@ -194,9 +209,15 @@ def select_attention_impl(
 
 
 def full_attention(
-    q, k, v, valid, policy: DTypePolicy, backend: str | None = None, sharder: Sharder | None = None
+    q,
+    k,
+    v,
+    segment_ids,
+    policy: DTypePolicy,
+    backend: str | None = None,
+    sharder: Sharder | None = None,
 ):
-    """Causal, key-padded GQA attention of a whole sequence by the policy's kernel.
+    """Causal GQA attention of whole sequences, within segments, by the policy's kernel.
 
     Computes the module docstring's equation with the kernel `select_attention_impl` picks for
     `policy.attention_impl`; with "auto", a call cuDNN refuses at trace time (a head dim over
@@ -205,7 +226,9 @@ def full_attention(
     Args:
       q: [b, t, n, h] queries (head n uses KV head n // g).
       k, v: [b, t, k, h] keys and values.
-      valid: [b, t] bool, False on padding keys.
+      segment_ids: [b, t] int32 segment of each token, 0 on padding (packed rows: a query
+        attends to the keys of its own segment only, `causal_mask`), or bool valid (one
+        segment per row, False on padding).
       policy: compute dtype, matmul precision, `attention_impl` and `attention_block`.
       backend: platform name; default the platform of `sharder`'s mesh, else
         `jax.default_backend()` (a program compiled for a TPU topology from a CPU host runs
@@ -215,18 +238,25 @@ def full_attention(
     Returns:
       [b, t, n, h] in the compute dtype.
     """
+    with jax.named_scope(ATTENTION_SCOPE):
+        return _full_attention(q, k, v, segment_ids, policy, backend, sharder)
+
+
+def _full_attention(q, k, v, segment_ids, policy: DTypePolicy, backend, sharder):
     b, t, n, h = q.shape
     backend = backend or (sharder.platform if sharder is not None else jax.default_backend())
     impl = select_attention_impl(policy.attention_impl, backend, policy.compute_dtype, t, h)
     if impl == "dot_product":
-        return kernels.dot_product_attention(q, k, v, valid, policy.precision)
+        return kernels.dot_product_attention(q, k, v, segment_ids, policy.precision)
     if impl == "blockwise":
-        return blockwise_attention(q, k, v, valid, policy.precision, policy.attention_block)
+        return blockwise_attention(
+            q, k, v, segment_ids, policy.precision, policy.attention_block, sharder
+        )
     if impl == "splash":
-        return kernels.splash_attention(q, k, v, valid, sharder, policy.attention_block)
+        return kernels.splash_attention(q, k, v, segment_ids, sharder, policy.attention_block)
     if impl == "cudnn":
         try:
-            return kernels.cudnn_attention(q, k, v, valid)
+            return kernels.cudnn_attention(q, k, v, segment_ids)
         except _KERNEL_REFUSALS as err:
             if policy.attention_impl != "auto":
                 raise
@@ -239,7 +269,7 @@ def full_attention(
             )
     kv = k.shape[2]
     grouped = q.reshape(b, t, kv, n // kv, h)
-    out = _masked_softmax_attention(grouped, k, v, causal_mask(valid), policy)
+    out = _masked_softmax_attention(grouped, k, v, causal_mask(segment_ids), policy)
     return out.reshape(b, t, n, h)
 
 
@@ -299,16 +329,17 @@ class Attention(nnx.Module):
         b, t = q.shape[:2]
         return q.reshape(b, t, self.cfg.n_kv_heads, self.cfg.group_size, self.cfg.head_dim)
 
-    def __call__(self, x, positions, valid):
+    def __call__(self, x, positions, segment_ids):
         """Full-sequence causal attention by the policy's kernel (`full_attention`).
 
         Args:
-          x: [b, t, d]; positions: [b, t]; valid: [b, t] bool, False on padding keys.
+          x: [b, t, d]; positions: [b, t]; segment_ids: [b, t] int32 segments (0 padding) or
+            bool valid (`full_attention`).
         Returns:
           (out [b, t, d], (k, v) each [b, t, k, h]) so that prefill can fill a cache.
         """
         q, k, v = self._qkv(x, positions)
-        attn = full_attention(q, k, v, valid, self.policy, sharder=self.sharder)
+        attn = full_attention(q, k, v, segment_ids, self.policy, sharder=self.sharder)
         return self._out(attn), (k, v)
 
     def decode(self, x, positions, k_all, v_all, layer, kv_len: int | None = None):

@@ -1,7 +1,8 @@
 """The Qwen3-style decoder and its three entry points.
 
-* `__call__(tokens, positions, valid)`: full-sequence forward (training and teacher forcing);
-  causal + padding mask, explicit positions; returns float32 logits, or the final normed hidden
+* `__call__(tokens, positions, segment_ids)`: full-sequence forward (training and teacher
+  forcing); causal mask within segments (a row may hold several packed sequences, each with
+  positions from 0), explicit positions; returns float32 logits, or the final normed hidden
   states with `return_hidden=True` (the DVP loss applies the unembedding in vocabulary chunks).
 * `prefill(tokens, lengths, cache_len)`: a right-padded prompt batch -> logits of each row's last
   real token and a KV cache holding the prompt.
@@ -79,8 +80,8 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg.d_model, cfg.d_ff, cfg.init_std, policy, sharder, rngs=rngs, layers=ls)
         self.sharder = sharder
 
-    def __call__(self, x, positions, valid):
-        attn, kv = self.attn(self.input_norm(x), positions, valid)
+    def __call__(self, x, positions, segment_ids):
+        attn, kv = self.attn(self.input_norm(x), positions, segment_ids)
         x = self.sharder.constrain(x + attn, ACT)
         x = self.sharder.constrain(x + self.mlp(self.post_attn_norm(x)), ACT)
         return x, kv
@@ -161,36 +162,40 @@ class Transformer(nnx.Module):
         return self.sharder.constrain(x, ACT)
 
     # ------------------------------------------------------------------------------------------
-    def __call__(self, tokens, positions, valid=None, *, return_hidden: bool = False):
+    def __call__(self, tokens, positions, segment_ids=None, *, return_hidden: bool = False):
         """Full-sequence forward.
 
         Args:
           tokens: [b, t] int32 token ids.
-          positions: [b, t] int32 positions (RoPE); need not start at 0 (left padding).
-          valid: [b, t] bool, False on padding. Padding keys are never attended to, so padding
-            never changes the outputs at real tokens. Default: all valid. Any pattern works
-            except under the "cudnn" kernel, which needs right padding (each row's valid
-            tokens a prefix) and gives NaN on other rows (`dvp_jax/model/attention.py`).
+          positions: [b, t] int32 positions (RoPE); need not start at 0 (left padding), and
+            restart at 0 for each packed sequence.
+          segment_ids: [b, t] int32 sequence of each token within its row, 0 on padding (packed
+            rows: a token attends to earlier tokens of its own sequence only), or bool valid
+            (one sequence per row, False on padding). Padding keys are never attended to, so
+            padding never changes the outputs at real tokens. Default: all valid. Any pattern
+            works except a bool one under the "cudnn" kernel, which needs right padding (each
+            row's valid tokens a prefix) and gives NaN on other rows
+            (`dvp_jax/model/attention.py`).
           return_hidden: return final normed hidden states [b, t, d] instead of logits.
         Returns:
           [b, t, v] float32 logits, or [b, t, d] hidden states in the compute dtype.
         """
         x = self._embed(tokens)
-        if valid is None:
-            valid = jnp.ones(tokens.shape, bool)
+        if segment_ids is None:
+            segment_ids = jnp.ones(tokens.shape, bool)
 
         # One block per scan step: x [b, t, d] is the carry, the block's parameters are sliced
         # from the [L]-stacked ones; with remat only each block's input is saved (or as the
         # policy says) and the rest is recomputed in the backward pass.
-        def block_fn(block, x, positions, valid):
-            return block(x, positions, valid)[0]
+        def block_fn(block, x, positions, segment_ids):
+            return block(x, positions, segment_ids)[0]
 
         if self.remat != "none":
             block_fn = nnx.remat(
                 block_fn, prevent_cse=False, policy=_REMAT[self.remat], graph_updates=False
             )
         scan = _scan(block_fn, in_axes=(0, nnx.Carry, None, None), out_axes=nnx.Carry)
-        hidden = self.final_norm(scan(self.blocks, x, positions, valid))
+        hidden = self.final_norm(scan(self.blocks, x, positions, segment_ids))
         if return_hidden:
             return hidden
         logits = self.logits(hidden)

@@ -2,9 +2,11 @@
 
 The rollout side records per-token statistics at the column of the token they describe
 (`RolloutBatch`, docs/design.md E4); the train step predicts `tokens[:, 1:]` from
-`tokens[:, :-1]`, so `from_rollouts` shifts every per-token array by one column. Names follow the
-glossary of docs/design.md section 4: the behaviour (rollout) quantities keep their `behaviour_`
-names from the engine to the loss.
+`tokens[:, :-1]`, so every per-token array is shifted by one column. The trainer's rows come
+from the packer (`train/packing.py`: several sequences per row, segment ids, positions from 0
+per sequence); `from_rollouts` lays out one response per row (the padded layout, for analysis
+code). Names follow the glossary of docs/design.md section 4: the behaviour (rollout)
+quantities keep their `behaviour_` names from the engine to the loss.
 """
 
 from __future__ import annotations
@@ -24,14 +26,17 @@ from dvp_jax.sharding import Sharder
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class RLBatch:
-    """One optimizer step's responses. T = prompt + response length; targets are tokens[:, 1:].
+    """One optimizer step's responses in B rows of T tokens; targets are tokens[:, 1:].
 
     Attributes:
-      tokens, positions: [B, T] int32; valid: [B, T] bool (prompt and response tokens).
+      tokens, positions: [B, T] int32 (positions count from 0 in each sequence).
+      segment_ids: [B, T] int32 sequence of each token within its row: 1, 2, ... for packed
+        sequences (1 for the only one of a padded row), 0 on padding (`valid` is > 0).
       response_mask: [B, T-1] bool, True where target tokens[:, t+1] is a response token.
       behaviour_logp: [B, T-1] log mu_S of the target (E4); behaviour_logp_full: unpruned log mu.
       behaviour_pruned_mass, behaviour_safe_size: [B, T-1] rollout-side delta_S (E3) / |V_S|.
-      advantages: [B] (E8).
+      advantages: (E8) [B, T-1], each target's response's A_i (the packer's rows), or [B] with
+        one response per row (`from_rollouts`).
       old_logp, old_in_safe: [B, T-1] log pi_S_old and "inside the old safe set" for the
         decoupled PPO clip (E9; zeros / True when unused).
       ref_logp, ref_in_safe: [B, T-1] log pi_ref_S and "inside the reference's safe set" for the
@@ -40,7 +45,7 @@ class RLBatch:
 
     tokens: jax.Array
     positions: jax.Array
-    valid: jax.Array
+    segment_ids: jax.Array
     response_mask: jax.Array
     behaviour_logp: jax.Array
     behaviour_logp_full: jax.Array
@@ -52,9 +57,15 @@ class RLBatch:
     ref_logp: jax.Array | None = None
     ref_in_safe: jax.Array | None = None
 
+    @property
+    def valid(self):
+        """[B, T] bool: prompt and response tokens (segment id > 0)."""
+        return self.segment_ids > 0
+
 
 def from_rollouts(batch: RolloutBatch, advantages: np.ndarray) -> RLBatch:
-    """Host `RolloutBatch` (stats at the column of the token they describe) -> host `RLBatch`.
+    """Host `RolloutBatch` (stats at the column of the token they describe) -> host `RLBatch`
+    with one response per row (segment 1) and `[N]` advantages.
 
     Every per-token array is shifted by one column (targets); the prompt and its response are
     contiguous in each row.
@@ -64,7 +75,7 @@ def from_rollouts(batch: RolloutBatch, advantages: np.ndarray) -> RLBatch:
     return RLBatch(
         tokens=batch.tokens.astype(np.int32),
         positions=np.broadcast_to(np.arange(t, dtype=np.int32), (n, t)).copy(),
-        valid=batch.prompt_mask | batch.response_mask,
+        segment_ids=(batch.prompt_mask | batch.response_mask).astype(np.int32),
         response_mask=shift(batch.response_mask, bool),
         behaviour_logp=shift(batch.behaviour_logp, np.float32),
         behaviour_logp_full=shift(batch.behaviour_logp_full, np.float32),
@@ -77,12 +88,10 @@ def from_rollouts(batch: RolloutBatch, advantages: np.ndarray) -> RLBatch:
 
 
 def abstract_batch(rows: int, length: int, reference: bool = False) -> RLBatch:
-    """The `jax.ShapeDtypeStruct`s of a `rows` x `length` batch (what `from_rollouts` makes),
-    with the reference fields when `reference` (`LossConfig.uses_reference`, E11)."""
+    """The `jax.ShapeDtypeStruct`s of a `rows` x `length` batch as the packer makes it (per-token
+    advantages), with the reference fields when `reference` (`LossConfig.uses_reference`, E11)."""
 
     def struct(name: str) -> jax.ShapeDtypeStruct:
-        if name == "advantages":
-            return jax.ShapeDtypeStruct((rows,), jnp.float32)
         t = length if name in _FULL_LENGTH else length - 1
         dtype = jnp.int32 if name in _INT else jnp.bool_ if name in _BOOL else jnp.float32
         return jax.ShapeDtypeStruct((rows, t), dtype)
@@ -91,9 +100,10 @@ def abstract_batch(rows: int, length: int, reference: bool = False) -> RLBatch:
     return RLBatch(**{n: struct(n) for n in names if reference or n not in _REFERENCE})
 
 
-_FULL_LENGTH = ("tokens", "positions", "valid")  # [B, T]; the rest are targets-aligned [B, T-1]
-_INT = ("tokens", "positions")
-_BOOL = ("valid", "response_mask", "old_in_safe", "ref_in_safe")
+# [B, T]; the rest are targets-aligned [B, T-1]
+_FULL_LENGTH = ("tokens", "positions", "segment_ids")
+_INT = ("tokens", "positions", "segment_ids")
+_BOOL = ("response_mask", "old_in_safe", "ref_in_safe")
 _REFERENCE = ("ref_logp", "ref_in_safe")  # only with the KL term
 
 

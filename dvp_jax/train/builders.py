@@ -111,23 +111,24 @@ def train_policy(cfg: ExperimentConfig, platform: str) -> DTypePolicy:
     )
 
 
+def model_factory(cfg: ExperimentConfig, sharder: Sharder):
+    """A function building the trainer model of `cfg` at random init (`train.precision`'s
+    policy, `train.remat`, seed `train.seed`): materialised by `build_model`, shaped by
+    `nnx.eval_shape` in `dvp_jax.aot`."""
+    policy = train_policy(cfg, sharder.platform)
+    return lambda: Transformer(
+        cfg.model, policy, sharder, rngs=nnx.Rngs(cfg.train.seed), remat=cfg.train.remat
+    )
+
+
 def build_model(cfg: ExperimentConfig, sharder: Sharder) -> Transformer:
     """The trainer model (`train.precision`: true fp32 by default), born sharded: from
     `model.hf_path` (resolved and its config.json checked by `ExperimentConfig`) or a random
     init."""
-    policy = train_policy(cfg, sharder.platform)
     if cfg.init_hf_path:
+        policy = train_policy(cfg, sharder.platform)
         return load_hf(cfg.init_hf_path, policy, sharder, cfg=cfg.model, remat=cfg.train.remat)
-    return init_sharded(
-        lambda: Transformer(
-            cfg.model,
-            policy,
-            sharder,
-            rngs=nnx.Rngs(cfg.train.seed),
-            remat=cfg.train.remat,
-        ),
-        sharder,
-    )
+    return init_sharded(model_factory(cfg, sharder), sharder)
 
 
 def rollout_weights(params: nnx.State, dtype, engines=()) -> nnx.State:

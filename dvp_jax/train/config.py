@@ -117,6 +117,12 @@ class ExperimentConfig:
             )
         if train.updates_per_batch == 1 and loss.ppo_clip_eps is not None:
             raise ValueError("config.loss.ppo_clip_eps needs config.train.updates_per_batch > 1")
+        if train.skip_zero_advantage and (loss.kl_coef > 0 or loss.entropy_coef > 0):
+            raise ValueError(
+                "config.train.skip_zero_advantage=True needs loss.kl_coef = 0 and "
+                f"loss.entropy_coef = 0 (got {loss.kl_coef} and {loss.entropy_coef}): those terms "
+                "give zero-advantage responses a gradient, so leaving them out would change it"
+            )
         data = _build("data", DataConfig, d.get("data", {}))
         longest = data.running_sum["max_response_len"]
         if data.task == "running_sum" and rollout.max_decode_length <= longest:
@@ -143,7 +149,20 @@ class ExperimentConfig:
             init_hf_path=hf_path,
         )
         check_int("log_every", cfg.log_every, 1)
+        longest = cfg.sequence_length
+        if train.row_length and train.row_length < longest:
+            raise ValueError(
+                f"config.train.row_length={train.row_length} is shorter than the longest "
+                f"sequence, data.max_prompt_len + rollout.max_decode_length = "
+                f"{data.max_prompt_len} + {rollout.max_decode_length} = {longest}: a row must "
+                "hold it (0 picks that length)"
+            )
         return cfg
+
+    @property
+    def sequence_length(self) -> int:
+        """The longest sequence a step holds: data.max_prompt_len + rollout.max_decode_length."""
+        return self.data.max_prompt_len + self.rollout.max_decode_length
 
 
 # Sections of the ConfigDict and the dataclass each becomes.

@@ -2,8 +2,9 @@
 
 The order is the order of failure cost: the config's host shares, the tokenizer and the data
 (a bad data file fails in a second, not after a model init), then the mesh, the trainer model
-and its train state, the rollout and evaluation engines, and the two jitted programs of the
-loop. Not here: the workdir, the checkpoints and the outputs (`trainer.Trainer`), the loop.
+and its train state, the rollout and evaluation engines, and the trainer's jitted programs
+(`programs.trainer_programs`, which `dvp_jax.aot` compiles too). Not here: the workdir, the
+checkpoints and the outputs (`trainer.Trainer`), the loop.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ from dvp_jax.data.tasks import GeneratedTask
 from dvp_jax.errors import ConfigError, DataError
 from dvp_jax.rollout.engine import RolloutEngine
 from dvp_jax.sharding import TRAIN_RULES, Sharder, make_mesh
-from dvp_jax.train import batch as batch_lib
 from dvp_jax.train import evaluation
-from dvp_jax.train import step as step_lib
 from dvp_jax.train.builders import build_engine, build_model, load_run_tokenizer
 from dvp_jax.train.config import ExperimentConfig
-from dvp_jax.train.state import TrainState, init_train_state, make_optimizer
+from dvp_jax.train.packing import Layout
+from dvp_jax.train.programs import train_optimizer, trainer_programs
+from dvp_jax.train.state import TrainState, init_train_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +44,13 @@ class RunParts:
       engine, eval_engine: the rollout engine and the evaluation engine (the same object
         unless `eval.dtype` asks for another precision); sync_dtype: the widest param dtype of
         the two, at which a multi-host weight sync gathers.
+      layout: one update's rows on this host (`packing.Layout`).
       batch_shardings: of one update's global (mini-)batch.
       update: `step.rl_update` jitted with the state donated: (state, batch) -> (state, metrics).
-      old_logprobs: jitted (params, batch) -> `TokenLogprobs` of the policy before an update
-        (the decoupled PPO clip, `train.updates_per_batch > 1`) and of the frozen reference
-        (the KL term, `loss.kl_coef > 0`).
+      logprobs: jitted (params, `step.logprob_inputs(batch)`) -> `TokenLogprobs` of the policy
+        before an update (the decoupled PPO clip, `train.updates_per_batch > 1`) and of the
+        frozen reference (the KL term, `loss.kl_coef > 0`); None when neither is on.
+      sft_step: the warm-up's jitted step (None without a warm-up).
     """
 
     tokenizer: Any
@@ -62,9 +65,11 @@ class RunParts:
     engine: RolloutEngine
     eval_engine: RolloutEngine
     sync_dtype: Any
+    layout: Layout
     batch_shardings: Any
     update: Callable
-    old_logprobs: Callable
+    logprobs: Callable | None
+    sft_step: Callable | None
 
 
 def build_parts(cfg: ExperimentConfig) -> tuple[RunParts, TrainState]:
@@ -81,9 +86,7 @@ def build_parts(cfg: ExperimentConfig) -> tuple[RunParts, TrainState]:
     sharder = Sharder(mesh, TRAIN_RULES)
     model = build_model(cfg, sharder)
     t = cfg.train
-    optimizer = make_optimizer(
-        t.learning_rate, t.warmup_steps, t.weight_decay, t.grad_clip, t.b1, t.b2
-    )
+    optimizer = train_optimizer(t)
     reference_dtype = cfg.loss.kl_reference_dtype if cfg.loss.uses_reference else None
     graphdef, state, state_sh = init_train_state(model, optimizer, t.seed, sharder, reference_dtype)
 
@@ -91,35 +94,7 @@ def build_parts(cfg: ExperimentConfig) -> tuple[RunParts, TrainState]:
     if cfg.eval.dtype and cfg.eval.dtype != cfg.rollout.dtype:
         eval_engine = build_engine(cfg, tokenizer, model, cfg.eval.dtype)
     sync_dtype = jnp.promote_types(engine.policy.param_dtype, eval_engine.policy.param_dtype)
-
-    # One update's global batch: this host's share of the rollouts, cut into updates_per_batch.
-    hosts = jax.process_count()
-    rows = t.prompts_per_step // hosts * t.group_size // t.updates_per_batch * hosts
-    length = cfg.data.max_prompt_len + cfg.rollout.max_decode_length
-    batch = batch_lib.abstract_batch(rows, length, cfg.loss.uses_reference)
-    batch_sh = batch_lib.batch_shardings(batch, sharder)
-    update = step_lib.jit_rl_update(
-        graphdef=graphdef,
-        optimizer=optimizer,
-        loss_cfg=cfg.loss,
-        chunk_size=t.chunk_size,
-        micro_batches=t.micro_batches,
-        state_shardings=state_sh,
-        batch_shardings=batch_sh,
-        sharder=sharder,
-    )
-    old_logprobs = jax.jit(
-        lambda params, b: step_lib.token_logprobs(
-            params,
-            graphdef,
-            b.tokens,
-            b.positions,
-            b.valid,
-            log_rho=cfg.loss.effective_log_rho,
-            temperature=cfg.loss.temperature,
-            chunk_size=t.chunk_size,
-        )
-    )
+    programs = trainer_programs(cfg, sharder, graphdef, optimizer, state_sh, jax.process_count())
     parts = RunParts(
         tokenizer=tokenizer,
         task=task,
@@ -133,9 +108,11 @@ def build_parts(cfg: ExperimentConfig) -> tuple[RunParts, TrainState]:
         engine=engine,
         eval_engine=eval_engine,
         sync_dtype=sync_dtype,
-        batch_shardings=batch_sh,
-        update=update,
-        old_logprobs=old_logprobs,
+        layout=programs.layout,
+        batch_shardings=programs.batch_shardings,
+        update=programs.update,
+        logprobs=programs.logprobs,
+        sft_step=programs.sft_step,
     )
     return parts, state
 

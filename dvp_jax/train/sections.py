@@ -243,7 +243,22 @@ class TrainConfig:
     grad_clip: float = 1.0
     b1: float = 0.9
     b2: float = 0.999
-    micro_batches: int = 1  # gradient accumulation
+    # Micro-batches per update (gradient accumulation): the update's rows (`packing.Layout`)
+    # are cut into this many model calls; one holding no response token is skipped.
+    micro_batches: int = 1
+    # Several (prompt + response) sequences per row of the update, each with its own segment
+    # id and positions (train/packing.py); False: one per row, padded to the longest (slower;
+    # kept for comparison).
+    packing: bool = True
+    # Tokens per row of the update; 0: data.max_prompt_len + rollout.max_decode_length (a row
+    # must hold the longest sequence).
+    row_length: int = 0
+    # Leave the responses of groups whose G rewards are all equal (RLOO advantage 0 for every
+    # one) out of the update, as DAPO's dynamic sampling does (without its resampling). Their
+    # policy-gradient terms are exactly 0, so what changes is the normaliser Z (E9), then over
+    # the trained responses only, as in DAPO, and the loss-side diagnostics, which cover the
+    # trained responses. Not with a KL or entropy term (they give those responses a gradient).
+    skip_zero_advantage: bool = False
     updates_per_batch: int = 1  # > 1 uses the decoupled PPO clip (loss.ppo_clip_eps)
     chunk_size: int = 8192  # vocabulary chunk of the pruned logprobs
     # The trainer's dtype policy (TRAIN_PRECISIONS): "float32" is true fp32 (every matmul at
@@ -284,6 +299,14 @@ class TrainConfig:
         check_pos_float("train.weight_decay", self.weight_decay, allow_zero=True)
         check_pos_float("train.grad_clip", self.grad_clip)
         check_int("train.micro_batches", self.micro_batches, 1)
+        check_field(isinstance(self.packing, bool), "train.packing", "a bool", self.packing)
+        check_int("train.row_length", self.row_length, 0)
+        check_field(
+            isinstance(self.skip_zero_advantage, bool),
+            "train.skip_zero_advantage",
+            "a bool",
+            self.skip_zero_advantage,
+        )
         check_int("train.updates_per_batch", self.updates_per_batch, 1)
         check_int("train.chunk_size", self.chunk_size, 1)
         check_field(
@@ -298,13 +321,6 @@ class TrainConfig:
         check_one_of("train.remat", self.remat, REMAT_POLICIES)
         check_one_of("train.attention_impl", self.attention_impl, ATTENTION_IMPLS)
         check_int("train.seed", self.seed, 0)
-        batch = self.prompts_per_step * self.group_size
-        check_field(
-            batch % self.micro_batches == 0,
-            "train.micro_batches",
-            f"a divisor of prompts_per_step * group_size = {batch}",
-            self.micro_batches,
-        )
 
     @property
     def tracker_names(self) -> tuple[str, ...]:

@@ -58,6 +58,12 @@ def sft_step(state: TrainState, batch, *, graphdef, optimizer, chunk_size: int):
     return new_state, metrics
 
 
+def sft_optimizer(cfg: SFTConfig):
+    """The warm-up's own AdamW (no weight decay, clip 1): `sft.learning_rate` after
+    `sft.warmup_steps` of linear warm-up."""
+    return make_optimizer(cfg.learning_rate, cfg.warmup_steps, 0.0, 1.0)
+
+
 def jit_sft_step(graphdef, optimizer, chunk_size: int, sharder: Sharder):
     """`sft_step` jitted as the warm-up runs it (the state donated; `dvp_jax.aot` compiles it)."""
     return jax.jit(
@@ -73,9 +79,9 @@ def warm_up(
     tokenizer,
     cfg: SFTConfig,
     *,
+    step_fn,
     sharder: Sharder,
     max_len: int,
-    chunk_size: int,
     seed: int,
     log: Callable[[int, dict[str, float]], None],
     stop: Callable[[int], bool] = lambda step: False,
@@ -91,17 +97,16 @@ def warm_up(
       tokenizer: the run's tokenizer.
       cfg: steps, global batch size (divisible by the number of processes), learning rate and
         warm-up of this phase.
+      step_fn: the jitted step (`jit_sft_step` with `sft_optimizer(cfg)`, as
+        `programs.trainer_programs` builds it).
       sharder: the trainer's mesh and rules (params keep their shardings).
       max_len: longest example in tokens (prompt + response).
-      chunk_size: vocabulary chunk of the log-probs.
       seed: seed of the phase's (unused) state key.
       log: `log(step, metrics)` for the rows of this phase (step < 0).
       stop: asked after each step; True abandons the warm-up (it is redone on resume).
     """
     logging.info("supervised warm-up: %d steps of batch %d", cfg.steps, cfg.batch_size)
-    optimizer = make_optimizer(cfg.learning_rate, cfg.warmup_steps, 0.0, 1.0)
-    graphdef, state, _ = init_train_state(model, optimizer, seed, sharder)
-    step_fn = jit_sft_step(graphdef, optimizer, chunk_size, sharder)
+    _, state, _ = init_train_state(model, sft_optimizer(cfg), seed, sharder)
     every = max(1, cfg.steps // 10)
     window_start, window_time = 0, time.time()
     # Each host builds its rows of the global batch; together they form one global array.

@@ -1,10 +1,15 @@
 """The DVP-RLOO update (E2, E5-E9): a pure function of (TrainState, RLBatch), jitted once.
 
 `rl_update(state, batch) -> (state, metrics)` is jitted by `jit_step` with explicit in/out
-shardings and the state donated. The trainer applies the unembedding itself in vocabulary chunks
-(`token_stats` -> `chunked_token_stats`), so no `[tokens, vocab]` fp32 logits exist; the same
-pass gives the policy entropy (`diagnostics.tail_metrics`).
-`apply_gradients` is shared with the supervised warm-up (`train/sft.py`).
+shardings and the state donated. The batch is the packer's rows (`train/packing.py`: several
+sequences per row, told apart by segment ids) or one response per row; it is cut into
+micro-batches, and a micro-batch without a response token is skipped (`lax.cond`), so one
+compiled program serves every mix of lengths and only the rows that hold tokens cost a forward
+and a backward. The trainer applies the unembedding itself in vocabulary chunks (`token_stats`
+-> `chunked_token_stats`), so no `[tokens, vocab]` fp32 logits exist; the same pass gives the
+policy entropy (`diagnostics.tail_metrics`). `batch_logprobs` is the forward alone (the
+decoupled PPO's old policy, the KL reference). `apply_gradients` is shared with the supervised
+warm-up (`train/sft.py`).
 """
 
 from __future__ import annotations
@@ -21,15 +26,17 @@ from dvp_jax.dvp import diagnostics
 from dvp_jax.dvp.chunked import PositionStats, chunked_token_stats
 from dvp_jax.dvp.losses import LossConfig, dvp_loss
 from dvp_jax.dvp.pruning import TokenLogprobs
+from dvp_jax.dvp.segments import Segments
 from dvp_jax.sharding import Sharder, compiler_options
 from dvp_jax.train.batch import RLBatch
+from dvp_jax.train.packing import micro_batch_join, micro_batch_split
 from dvp_jax.train.state import TrainState, skipped_updates
 
 
-def token_logprobs(params, graphdef, tokens, positions, valid, **kwargs) -> TokenLogprobs:
+def token_logprobs(params, graphdef, tokens, positions, segment_ids, **kwargs) -> TokenLogprobs:
     """Trainer-side pruned logprobs of tokens[:, 1:] given tokens[:, :-1] (E1-E3), [B, T-1]: the
     `TokenLogprobs` of `token_stats`, which takes the same (keyword) arguments."""
-    return token_stats(params, graphdef, tokens, positions, valid, **kwargs)[0]
+    return token_stats(params, graphdef, tokens, positions, segment_ids, **kwargs)[0]
 
 
 def token_stats(
@@ -37,7 +44,7 @@ def token_stats(
     graphdef,
     tokens,
     positions,
-    valid,
+    segment_ids,
     *,
     log_rho: float,
     temperature: float,
@@ -45,9 +52,10 @@ def token_stats(
     policy_entropy: bool = False,
 ) -> tuple[TokenLogprobs, PositionStats]:
     """`token_logprobs` and the per-position entropy / log_rel of the same pass, each [B, T-1]
-    (with `policy_entropy`, also the differentiable H(pi_S) of the entropy bonus, E12)."""
+    (with `policy_entropy`, also the differentiable H(pi_S) of the entropy bonus, E12).
+    `segment_ids`: the model's (int32 packed segments, or bool valid)."""
     model = nnx.merge(graphdef, params)
-    hidden = model(tokens, positions, valid, return_hidden=True)[:, :-1]  # [B, T-1, d]
+    hidden = model(tokens, positions, segment_ids, return_hidden=True)[:, :-1]  # [B, T-1, d]
     b, t, d = hidden.shape
     out = chunked_token_stats(
         hidden.reshape(b * t, d),
@@ -71,6 +79,40 @@ def _normaliser(metrics, loss_cfg: LossConfig):
     return metrics[key]
 
 
+def _segments(b: RLBatch, sequences_per_row: int | None) -> Segments | None:
+    """Which response each target of `b` belongs to: packed rows (`sequences_per_row` the most a
+    row holds) by segment id, else one response per row (None)."""
+    if sequences_per_row is None:
+        return None
+    return Segments(b.segment_ids[:, 1:], sequences_per_row)
+
+
+def _model_segments(b: RLBatch, sequences_per_row: int | None):
+    """The model's segment input: the ids of packed rows, else bool valid (one per row)."""
+    return b.segment_ids if sequences_per_row is not None else b.segment_ids > 0
+
+
+def _over_micro_batches(fn, batch, response_mask, micro_batches: int, carry):
+    """`fn(carry, mb) -> (carry, out)` over the micro-batches of `batch` (any pytree of `[rows,
+    ...]` arrays, `micro_batch_split`), skipping (carry unchanged, out zeros) those whose rows
+    of `response_mask` hold no response token: they add nothing to a gradient, a loss or a
+    metric, and cost nothing. Returns (carry, outs): per-row outs joined back to `[rows, ...]`,
+    one value per micro-batch stacked `[M]`."""
+    split, active = jax.tree.map(
+        lambda x: micro_batch_split(x, micro_batches), (batch, response_mask)
+    )
+    first = jax.tree.map(lambda x: x[0], split)
+    out_shape = jax.eval_shape(lambda c, mb: fn(c, mb)[1], carry, first)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
+
+    def body(carry, xs):
+        mb, mask = xs
+        return jax.lax.cond(jnp.any(mask), fn, lambda c, _: (c, zeros), carry, mb)
+
+    carry, outs = jax.lax.scan(body, carry, (split, active))
+    return carry, jax.tree.map(lambda x: micro_batch_join(x) if x.ndim > 1 else x, outs)
+
+
 def rl_update(
     state: TrainState,
     batch: RLBatch,
@@ -80,13 +122,19 @@ def rl_update(
     loss_cfg: LossConfig,
     chunk_size: int,
     micro_batches: int,
+    sequences_per_row: int | None = None,
 ):
     """One DVP-RLOO optimizer step, accumulating gradients over `micro_batches`.
 
     Gradient accumulation is exact for both normalisations: each micro-batch contributes its
     un-normalised sum (loss_m * Z_m, with Z_m its kept-token or kept-response count, which has
     no gradient), and the accumulated gradient is divided by the batch total Z. The KL and
-    entropy terms (E11, E12) share E9's Z, so the same holds with them.
+    entropy terms (E11, E12) share E9's Z, so the same holds with them. Every sequence lies in
+    one micro-batch, so its per-response terms (E5, the seq corrections) are whole there.
+
+    Args:
+      sequences_per_row: packed rows (`RLBatch.segment_ids` tell their sequences apart; at most
+        this many per row, `packing.Layout.sequences_per_row`), or None: one response per row.
     """
     ppo = loss_cfg.ppo_clip_eps is not None
     with_h = loss_cfg.entropy_coef > 0
@@ -112,30 +160,33 @@ def rl_update(
             ref_logp=b.ref_logp if loss_cfg.uses_reference else None,
             ref_in_safe=b.ref_in_safe if loss_cfg.uses_reference else None,
             entropy=stats.policy_entropy if with_h else None,
+            segments=_segments(b, sequences_per_row),
         )
 
     def micro_sum(params, mb: RLBatch):
-        tl, stats = stats_fn(params, tokens=mb.tokens, positions=mb.positions, valid=mb.valid)
+        segment_ids = _model_segments(mb, sequences_per_row)
+        tl, stats = stats_fn(
+            params, tokens=mb.tokens, positions=mb.positions, segment_ids=segment_ids
+        )
         loss, metrics = loss_of(tl, stats, mb)
         z = jax.lax.stop_gradient(_normaliser(metrics, loss_cfg))
         return loss * z, (z, tl, stats)
 
     grad_fn = jax.grad(micro_sum, has_aux=True)
-    split = jax.tree.map(
-        lambda x: x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:]), batch
-    )
 
     def accumulate(grads, mb):
         g, aux = grad_fn(state.params, mb)
         return jax.tree.map(jnp.add, grads, g), aux
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
-    grads, (zs, tls, stats) = jax.lax.scan(accumulate, zeros, split)
+    grads, (zs, tl, stats) = _over_micro_batches(
+        accumulate, batch, batch.response_mask, micro_batches, zeros
+    )
     total_z = jnp.sum(zs)
     grads = jax.tree.map(lambda g: g / jnp.maximum(total_z, 1.0), grads)
-    tl, stats = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), (tls, stats))  # [B, T-1]
 
     # Reported loss and loss metrics: the same objective on the whole batch (no model call).
+    segments = _segments(batch, sequences_per_row)
     loss, metrics = loss_of(tl, stats, batch)
     metrics |= diagnostics.mismatch_diagnostics(
         logp=tl.logp,
@@ -148,6 +199,7 @@ def rl_update(
         safe_size=tl.safe_size,
         behaviour_pruned_mass=batch.behaviour_pruned_mass,
         behaviour_safe_size=batch.behaviour_safe_size,
+        segments=segments,
     )
     # The trainer's safe set at the configured rho, also when the objective does not prune
     # (then the pass ran with log_rho = -inf and membership comes from z_y - max z >= log rho).
@@ -161,11 +213,56 @@ def rl_update(
         safe=safe,
         in_safe=tl.in_safe if loss_cfg.pruning else None,
         entropy=stats.entropy,
+        segments=segments,
     )
     new_state, step_metrics = apply_gradients(state, grads, optimizer)
     metrics |= step_metrics
     metrics["loss"] = loss
     return new_state, metrics
+
+
+def batch_logprobs(
+    params,
+    inputs: tuple,
+    *,
+    graphdef,
+    log_rho: float,
+    temperature: float,
+    chunk_size: int,
+    micro_batches: int,
+    sequences_per_row: int | None = None,
+) -> TokenLogprobs:
+    """log pi_S of every target of a batch under `params` (E1-E3), `[B, T-1]`, by micro-batches
+    as `rl_update` runs them (the forward alone): the decoupled PPO's old policy (E9) and the
+    KL reference (E11), computed before the first update on a batch.
+
+    Args:
+      inputs: `logprob_inputs(batch)`: (tokens, positions, segment_ids, response_mask).
+    """
+    tokens, positions, segment_ids, response_mask = inputs
+
+    def forward(carry, mb):
+        tok, pos, seg = mb
+        seg = seg if sequences_per_row is not None else seg > 0
+        out = token_logprobs(
+            params,
+            graphdef,
+            tok,
+            pos,
+            seg,
+            log_rho=log_rho,
+            temperature=temperature,
+            chunk_size=chunk_size,
+        )
+        return carry, out
+
+    mbs = (tokens, positions, segment_ids)
+    return _over_micro_batches(forward, mbs, response_mask, micro_batches, ())[1]
+
+
+def logprob_inputs(batch: RLBatch) -> tuple:
+    """What `batch_logprobs` reads of a batch."""
+    return batch.tokens, batch.positions, batch.segment_ids, batch.response_mask
 
 
 def apply_gradients(state: TrainState, grads, optimizer):
@@ -204,6 +301,7 @@ def jit_rl_update(
     loss_cfg: LossConfig,
     chunk_size: int,
     micro_batches: int,
+    sequences_per_row: int | None,
     state_shardings,
     batch_shardings,
     sharder: Sharder,
@@ -216,5 +314,42 @@ def jit_rl_update(
         loss_cfg=loss_cfg,
         chunk_size=chunk_size,
         micro_batches=micro_batches,
+        sequences_per_row=sequences_per_row,
     )
     return jit_step(fn, state_shardings, batch_shardings, sharder)
+
+
+def jit_batch_logprobs(
+    *,
+    graphdef,
+    loss_cfg: LossConfig,
+    chunk_size: int,
+    micro_batches: int,
+    sequences_per_row: int | None,
+    param_shardings,
+    batch_shardings,
+    sharder: Sharder,
+):
+    """`batch_logprobs` jitted as the trainer runs it (and `dvp_jax.aot` compiles it):
+    (params, `logprob_inputs(batch)`) -> `TokenLogprobs` of the batch's targets, laid out like
+    the batch."""
+    fn = functools.partial(
+        batch_logprobs,
+        graphdef=graphdef,
+        log_rho=loss_cfg.effective_log_rho,
+        temperature=loss_cfg.temperature,
+        chunk_size=chunk_size,
+        micro_batches=micro_batches,
+        sequences_per_row=sequences_per_row,
+    )
+    options = compiler_options(sharder)
+    if sharder.mesh is None:
+        return jax.jit(fn, compiler_options=options)
+    per_token = batch_shardings.response_mask
+    out = TokenLogprobs(*(per_token for _ in TokenLogprobs._fields))
+    return jax.jit(
+        fn,
+        in_shardings=(param_shardings, logprob_inputs(batch_shardings)),
+        out_shardings=out,
+        compiler_options=options,
+    )

@@ -1,7 +1,7 @@
 """The DVP-RLOO training loop (docs/design.md section 3), readable top to bottom.
 
   prompts (grain) -> rollout engine (JetStream Engine API, bf16, min-p sampling, E4)
-    -> rewards (host, `evaluation`) -> RLOO advantages (E8) -> `batch.from_rollouts`
+    -> rewards (host, `evaluation`) -> RLOO advantages (E8) -> packed rows (`packing.pack`)
     -> jitted fp32 update (`step.rl_update`: chunked pruned logprobs E2/E5, loss E7/E9, optax)
     -> weight sync (cast + reshard) -> metrics / eval / checkpoints.
 
@@ -27,7 +27,8 @@ from dvp_jax.checkpoint import Checkpointer, abstract_like
 from dvp_jax.dvp import advantages as adv
 from dvp_jax.rollout.offline import RolloutInterrupted, generate_rollouts
 from dvp_jax.train import batch as batch_lib
-from dvp_jax.train import evaluation, report, resume, sft
+from dvp_jax.train import evaluation, packing, report, resume, sft
+from dvp_jax.train import step as step_lib
 from dvp_jax.train.builders import Preemption, WorkdirMismatchError, check_workdir, rollout_weights
 from dvp_jax.train.config import ExperimentConfig
 from dvp_jax.train.parts import build_parts
@@ -190,9 +191,9 @@ class Trainer:
             p.task,
             p.tokenizer,
             cfg.sft,
+            step_fn=p.sft_step,
             sharder=p.sharder,
-            max_len=cfg.data.max_prompt_len + cfg.rollout.max_decode_length,
-            chunk_size=cfg.train.chunk_size,
+            max_len=cfg.sequence_length,
             seed=cfg.train.seed,
             log=self._log,
             stop=self.preemption.reached,  # polled with the (negative) warm-up step
@@ -233,24 +234,27 @@ class Trainer:
         )
         reward = scores.total
         advantages = np.asarray(adv.rloo(jnp.asarray(reward), cfg.train.group_size))
-        host_batch = batch_lib.from_rollouts(rollouts, advantages)
+        zero_adv = adv.zero_advantage(reward, cfg.train.group_size)
+        trained = np.flatnonzero(~zero_adv if cfg.train.skip_zero_advantage else zero_adv | True)
 
         # Train (fp32), possibly several PPO mini-batch updates on this rollout batch.
         t1 = time.time()
-        metrics = self._update(host_batch)
+        metrics = self._update(rollouts, advantages, trained)
         t_train = time.time() - t1
         self._sync_weights()
 
         # Host-side figures over the global batch (every host gets the same sums).
-        rows, tokens, reward_sum, finished = evaluation.sum_over_hosts(
+        rows, tokens, reward_sum, finished, zero = evaluation.sum_over_hosts(
             [
                 rollouts.num_rows,
                 rollouts.response_mask.sum(),
                 reward.sum(),
                 rollouts.finished.sum(),
+                zero_adv.sum(),
             ]
         )
         metrics.update(
+            zero_advantage_fraction=zero / rows,
             reward_mean=reward_sum / rows,
             response_length=tokens / rows,
             frac_finished=finished / rows,
@@ -268,21 +272,25 @@ class Trainer:
         `params`, this host's rows), computed before any update on it: "old", the policy of
         the decoupled PPO clip (E9); "ref", the frozen reference of the KL term (E11)."""
         p = self.parts
-        full = batch_lib.to_global(host_batch, batch_lib.global_shardings(host_batch, p.sharder))
-        return batch_lib.with_logprobs(host_batch, name, p.old_logprobs(params, full))
+        shardings = p.batch_shardings and step_lib.logprob_inputs(p.batch_shardings)
+        inputs = batch_lib.to_global(step_lib.logprob_inputs(host_batch), shardings)
+        return batch_lib.with_logprobs(host_batch, name, p.logprobs(params, inputs))
 
-    def _update(self, host_batch: batch_lib.RLBatch) -> dict[str, float]:
-        """`train.updates_per_batch` updates, one per slice of the batch; the metrics' mean."""
+    def _update(self, rollouts, advantages: np.ndarray, trained: np.ndarray) -> dict[str, float]:
+        """`train.updates_per_batch` updates, one per slice of the `trained` rows of `rollouts`
+        (each packed into the update's rows, `packing.pack`); the metrics' mean."""
         u = self.cfg.train.updates_per_batch
+        batches = [
+            packing.pack(rollouts, advantages, self.parts.layout, part)
+            for part in np.array_split(trained, u)
+        ]
         if u > 1:
-            host_batch = self._with_logprobs(host_batch, self.state.params, "old")
+            batches = [self._with_logprobs(b, self.state.params, "old") for b in batches]
         if self.cfg.loss.uses_reference:
-            host_batch = self._with_logprobs(host_batch, self.state.ref_params, "ref")
-        per = host_batch.tokens.shape[0] // u
+            batches = [self._with_logprobs(b, self.state.ref_params, "ref") for b in batches]
         all_metrics = []
-        for i in range(u):
-            mb = jax.tree.map(lambda x, i=i: x[i * per : (i + 1) * per], host_batch)
-            mb = batch_lib.to_global(mb, self.parts.batch_shardings)
+        for host_batch in batches:
+            mb = batch_lib.to_global(host_batch, self.parts.batch_shardings)
             self.state, metrics = self.parts.update(self.state, mb)
             all_metrics.append({k: float(v) for k, v in jax.device_get(metrics).items()})
         return {k: float(np.mean([m[k] for m in all_metrics])) for k in all_metrics[0]}
