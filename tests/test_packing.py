@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
 from dvp_jax.dvp import advantages as adv_lib
 from dvp_jax.dvp.losses import LossConfig
