@@ -1,5 +1,6 @@
 """The jitted train step: non-finite updates are skipped and counted; accumulation is exact."""
 
+import dataclasses
 import functools
 
 import jax
@@ -121,9 +122,12 @@ def test_from_rollouts_aligns_behaviour_stats_with_targets():
     assert b.response_mask[0].tolist() == [False, True, True, True, False]
     np.testing.assert_array_equal(b.valid, prompt_mask | response_mask)
     assert b.old_in_safe.all() and not b.old_logp.any()
-    # The abstract batch the trainer jits its update for has these shapes and dtypes.
+    # The abstract batch the trainer jits its update for has these shapes and dtypes, but for
+    # the advantages: the packer's are per target token (tests/test_packing.py).
     got = jax.tree.map(lambda x: (x.shape, np.dtype(x.dtype)), abstract_batch(2, 6))
-    assert got == jax.tree.map(lambda x: (x.shape, x.dtype), b)
+    want = jax.tree.map(lambda x: (x.shape, x.dtype), b)
+    assert got.advantages == ((2, 5), np.float32) and want.advantages == ((2,), np.float32)
+    assert dataclasses.replace(got, advantages=None) == dataclasses.replace(want, advantages=None)
 
 
 def _dense_tail_reference(model, batch, log_rho):
