@@ -276,11 +276,15 @@ def compile_seconds(cfg: ModelConfig, rows: int, length: int, policy: str, remat
     return _compile(fn, state, batch)[1]
 
 
-def _long_tail_rollouts(vocab: int, n: int, prompt: int, max_response: int, mean: float):
+def _long_tail_rollouts(
+    vocab: int, n: int, prompt: int, max_response: int, mean: float, at_cap: int
+):
     """`n` random rollouts of `prompt` prompt tokens and long-tailed response lengths of mean
-    `mean` (`length_mix.lengths_from_mean`, capped at `max_response`)."""
+    `mean` (`length_mix.lengths_from_mean`, capped at `max_response`), the `at_cap` longest
+    then set to the cap (responses cut at the maximum)."""
     rng = np.random.default_rng(0)
     lengths = length_mix.lengths_from_mean(mean, n, max_response)
+    lengths[np.argsort(lengths)[n - at_cap :]] = max_response
     t = prompt + max_response
     cols = np.arange(t)[None, :]
     prompt_mask = np.broadcast_to(cols < prompt, (n, t))
@@ -309,6 +313,7 @@ def measure_packing(
     prompt: int,
     max_response: int,
     mean: float,
+    at_cap: int,
     micro_batches: int,
     repeats: int,
     policy: str,
@@ -316,7 +321,7 @@ def measure_packing(
 ) -> dict:
     """Real tokens/s of the update on packed rows and on padded rows (one sequence per row), the
     same sequences, timed alternately (module docstring)."""
-    rollouts = _long_tail_rollouts(cfg.vocab_size, sequences, prompt, max_response, mean)
+    rollouts = _long_tail_rollouts(cfg.vocab_size, sequences, prompt, max_response, mean, at_cap)
     advantages = np.random.default_rng(1).normal(size=sequences).astype(np.float32)
     real = int(rollouts.prompt_lengths.sum() + rollouts.response_lengths.sum())
     policy_ = DTypePolicy.named(policy).for_platform(jax.default_backend())
@@ -373,6 +378,7 @@ def measure_packing(
         "real_tokens": real,
         "mean_response": float(rollouts.response_lengths.mean()),
         "max_response": int(rollouts.response_lengths.max()),
+        "responses_at_cap": int((rollouts.response_lengths == max_response).sum()),
     }
     for name, run in runs.items():
         seconds = float(np.median(run["times"]))
@@ -422,11 +428,14 @@ def main(argv=None):
         action="store_true",
         help="packed vs padded rows on a long-tailed length mix (default preset d256)",
     )
-    parser.add_argument("--sequences", type=int, default=32, help="--packing: responses")
+    parser.add_argument("--sequences", type=int, default=64, help="--packing: responses")
     parser.add_argument("--prompt", type=int, default=16, help="--packing: prompt tokens")
     parser.add_argument("--max_response", type=int, default=240, help="--packing: the cap")
-    parser.add_argument("--mean_response", type=float, default=40.0, help="--packing: mean")
-    parser.add_argument("--micro_batches", type=int, default=4, help="--packing: per update")
+    parser.add_argument("--mean_response", type=float, default=48.0, help="--packing: mean")
+    parser.add_argument("--micro_batches", type=int, default=8, help="--packing: per update")
+    parser.add_argument(
+        "--at_cap", type=int, default=3, help="--packing: the longest responses set to the cap"
+    )
     args = parser.parse_args(argv)
     require_backend(args.backend)
     repeats = 3 if args.quick else 5
@@ -451,6 +460,7 @@ def main(argv=None):
             args.prompt,
             args.max_response,
             args.mean_response,
+            args.at_cap,
             args.micro_batches,
             3 if args.quick else repeats,
             args.policy,
