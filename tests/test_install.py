@@ -1,5 +1,6 @@
 """The light install: no TensorFlow (nor the real seqio) is imported by the trainer, the engine,
-the server or the benchmarks, and the run's TensorBoard event files are read by TensorBoard."""
+the server or the benchmarks, JetStream only by its adapter and the server, and the run's
+TensorBoard event files are read by TensorBoard."""
 
 import json
 import os
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from dvp_jax.metrics import EventFiles
+from tests import child_env
 from tests.train_utils import REPO
 
 HEAVY = ("tensorflow", "tensorflow_text", "tensorflow_datasets", "seqio", "clu", "torch")
@@ -34,6 +36,41 @@ print(json.dumps({{"heavy": heavy, "seqio": seqio.__doc__ if seqio else None}}))
 """
 
 
+# The only modules that import JetStream and its compatibility shim (rollout/jetstream_compat.py).
+JETSTREAM_USERS = (
+    "dvp_jax.rollout.jetstream",
+    "dvp_jax.rollout.server",
+    "dvp_jax.rollout.jetstream_compat",
+)
+# Named in the promise that they load no JetStream (README, docs/design.md section 6).
+JETSTREAM_FREE = (
+    "dvp_jax.main",
+    "dvp_jax.train.trainer",
+    "dvp_jax.dvp.losses",
+    "dvp_jax.model",
+    "dvp_jax.aot",
+    "dvp_jax.evaluate",
+    "dvp_jax.rollout.engine",
+    "dvp_jax.rollout.tokenizers",
+)
+
+# Every other dvp_jax module (each .py file: dvp_jax/train is a namespace package, which
+# pkgutil does not walk), imported in one interpreter after a baseline of `import jax`.
+_JETSTREAM_FREE_CHECK = """
+import importlib, json, pathlib, sys
+import jax
+baseline, had_tree_map = set(sys.modules), hasattr(jax, "tree_map")
+files = sorted(pathlib.Path("dvp_jax").rglob("*.py"))
+names = [".".join(f.with_suffix("").parts).removesuffix(".__init__") for f in files]
+names = [n for n in names if n not in {users!r} and not n.endswith(".__main__")]
+for name in names:
+    importlib.import_module(name)
+loaded = sorted(m for m in set(sys.modules) - baseline if m.split(".")[0] in ("jetstream", "seqio"))
+print(json.dumps({{"imported": names, "loaded": loaded, "had_tree_map": had_tree_map,
+                  "tree_map": hasattr(jax, "tree_map")}}))
+"""
+
+
 def _libtpu_env():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TPU_", "JAX_PLATFORMS"))}
     env.pop("ALLOW_MULTIPLE_LIBTPU_LOAD", None)
@@ -43,10 +80,12 @@ def _libtpu_env():
 @pytest.fixture(scope="module")
 def fresh_interpreters():
     """The fresh interpreters of this file, started at once: modules -> (returncode, stdout,
-    stderr); "libtpu" -> the same for `import dvp_jax, jax` without JAX_PLATFORMS."""
+    stderr); "libtpu" -> the same for `import dvp_jax, jax` without JAX_PLATFORMS;
+    "jetstream_free" -> the same for every dvp_jax module but `JETSTREAM_USERS`."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     codes = {m: (_IMPORT_CHECK.format(modules=m, heavy=HEAVY), env) for m in _IMPORTS}
     codes["libtpu"] = ("import dvp_jax, jax; print(jax.default_backend())", _libtpu_env())
+    codes["jetstream_free"] = (_JETSTREAM_FREE_CHECK.format(users=JETSTREAM_USERS), child_env())
     procs = {
         name: subprocess.Popen(
             [sys.executable, "-c", code],
@@ -68,10 +107,24 @@ def test_no_tensorflow_is_imported_by_the_trainer_engine_server_or_benchmarks(
     proc, stdout, stderr = fresh_interpreters[modules]
     assert proc.returncode == 0, stderr[-3000:]
     found = json.loads(stdout.strip().splitlines()[-1])
-    # seqio may be in sys.modules, but only as dvp_jax's stand-in (rollout/jetstream_compat.py).
+    # seqio may be in sys.modules (the server's set), but only as dvp_jax's stand-in.
     assert set(found["heavy"]) <= {"seqio"} and "torch" not in found["heavy"], found
     if found["seqio"] is not None:
         assert "stand-in" in found["seqio"]
+
+
+def test_only_the_jetstream_adapter_and_the_server_load_jetstream_or_patch_jax(
+    fresh_interpreters,
+):
+    """Every dvp_jax module but `JETSTREAM_USERS` (the trainer, the loss, the model, `aot`, the
+    engine...) imports without loading a `jetstream` or `seqio` module and leaves `jax` as a
+    plain `import jax` leaves it (no `jax.tree_map` of the shim's)."""
+    proc, stdout, stderr = fresh_interpreters["jetstream_free"]
+    assert proc.returncode == 0, stderr[-3000:]
+    found = json.loads(stdout.strip().splitlines()[-1])
+    assert set(JETSTREAM_FREE) <= set(found["imported"]), found["imported"]
+    assert found["loaded"] == [], found["loaded"]
+    assert found["tree_map"] == found["had_tree_map"]
 
 
 def test_the_stand_in_refuses_sentencepiece_with_a_reason():

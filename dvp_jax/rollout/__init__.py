@@ -7,8 +7,7 @@ sampler), `decode` (prefill, insert and the decode step and loop as pure functio
 `engine_api.Engine` on the RL engine), `server` (`python -m dvp_jax.rollout.server`) and
 `loading` (its checkpoints), `tokenizers`, `quantize` (fake weight quantization) and
 `jetstream_compat` (what JetStream 0.2.2 lacks today: `jax.tree_map` and a seqio stand-in, so no
-TensorFlow is imported). This `__init__` imports `jetstream_compat` only, before any module
-imports JetStream.
+TensorFlow is imported). Only `jetstream` and `server` import JetStream, each after
+`jetstream_compat`: the rest of dvp_jax (the trainer, the engine, the loss, the model, `aot`)
+loads neither JetStream nor the shim, and leaves `jax` as it is.
 """
-
-from dvp_jax.rollout import jetstream_compat  # noqa: F401  (before any jetstream import)

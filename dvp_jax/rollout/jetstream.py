@@ -7,6 +7,9 @@ a request's `Prefix` is a `prefill_batch` result of one row, and the request's k
 caller's `rng` or, when there is none (the orchestrator gives none), `fold_in(seed key, n)` for
 the n-th such request, counted under a lock. The RL loop does not use this class: JetStream's
 results carry no log-probs and its orchestrator cannot swap weights (`offline.py`).
+
+With the server, this is the only module that imports JetStream; it applies JetStream's
+compatibility shim (`jetstream_compat`) first.
 """
 
 from __future__ import annotations
@@ -18,12 +21,22 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jetstream.engine import engine_api, tokenizer_pb2
+
+# First: JetStream 0.2.2 needs `jax.tree_map` and a `seqio` module before it is imported.
+from dvp_jax.rollout import jetstream_compat  # noqa: F401
+
+# isort: split
+from jetstream.engine import engine_api, tokenizer_api, tokenizer_pb2
 
 from dvp_jax.model.attention import KVCache
 from dvp_jax.rollout import decode
 from dvp_jax.rollout.engine import RolloutEngine
 from dvp_jax.rollout.state import DecodeState, Prefix
+from dvp_jax.rollout.tokenizers import CharTokenizer, HFTokenizer
+
+# Ours implement JetStream's tokenizer API without importing JetStream (the trainer uses them).
+tokenizer_api.Tokenizer.register(CharTokenizer)
+tokenizer_api.Tokenizer.register(HFTokenizer)  # and WordTokenizer, its subclass
 
 
 class JetStreamEngine(engine_api.Engine):

@@ -13,7 +13,9 @@ JetStream 0.2.2 is the last release (upstream is archived). Two gaps, both close
    `SentencePieceVocabulary` that refuses to be built, saying why. `make install` meets
    JetStream's seqio requirement with a code-less distribution (packaging/seqio_standin).
 
-This module is imported before any `jetstream` module: `dvp_jax.rollout`'s `__init__` does it.
+Importing this module applies both. Only JetStream's users import it, before their first
+`jetstream` import: `dvp_jax.rollout.jetstream` (the adapter), `dvp_jax.rollout.server` and the
+test suite (tests/conftest.py). The trainer does not, so its users' `jax` is left unpatched.
 """
 
 import sys

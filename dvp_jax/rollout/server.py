@@ -28,6 +28,11 @@ import jax
 from absl import app, flags
 from flax import nnx
 from google.protobuf.message import DecodeError
+
+# First: JetStream 0.2.2 needs `jax.tree_map` and a `seqio` module before it is imported.
+from dvp_jax.rollout import jetstream_compat  # noqa: F401
+
+# isort: split
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
 
 from dvp_jax.cli import (

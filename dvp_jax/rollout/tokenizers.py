@@ -1,4 +1,4 @@
-"""Tokenizers implementing JetStream's tokenizer API (`jetstream.engine.tokenizer_api.Tokenizer`).
+"""Tokenizers with JetStream's tokenizer API (`jetstream.engine.tokenizer_api.Tokenizer`).
 
 Three, each usable by the rollout engine, JetStream's orchestrator and the data pipeline:
 `CharTokenizer` (the generated arithmetic task's fixed characters), `HFTokenizer` (a local
@@ -9,6 +9,10 @@ vocabulary built in memory; `running_sum_tokenizer` is the running-sum task's).
 special ids and `save_hf`) is documented on `_BucketTokenizer`. Callers running JetStream's
 orchestrator: `encode` raises `ValueError` on text it cannot tokenise (characters outside the
 vocabulary, over-long prompts); validate requests before they reach the prefill thread.
+
+JetStream is not imported here (the trainer uses these tokenizers and loads no JetStream): the
+classes implement its API without inheriting it, and `dvp_jax.rollout.jetstream` registers them
+as JetStream `Tokenizer`s.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-from jetstream.engine import tokenizer_api
 
 from dvp_jax.model import hub
 
@@ -67,7 +70,7 @@ def _pad_to_bucket(
     return (jnp.asarray(padded) if jax_padding else padded), true_length
 
 
-class _BucketTokenizer(tokenizer_api.Tokenizer):
+class _BucketTokenizer:
     """JetStream's `encode` and the Hugging Face export, shared by every tokenizer here.
 
     - `encode(s, is_bos=<add_bos>, prefill_lengths=None, max_prefill_length=None,
@@ -413,13 +416,14 @@ def running_sum_tokenizer(n_words: int | None = None) -> WordTokenizer:
     return WordTokenizer(running_sum.vocabulary(n), name=running_sum.tokenizer_spec(n))
 
 
-def load_tokenizer(spec: str | os.PathLike | tokenizer_api.Tokenizer, **kwargs: Any):
+def load_tokenizer(spec: str | os.PathLike | Any, **kwargs: Any):
     """A tokenizer from its spec: `"char"` -> `CharTokenizer()`; `"running_sum"` or
     `"running_sum:<n_words>"` -> `running_sum_tokenizer` (these names win over a path of the
     same name); a Hub repo id ('org/name', not an existing path) is resolved to its cached
-    snapshot (`model.hub`); anything else is a path for `HFTokenizer(spec, **kwargs)`. A
-    tokenizer instance is returned unchanged."""
-    if isinstance(spec, tokenizer_api.Tokenizer):
+    snapshot (`model.hub`); any other string or path is a path for `HFTokenizer(spec, **kwargs)`.
+    Anything else (a tokenizer instance: ours or any JetStream `Tokenizer`) is returned
+    unchanged."""
+    if not isinstance(spec, str | os.PathLike):
         return spec
     builtin = spec == "char" or (isinstance(spec, str) and spec.split(":")[0] == RUNNING_SUM)
     if builtin and kwargs:
