@@ -94,7 +94,7 @@ def train_specs(cfg, devices) -> tuple[list[Spec], dict[str, Any]]:
     from dvp_jax.train import batch as batch_lib
     from dvp_jax.train import sft as sft_lib
     from dvp_jax.train import step as step_lib
-    from dvp_jax.train.builders import model_factory
+    from dvp_jax.train.build import model_factory
     from dvp_jax.train.programs import train_optimizer, trainer_programs
     from dvp_jax.train.state import abstract_train_state
 
@@ -142,7 +142,7 @@ def train_specs(cfg, devices) -> tuple[list[Spec], dict[str, Any]]:
 def engine_specs(
     cfg, devices, trainer: dict[str, Any], all_buckets: bool
 ) -> tuple[list[Spec], int]:
-    """The rollout engine programs of the first host (on the devices `builders.engine_mesh`
+    """The rollout engine programs of the first host (on the devices `build.engine_mesh`
     gives it, as the trainer does) and the weight sync into it; and the bytes per chip the
     engines keep meanwhile."""
     import jax
@@ -151,7 +151,7 @@ def engine_specs(
     from dvp_jax.rollout.decode import raw_key_shape
     from dvp_jax.rollout.engine import RolloutEngine
     from dvp_jax.rollout.offline import STEPS_PER_SYNC
-    from dvp_jax.train.builders import engine_config, engine_mesh
+    from dvp_jax.train.build import engine_config, engine_mesh
 
     r = cfg.rollout
     mesh = engine_mesh(trainer["mesh"], r.tensor_parallel, devices[0].process_index)
@@ -370,7 +370,7 @@ def main(argv):
     jax.config.update("jax_platforms", "cpu")  # the host side; the programs are for TPU
     opts = {name: flag.value for name, flag in _FLAGS.items() if name != "config"}
     from dvp_jax.errors import UserError
-    from dvp_jax.train.builders import load_run_tokenizer
+    from dvp_jax.train.build import load_run_tokenizer
     from dvp_jax.train.config import ExperimentConfig
 
     try:

@@ -108,7 +108,7 @@ def _experiment_config(workdir, hf_path, config, data):
     """(ExperimentConfig, tokenizer) of the run, or of the HF model with `config` (None:
     `default_config` on the math task, the model's tokenizer.json)."""
     from dvp_jax.model.hub import resolve_model_dir
-    from dvp_jax.train.builders import load_run_tokenizer
+    from dvp_jax.train.build import load_run_tokenizer
     from dvp_jax.train.config import ExperimentConfig, default_config
 
     if workdir:
@@ -136,7 +136,7 @@ def _engine(cfg, tokenizer, workdir, dtype: str):
     from dvp_jax.rollout import loading
     from dvp_jax.rollout.engine import RolloutEngine
     from dvp_jax.sharding import ROLLOUT_RULES, MeshConfig, Sharder, make_mesh
-    from dvp_jax.train.builders import engine_config
+    from dvp_jax.train.build import engine_config
 
     tp = cfg.rollout.tensor_parallel
     mesh = make_mesh(MeshConfig(1, 1, tp), jax.devices()[:tp])

@@ -171,7 +171,7 @@ def main(argv):
     import jax
 
     from dvp_jax.errors import RunFailure, UserError, one_line
-    from dvp_jax.train.builders import load_run_tokenizer
+    from dvp_jax.train.build import load_run_tokenizer
     from dvp_jax.train.config import ExperimentConfig
     from dvp_jax.train.report import summary_line
     from dvp_jax.train.trainer import Trainer

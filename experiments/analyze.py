@@ -60,7 +60,7 @@ INIT_OVERRIDES = {
 
 def tiny_config(overrides: dict | None = None):
     """configs/tiny_cpu.py plus dotted `overrides`, as `ExperimentConfig` (char tokenizer)."""
-    from dvp_jax.rollout.tokenizers import load_tokenizer
+    from dvp_jax.tokenizers import load_tokenizer
     from dvp_jax.train.config import ExperimentConfig
 
     cd = load_file(os.path.join(sweep.REPO, TINY_CPU)).get_config()
@@ -289,7 +289,7 @@ def load_policy(hf_dir: str, dtype: str):
     from dvp_jax.model import TRAIN_POLICY
     from dvp_jax.model.hf_import import load_hf
     from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
-    from dvp_jax.rollout.tokenizers import load_tokenizer
+    from dvp_jax.tokenizers import load_tokenizer
 
     tokenizer = load_tokenizer("char")
     cfg = tiny_config()

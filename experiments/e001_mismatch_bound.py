@@ -53,7 +53,7 @@ from dvp_jax.dvp import diagnostics
 from dvp_jax.model import TRAIN_POLICY, Transformer
 from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
 from dvp_jax.rollout.offline import generate_rollouts
-from dvp_jax.rollout.tokenizers import load_tokenizer
+from dvp_jax.tokenizers import load_tokenizer
 from experiments import analyze, e001_plots
 
 # (name, rollout dtype, logit noise std). The last is e002's level.

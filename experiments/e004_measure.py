@@ -32,7 +32,7 @@ def config_module():
 
 def level_config(level: str, overrides: dict | None = None):
     """The validated `ExperimentConfig` of the e004 config at `level` (plus dotted overrides)."""
-    from dvp_jax.rollout.tokenizers import load_tokenizer
+    from dvp_jax.tokenizers import load_tokenizer
     from dvp_jax.train.config import ExperimentConfig
 
     cd = config_module().get_config(f"rloo:{level}")
@@ -74,7 +74,7 @@ def measure(
     from dvp_jax.model.hf_import import load_hf
     from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
     from dvp_jax.rollout.offline import generate_rollouts
-    from dvp_jax.rollout.tokenizers import load_tokenizer
+    from dvp_jax.tokenizers import load_tokenizer
     from dvp_jax.train import evaluation
     from dvp_jax.train.batch import from_rollouts
 

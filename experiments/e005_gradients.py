@@ -158,7 +158,7 @@ def cotangents(rl, st, sl, rewards, samples: int, methods, pruned_sample: bool):
 
 def grad_unit(rung: str, chunk: int, root: str, init_hf, smoke: bool = False) -> dict:
     """One chunk's per-group gradient sketches (saved under root/grads) and a small record."""
-    from dvp_jax.rollout.tokenizers import load_tokenizer
+    from dvp_jax.tokenizers import load_tokenizer
 
     t0 = time.time()
     cfg = mech.rung_config(rung, smoke)

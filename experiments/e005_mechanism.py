@@ -62,7 +62,7 @@ SMOKE = {  # CI sizes on a random init
 def rung_config(rung: str, smoke: bool = False):
     """The validated `ExperimentConfig` of the e004 config at `rung`."""
     from dvp_jax.pyfile import load_file
-    from dvp_jax.rollout.tokenizers import load_tokenizer
+    from dvp_jax.tokenizers import load_tokenizer
     from dvp_jax.train.config import ExperimentConfig
 
     level, overrides = RUNGS[rung]
@@ -89,7 +89,7 @@ def engine_for(cfg, model, log_rho: float, slots: int = 64):
     from flax import nnx
 
     from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
-    from dvp_jax.rollout.tokenizers import load_tokenizer
+    from dvp_jax.tokenizers import load_tokenizer
 
     ec = EngineConfig.take(
         cfg.rollout,
@@ -206,7 +206,7 @@ def _tf_part(model, rmodel, tokens, valid, lp, mask, group, n_groups):
 def sample_unit(rung: str, chunk: int, root: str, init_hf, smoke: bool = False) -> dict:
     """Samples, scores and sums one chunk at `rung`; saves the arrays for the gradient units."""
     from dvp_jax.data import pipeline
-    from dvp_jax.rollout.tokenizers import load_tokenizer
+    from dvp_jax.tokenizers import load_tokenizer
     from dvp_jax.train.batch import from_rollouts
 
     t0 = time.time()

@@ -38,7 +38,7 @@ def timeless(rows: list[dict]) -> list[dict]:
 def tiny_trainer(workdir, **overrides):
     """A `Trainer` on `workdir` of the test-size tiny config with `overrides` (imported here:
     conftest imports this module before any test needs the trainer)."""
-    from dvp_jax.rollout.tokenizers import CharTokenizer
+    from dvp_jax.tokenizers import CharTokenizer
     from dvp_jax.train.config import ExperimentConfig
     from dvp_jax.train.trainer import Trainer
     from tests.train_utils import tiny_config_dict

@@ -11,7 +11,7 @@ import pytest
 
 from dvp_jax.data.chat import ChatTemplate, chat_renderer, render_messages
 from dvp_jax.data.math_data import load_math_dataset
-from dvp_jax.rollout.tokenizers import HFTokenizer
+from dvp_jax.tokenizers import HFTokenizer
 
 SPECIALS = [
     "<pad>",

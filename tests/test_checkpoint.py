@@ -24,8 +24,8 @@ import pytest
 from dvp_jax.checkpoint import Checkpointer, abstract_like
 from dvp_jax.data.pipeline import make_prompt_iterator
 from dvp_jax.data.tasks import ArithmeticTask
-from dvp_jax.rollout.tokenizers import CharTokenizer
 from dvp_jax.run_params import state_item_dir
+from dvp_jax.tokenizers import CharTokenizer
 from dvp_jax.train.state import TrainState, make_optimizer
 from tests import child_env
 from tests.train_utils import REPO

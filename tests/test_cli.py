@@ -196,7 +196,7 @@ def test_a_bad_data_file_is_one_data_error_and_leaves_no_workdir(tmp_path, case)
     # The command line prints a DataError as its one line (the empty-file case above); here
     # the message of each kind of bad file, from the trainer itself, before any model is built.
     from dvp_jax.errors import DataError
-    from dvp_jax.rollout.tokenizers import CharTokenizer
+    from dvp_jax.tokenizers import CharTokenizer
     from dvp_jax.train.config import ExperimentConfig
     from dvp_jax.train.trainer import Trainer
     from tests.train_utils import tiny_config_dict

@@ -10,7 +10,7 @@ import pytest
 from dvp_jax import aot
 from dvp_jax.model.config import ModelConfig
 from dvp_jax.pyfile import load_file
-from dvp_jax.rollout.tokenizers import CharTokenizer
+from dvp_jax.tokenizers import CharTokenizer
 from dvp_jax.train.config import ExperimentConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

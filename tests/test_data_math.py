@@ -8,7 +8,7 @@ import pytest
 
 from dvp_jax.data import pipeline
 from dvp_jax.data.math_data import load_math_dataset, render_messages
-from dvp_jax.rollout.tokenizers import HFTokenizer
+from dvp_jax.tokenizers import HFTokenizer
 
 MAX_PROMPT_TOKENS = 64
 

@@ -7,7 +7,7 @@ import pytest
 
 from dvp_jax.data import pipeline
 from dvp_jax.data.tasks import ArithmeticTask, Example
-from dvp_jax.rollout.tokenizers import CharTokenizer
+from dvp_jax.tokenizers import CharTokenizer
 
 TOK = CharTokenizer()
 MAX_LEN = 16

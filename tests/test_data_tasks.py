@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from dvp_jax.data.tasks import ArithmeticTask, _evaluate
-from dvp_jax.rollout.tokenizers import CharTokenizer
+from dvp_jax.tokenizers import CharTokenizer
 
 
 def test_deterministic_from_seed():

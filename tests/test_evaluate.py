@@ -131,7 +131,7 @@ def test_bad_input_is_one_line(tiny_run, sets, tmp_path):
         with pytest.raises(UserError, match=re.escape(message)):
             evaluate.run(**kwargs)
     bad = tiny_config_dict(**{"eval.sets": (dict(name="x", path=str(held), answer_key="gold"),)})
-    from dvp_jax.rollout.tokenizers import CharTokenizer
+    from dvp_jax.tokenizers import CharTokenizer
     from dvp_jax.train import evaluation
     from dvp_jax.train.config import ExperimentConfig
 

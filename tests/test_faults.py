@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from dvp_jax.metrics import read_metrics
-from dvp_jax.rollout.tokenizers import CharTokenizer
-from dvp_jax.train.builders import WorkdirMismatchError
+from dvp_jax.tokenizers import CharTokenizer
+from dvp_jax.train.resume import WorkdirMismatchError
 from dvp_jax.workdir import WorkdirInUseError, WorkdirLock
 from tests.main_cases import run_cases
 from tests.shared_runs import TINY_RUN, run_trainer, timeless, tiny_trainer

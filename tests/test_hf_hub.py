@@ -18,9 +18,9 @@ from dvp_jax.errors import ConfigError
 from dvp_jax.model import ModelConfig
 from dvp_jax.model.hf_import import load_hf
 from dvp_jax.model.hub import resolve_model_dir
-from dvp_jax.rollout.tokenizers import CharTokenizer, HFTokenizer, load_tokenizer
 from dvp_jax.sharding import Sharder
-from dvp_jax.train.builders import build_model
+from dvp_jax.tokenizers import CharTokenizer, HFTokenizer, load_tokenizer
+from dvp_jax.train.build import build_model
 from dvp_jax.train.config import ExperimentConfig, default_config
 from tests.helpers import hf_qwen3
 

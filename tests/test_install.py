@@ -51,7 +51,7 @@ JETSTREAM_FREE = (
     "dvp_jax.aot",
     "dvp_jax.evaluate",
     "dvp_jax.rollout.engine",
-    "dvp_jax.rollout.tokenizers",
+    "dvp_jax.tokenizers",
 )
 
 # Every other dvp_jax module (each .py file: dvp_jax/train is a namespace package, which

@@ -444,7 +444,7 @@ def test_aot_lowers_the_update_with_the_reference_for_a_tpu_topology():
     dtype in the state, the reference log-probs in the batch: `batch.abstract_batch`) and it
     lowers for a v5p topology from this host (compiling is tests/test_tpu_compile.py's job)."""
     from dvp_jax import aot
-    from dvp_jax.rollout.tokenizers import CharTokenizer
+    from dvp_jax.tokenizers import CharTokenizer
     from dvp_jax.train.config import ExperimentConfig
     from tests.train_utils import tiny_config_dict
 

@@ -343,8 +343,8 @@ def test_aot_compiles_the_programs_the_run_jits():
     betas, which an optimizer built apart would lose), the PPO old policy's forward and the SFT
     step lower to the very programs the run's parts hold."""
     from dvp_jax import aot
+    from dvp_jax.train.build import build_parts
     from dvp_jax.train.config import ExperimentConfig
-    from dvp_jax.train.parts import build_parts
     from tests.train_utils import tiny_config_dict
 
     over = {

@@ -12,7 +12,7 @@ import pytest
 
 from dvp_jax.data import prepare
 from dvp_jax.data.math_data import load_math_dataset, render_messages
-from dvp_jax.rollout.tokenizers import HFTokenizer
+from dvp_jax.tokenizers import HFTokenizer
 from tests.test_data_math import write_hf_dataset
 
 P = prepare.DAPO_PREFIX

@@ -20,7 +20,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from dvp_jax.rollout.tokenizers import CharTokenizer
+from dvp_jax.tokenizers import CharTokenizer
 from dvp_jax.train.config import ExperimentConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,7 +11,7 @@ import pytest
 from dvp_jax import metrics as metrics_lib
 from dvp_jax.data import rewards
 from dvp_jax.rollout.offline import RolloutBatch
-from dvp_jax.rollout.tokenizers import CharTokenizer
+from dvp_jax.tokenizers import CharTokenizer
 from dvp_jax.train import evaluation
 from dvp_jax.train.config import ExperimentConfig
 from dvp_jax.train.sections import DataConfig

@@ -306,13 +306,13 @@ def test_update_params_casts_reshards_without_recompiling(bf16, batch, master, t
 
 
 def test_weight_sync_into_a_tensor_row_of_the_trainer_mesh_stays_on_the_devices(trainer):
-    """The engine on one tensor row of the trainer's (1, 4, 2) mesh (`builders.engine_mesh`)
+    """The engine on one tensor row of the trainer's (1, 4, 2) mesh (`build.engine_mesh`)
     takes the trainer's sharded fp32 params by one cast whose outputs are split over tensor on
     the trainer's mesh (`RolloutEngine.trainer_row_mesh`): its arrays are the shards already on
     its two devices, each holding half of every split parameter, and equal what the copying
     path (cast where the trainer's arrays are, then `device_put`) gives, to float rounding
     (int4 weights: the group absmax is computed by another program)."""
-    from dvp_jax.train.builders import engine_mesh
+    from dvp_jax.train.build import engine_mesh
 
     trainer_mesh = trainer.embed.get_value().sharding.mesh
     assert trainer_mesh.devices.shape == (1, 4, 2)
@@ -633,10 +633,10 @@ def test_logit_noise_is_shared_by_a_prompts_samples_and_fixed_across_calls(bf16)
 
 
 def test_engine_config_has_one_builder_and_errors_name_its_fields():
-    """`EngineConfig.take` (what `builders.engine_config` and the server's flags use) copies
+    """`EngineConfig.take` (what `build.engine_config` and the server's flags use) copies
     the same-named fields of a config section or a mapping; a bad value names the class it
     was given to, with the min-p rule's message from `pruning.check_log_rho`."""
-    from dvp_jax.train.builders import engine_config
+    from dvp_jax.train.build import engine_config
     from dvp_jax.train.config import ExperimentConfig, default_config
 
     c = default_config("dvp")

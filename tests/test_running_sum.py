@@ -6,12 +6,12 @@ import dataclasses
 import numpy as np
 import pytest
 
+from dvp_jax import tokenizers
 from dvp_jax.data import rewards
 from dvp_jax.data import running_sum as rs
 from dvp_jax.data.running_sum import RunningSumTask
 from dvp_jax.data.tasks import ArithmeticTask, GeneratedTask
-from dvp_jax.rollout import tokenizers
-from dvp_jax.rollout.tokenizers import WordTokenizer, load_tokenizer
+from dvp_jax.tokenizers import WordTokenizer, load_tokenizer
 from dvp_jax.train import config as config_lib
 from dvp_jax.train import resume
 from dvp_jax.train.config import ExperimentConfig

@@ -165,7 +165,7 @@ def test_server_loads_hf_and_orbax_checkpoints(tmp_path):
     from dvp_jax.model import TRAIN_POLICY, ModelConfig, Transformer
     from dvp_jax.model.hf_import import save_hf
     from dvp_jax.rollout import server
-    from dvp_jax.rollout.tokenizers import CharTokenizer, HFTokenizer
+    from dvp_jax.tokenizers import CharTokenizer, HFTokenizer
 
     master = Transformer(ModelConfig.preset("tiny"), TRAIN_POLICY, rngs=nnx.Rngs(3))
     save_hf(master, str(tmp_path / "hf"))

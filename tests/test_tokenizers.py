@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jetstream.engine import tokenizer_api
 
-from dvp_jax.rollout.tokenizers import (
+from dvp_jax.tokenizers import (
     CHAR_VOCAB,
     CharTokenizer,
     HFTokenizer,

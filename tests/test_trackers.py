@@ -16,7 +16,7 @@ import pytest
 
 from dvp_jax.errors import ConfigError
 from dvp_jax.metrics import MetricsLog
-from dvp_jax.rollout.tokenizers import CharTokenizer
+from dvp_jax.tokenizers import CharTokenizer
 from dvp_jax.trackers import FINAL_EVAL, Trackers, WandbOptions, check_installed, parse_trackers
 from dvp_jax.train.config import ExperimentConfig
 from tests.train_utils import tiny_config_dict

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dvp_jax.metrics import read_metrics
-from dvp_jax.rollout.tokenizers import CharTokenizer
+from dvp_jax.tokenizers import CharTokenizer
 from dvp_jax.train.config import ExperimentConfig
 from dvp_jax.train.trainer import Trainer
 from tests.train_utils import REPO, tiny_config_dict

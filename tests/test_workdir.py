@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from dvp_jax.rollout.tokenizers import CharTokenizer
+from dvp_jax.tokenizers import CharTokenizer
 from dvp_jax.train.config import ExperimentConfig
 from dvp_jax.train.trainer import Trainer
 from dvp_jax.workdir import as_path, is_remote, write_atomic

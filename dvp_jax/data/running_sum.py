@@ -8,7 +8,7 @@ number of free words drawn from a Zipf law after every step, then states the tot
 
 The reward ("marked_answer", `rewards`) reads only the integer after the last `<ans>`, so the
 thought words are free. Text is single-space separated whole words, what the word-level
-tokenizer `load_tokenizer("running_sum:<n_words>")` (`dvp_jax.rollout.tokenizers`) splits on;
+tokenizer `load_tokenizer("running_sum:<n_words>")` (`dvp_jax.tokenizers`) splits on;
 `vocabulary(n_words)` is its token list. Not here: the split machinery (`tasks.GeneratedTask`).
 """
 

@@ -251,7 +251,7 @@ def save_hf(
     The directory is written under a temporary name and renamed at the end (replacing any
     existing `path`), so a crash never leaves a half-written checkpoint at `path`. The tokenizer
     files are written afterwards by the tokenizer itself: `tokenizer.save_hf(path)`
-    (`dvp_jax.rollout.tokenizers`); then `transformers` loads both model and tokenizer.
+    (`dvp_jax.tokenizers`); then `transformers` loads both model and tokenizer.
 
     Args:
       model: the model to export.

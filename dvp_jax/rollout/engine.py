@@ -28,7 +28,6 @@ from dvp_jax.model.transformer import Transformer
 from dvp_jax.rollout import decode, sampling, weights
 from dvp_jax.rollout.quantize import quantize_leaves
 from dvp_jax.rollout.state import RECORD_FIELDS, DecodeState, EngineConfig, Prefix
-from dvp_jax.rollout.tokenizers import load_tokenizer
 from dvp_jax.sharding import (
     ROLLOUT_RULES,
     MeshConfig,
@@ -37,6 +36,7 @@ from dvp_jax.sharding import (
     make_mesh,
     state_shardings,
 )
+from dvp_jax.tokenizers import load_tokenizer
 
 __all__ = ["RECORD_FIELDS", "DecodeState", "EngineConfig", "Prefix", "Programs", "RolloutEngine"]
 

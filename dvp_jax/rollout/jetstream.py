@@ -32,7 +32,7 @@ from dvp_jax.model.attention import KVCache
 from dvp_jax.rollout import decode
 from dvp_jax.rollout.engine import RolloutEngine
 from dvp_jax.rollout.state import DecodeState, Prefix
-from dvp_jax.rollout.tokenizers import CharTokenizer, HFTokenizer
+from dvp_jax.tokenizers import CharTokenizer, HFTokenizer
 
 # Ours implement JetStream's tokenizer API without importing JetStream (the trainer uses them).
 tokenizer_api.Tokenizer.register(CharTokenizer)

@@ -38,7 +38,7 @@ class SentencePieceVocabulary(Vocabulary):
         del args, kwargs
         raise NotImplementedError(
             "SentencePiece vocabularies (seqio) are not available in dvp_jax: its tokenizers "
-            "are dvp_jax.rollout.tokenizers (Hugging Face tokenizer.json or the char tokenizer)"
+            "are dvp_jax.tokenizers (Hugging Face tokenizer.json or the char tokenizer)"
         )
 
 

@@ -49,13 +49,13 @@ from dvp_jax.model.config import PRECISIONS, DTypePolicy, ModelConfig
 from dvp_jax.rollout import loading
 from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
 from dvp_jax.rollout.jetstream import JetStreamEngine
-from dvp_jax.rollout.tokenizers import DEFAULT_PREFILL_LENGTHS
 from dvp_jax.sharding import (
     ROLLOUT_RULES,
     MeshConfig,
     Sharder,
     make_mesh,
 )
+from dvp_jax.tokenizers import DEFAULT_PREFILL_LENGTHS
 
 _log = logging.getLogger(__name__)
 

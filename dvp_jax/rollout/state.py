@@ -76,7 +76,7 @@ class EngineConfig:
     def take(cls, source: Any, **overrides) -> EngineConfig:
         """The config with every field `source` (an object or a mapping) has under the same
         name, then `overrides`; other fields keep their defaults. The one way a run's config
-        (`builders.engine_config`) and the server's flags become an `EngineConfig`."""
+        (`build.engine_config`) and the server's flags become an `EngineConfig`."""
         get = (
             source.get if isinstance(source, Mapping) else lambda name: getattr(source, name, None)
         )

@@ -3,7 +3,7 @@
 `trainer_programs` jits what a run calls on its devices: the RL update on the packed rows of one
 update (`step.rl_update`, the state donated), the forward alone when the config needs log-probs
 before an update (`step.batch_logprobs`: the decoupled PPO's old policy, E9; the KL reference,
-E11) and the supervised warm-up's step (`sft.sft_step`) when it has one. `parts.build_parts`
+E11) and the supervised warm-up's step (`sft.sft_step`) when it has one. `build.build_parts`
 builds a run's with it and `dvp_jax.aot` compiles exactly these for a TPU topology, with the
 same optimizer (`train_optimizer`, `sft.sft_optimizer`), the same layout of rows
 (`update_layout`) and the same shardings, so the compile check cannot drift from the run.

@@ -1,7 +1,8 @@
-"""What a resumed run may change: a validated config flattened to "section.field" keys, and the
-fields in which it differs from the config.json a workdir was started with.
+"""What a resumed run may change: a validated config flattened to "section.field" keys, the
+fields in which it differs from the config.json a workdir was started with, and the check that
+refuses it (`check_workdir`).
 
-`builders.check_workdir` refuses a rerun whose results-deciding fields differ; how long it runs,
+`check_workdir` refuses a rerun whose results-deciding fields differ; how long it runs,
 how often it evaluates, saves and logs, and where it runs may change (`RESUMABLE_FIELDS`). Not
 here: the config's validation (`config`).
 """
@@ -9,10 +10,13 @@ here: the config's validation (`config`).
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
+from dvp_jax.errors import UserError
 from dvp_jax.train.config import _SECTIONS, ExperimentConfig
 from dvp_jax.train.sections import GENERATED_TASKS, field_default, task_knobs
+from dvp_jax.workdir import as_path
 
 # What a rerun on an existing workdir may change: how long it runs, how often it evaluates,
 # saves and logs and to which trackers, where it runs (mesh, engine slots) and where the
@@ -78,3 +82,22 @@ def resume_mismatch(saved: dict[str, Any], current: ExperimentConfig) -> list[st
                 f"{key}: workdir {saved.get(key, '<absent>')!r}, now {now.get(key, '<absent>')!r}"
             )
     return diff
+
+
+class WorkdirMismatchError(ValueError, UserError):
+    """The workdir holds a run started with a different config."""
+
+
+def check_workdir(cfg: ExperimentConfig, workdir: str) -> None:
+    """Raises `WorkdirMismatchError` (one line naming the fields) if `workdir`'s config.json
+    differs from `cfg` in a field a resumed run may not change (`resume.RESUMABLE_FIELDS`)."""
+    path = as_path(workdir) / "config.json"
+    if not path.exists():
+        return
+    saved = json.loads(path.read_text())
+    diff = resume_mismatch(saved, cfg)
+    if diff:
+        raise WorkdirMismatchError(
+            f"{workdir} holds a run with a different config ({'; '.join(diff)}); rerun with "
+            "that config to resume it, or pass a new --workdir"
+        )

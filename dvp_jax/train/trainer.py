@@ -29,9 +29,10 @@ from dvp_jax.rollout.offline import RolloutInterrupted, generate_rollouts
 from dvp_jax.train import batch as batch_lib
 from dvp_jax.train import evaluation, packing, report, resume, sft
 from dvp_jax.train import step as step_lib
-from dvp_jax.train.builders import Preemption, WorkdirMismatchError, check_workdir, rollout_weights
+from dvp_jax.train.build import build_parts, rollout_weights
 from dvp_jax.train.config import ExperimentConfig
-from dvp_jax.train.parts import build_parts
+from dvp_jax.train.preemption import Preemption
+from dvp_jax.train.resume import WorkdirMismatchError, check_workdir
 from dvp_jax.train.state import with_fresh_optimizer
 from dvp_jax.workdir import WorkdirLock, as_path, check_writable, remove_if_empty, write_atomic
 
@@ -49,7 +50,7 @@ SUMMARY_TAIL_METRICS = (
 
 
 class Trainer:
-    """One run: its parts (`parts.RunParts`), its train state, its workdir and what is written
+    """One run: its parts (`build.RunParts`), its train state, its workdir and what is written
     there (checkpoints, metrics log, the trackers' outputs: samples.jsonl, event files, W&B).
 
     Nothing is written to the workdir before `run()` knows the run fits it: the config is

@@ -1,0 +1,271 @@
+"""What one RL run is built from, built once: `build_parts(cfg) -> (RunParts, TrainState)`, and
+the pieces the evaluation command, the server and `dvp_jax.aot` build the same way (the run's
+tokenizer, the trainer model, the rollout engine and its devices).
+
+`build_parts` goes in the order of failure cost: the config's host shares, the tokenizer and
+the data (a bad data file fails in a second, not after a model init), then the mesh, the trainer
+model and its train state, the rollout and evaluation engines, and the trainer's jitted programs
+(`programs.trainer_programs`, which `dvp_jax.aot` compiles too). Not here: the workdir, the
+checkpoints and the outputs (`trainer.Trainer`), the loop, the preemption signals
+(`preemption.py`), the workdir's config check (`resume.check_workdir`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+from flax import nnx
+
+from dvp_jax.data import pipeline
+from dvp_jax.data.tasks import GeneratedTask
+from dvp_jax.errors import ConfigError, DataError, UserError
+from dvp_jax.model import DTypePolicy, Transformer
+from dvp_jax.model.hf_import import load_hf
+from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
+from dvp_jax.sharding import TRAIN_RULES, MeshConfig, Sharder, init_sharded, make_mesh
+from dvp_jax.train import evaluation
+from dvp_jax.train.config import ExperimentConfig
+from dvp_jax.train.packing import Layout
+from dvp_jax.train.programs import train_optimizer, trainer_programs
+from dvp_jax.train.state import TrainState, init_train_state
+
+
+# ==============================================================================================
+# The pieces
+# ==============================================================================================
+def load_run_tokenizer(spec: str):
+    """`config.data.tokenizer` loaded; a path that does not load is the user's mistake."""
+    from dvp_jax.tokenizers import load_tokenizer
+
+    try:
+        return load_tokenizer(spec)
+    except ConfigError:  # a Hub repo id that does not resolve: the message names the field
+        raise
+    except (OSError, ValueError) as e:
+        raise UserError(f"config.data.tokenizer={spec!r}: {e}") from e
+
+
+def train_policy(cfg: ExperimentConfig, platform: str) -> DTypePolicy:
+    """The trainer's dtype policy on `platform`: `train.precision` with its attention kernel
+    and tile (`DTypePolicy.for_platform`)."""
+    t = cfg.train
+    return DTypePolicy.named(t.precision, t.attention_impl, t.attention_block).for_platform(
+        platform
+    )
+
+
+def model_factory(cfg: ExperimentConfig, sharder: Sharder):
+    """A function building the trainer model of `cfg` at random init (`train.precision`'s
+    policy, `train.remat`, seed `train.seed`): materialised by `build_model`, shaped by
+    `nnx.eval_shape` in `dvp_jax.aot`."""
+    policy = train_policy(cfg, sharder.platform)
+    return lambda: Transformer(
+        cfg.model, policy, sharder, rngs=nnx.Rngs(cfg.train.seed), remat=cfg.train.remat
+    )
+
+
+def build_model(cfg: ExperimentConfig, sharder: Sharder) -> Transformer:
+    """The trainer model (`train.precision`: true fp32 by default), born sharded: from
+    `model.hf_path` (resolved and its config.json checked by `ExperimentConfig`) or a random
+    init."""
+    if cfg.init_hf_path:
+        policy = train_policy(cfg, sharder.platform)
+        return load_hf(cfg.init_hf_path, policy, sharder, cfg=cfg.model, remat=cfg.train.remat)
+    return init_sharded(model_factory(cfg, sharder), sharder)
+
+
+def rollout_weights(params: nnx.State, dtype, engines=()) -> nnx.State:
+    """The trainer's params as this host's engines take them (weight sync).
+
+    One process, or engines that are each a tensor row of the trainer's mesh
+    (`RolloutEngine.trainer_row_mesh`: they cast and reshard on the devices, no host): the
+    params as they are. Otherwise, with several processes, the engine of each host holds the
+    full weights on its local devices while the trainer's params are sharded over every host's
+    devices: they are cast to `dtype` (the widest engine param dtype) on device and gathered to
+    every host (`process_allgather`, through the host).
+    """
+    leaves = jax.tree.leaves(params)
+    on_device = engines and all(e.trainer_row_mesh(leaves) is not None for e in engines)
+    if jax.process_count() == 1 or on_device:
+        return params
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(
+        jax.tree.map(lambda x: x.astype(dtype), params), tiled=True
+    )
+
+
+def engine_config(cfg: ExperimentConfig, dtype: str = "") -> EngineConfig:
+    """The rollout engine's settings for a run (precision `dtype`, default `rollout.dtype`)."""
+    # `rollout.*` fields carry EngineConfig's names. Prompts are padded to the smallest of
+    # EngineConfig's default buckets (16 ... 8192, and max_prompt_len) that holds the longest
+    # prompt of a prefill call, not to max_prompt_len: 2,048 for ~200-token prompts was 10x
+    # the prefill work.
+    return EngineConfig.take(
+        cfg.rollout,
+        dtype=dtype or cfg.rollout.dtype,
+        max_prefill_length=cfg.data.max_prompt_len,
+        log_rho=cfg.loss.effective_log_rho,  # the trainer's rule (E1): -inf when pruning is off
+        seed=cfg.train.seed,
+    )
+
+
+def build_engine(cfg: ExperimentConfig, tokenizer, model, dtype: str = "") -> RolloutEngine:
+    """One rollout engine per host on its local devices, with `model`'s weights, at precision
+    `dtype` (default `rollout.dtype`; the evaluation engine passes `eval.dtype`)."""
+    r = cfg.rollout
+    dtype = dtype or r.dtype
+    return RolloutEngine(
+        cfg.model,
+        engine_config(cfg, dtype),
+        tokenizer=tokenizer,
+        params=rollout_weights(nnx.state(model, nnx.Param), DTypePolicy.named(dtype).param_dtype),
+        mesh=engine_mesh(model.sharder.mesh, r.tensor_parallel, jax.process_index()),
+    )
+
+
+def engine_mesh(trainer_mesh, tensor_parallel: int, process: int) -> jax.sharding.Mesh:
+    """The devices of process `process`'s engine: a tensor row of the trainer's mesh on that
+    process when the tensor degrees agree (the weight sync then stays on the devices,
+    `RolloutEngine.trainer_row_mesh`), else its first `tensor_parallel` devices."""
+    if trainer_mesh is not None and trainer_mesh.shape["tensor"] == tensor_parallel:
+        for row in np.asarray(trainer_mesh.devices).reshape(-1, tensor_parallel):
+            if all(d.process_index == process for d in row):
+                return make_mesh(MeshConfig(1, 1, tensor_parallel), list(row))
+    # The devices of this program (a TPU topology's for `dvp_jax.aot`), else jax's.
+    pool = jax.devices() if trainer_mesh is None else trainer_mesh.devices.flat
+    devices = [d for d in pool if d.process_index == process]
+    if tensor_parallel > len(devices):
+        raise ConfigError(
+            f"config.rollout.tensor_parallel={tensor_parallel} exceeds the {len(devices)} "
+            "devices of one host"
+        )
+    return make_mesh(MeshConfig(1, 1, tensor_parallel), devices[:tensor_parallel])
+
+
+# ==============================================================================================
+# A run's parts
+# ==============================================================================================
+@dataclasses.dataclass(frozen=True)
+class RunParts:
+    """The fixed parts of a run; the train state, which every step replaces, is kept apart.
+
+    Attributes:
+      tokenizer, task: the run's tokenizer and generated task (None for a math file).
+      data: this host's prompt iterator (checkpointed with the state); heldout: the
+        validation sets (`evaluation.heldout_sets`).
+      mesh, sharder, graphdef, optimizer, state_shardings: the trainer side.
+      engine, eval_engine: the rollout engine and the evaluation engine (the same object
+        unless `eval.dtype` asks for another precision); sync_dtype: the widest param dtype of
+        the two, at which a multi-host weight sync gathers.
+      layout: one update's rows on this host (`packing.Layout`).
+      batch_shardings: of one update's global (mini-)batch.
+      update: `step.rl_update` jitted with the state donated: (state, batch) -> (state, metrics).
+      logprobs: jitted (params, `step.logprob_inputs(batch)`) -> `TokenLogprobs` of the policy
+        before an update (the decoupled PPO clip, `train.updates_per_batch > 1`) and of the
+        frozen reference (the KL term, `loss.kl_coef > 0`); None when neither is on.
+      sft_step: the warm-up's jitted step (None without a warm-up).
+    """
+
+    tokenizer: Any
+    task: GeneratedTask | None
+    data: pipeline.PromptIterator
+    heldout: list[evaluation.HeldoutSet]
+    mesh: jax.sharding.Mesh | None
+    sharder: Sharder
+    graphdef: nnx.GraphDef
+    optimizer: optax.GradientTransformation
+    state_shardings: Any
+    engine: RolloutEngine
+    eval_engine: RolloutEngine
+    sync_dtype: Any
+    layout: Layout
+    batch_shardings: Any
+    update: Callable
+    logprobs: Callable | None
+    sft_step: Callable | None
+
+
+def build_parts(cfg: ExperimentConfig) -> tuple[RunParts, TrainState]:
+    """The parts of a run and its initial train state (see the module docstring)."""
+    _check_host_shares(cfg)
+    tokenizer = load_run_tokenizer(cfg.data.tokenizer)
+    task = cfg.data.make_task()
+    data, heldout = _load_data(cfg, task, tokenizer)
+
+    try:
+        mesh = make_mesh(cfg.mesh)
+    except ValueError as e:  # a mesh shape the devices do not fill
+        raise ConfigError(f"config.mesh: {e}") from e
+    sharder = Sharder(mesh, TRAIN_RULES)
+    model = build_model(cfg, sharder)
+    t = cfg.train
+    optimizer = train_optimizer(t)
+    reference_dtype = cfg.loss.kl_reference_dtype if cfg.loss.uses_reference else None
+    graphdef, state, state_sh = init_train_state(model, optimizer, t.seed, sharder, reference_dtype)
+
+    engine = eval_engine = build_engine(cfg, tokenizer, model)
+    if cfg.eval.dtype and cfg.eval.dtype != cfg.rollout.dtype:
+        eval_engine = build_engine(cfg, tokenizer, model, cfg.eval.dtype)
+    sync_dtype = jnp.promote_types(engine.policy.param_dtype, eval_engine.policy.param_dtype)
+    programs = trainer_programs(cfg, sharder, graphdef, optimizer, state_sh, jax.process_count())
+    parts = RunParts(
+        tokenizer=tokenizer,
+        task=task,
+        data=data,
+        heldout=heldout,
+        mesh=mesh,
+        sharder=sharder,
+        graphdef=graphdef,
+        optimizer=optimizer,
+        state_shardings=state_sh,
+        engine=engine,
+        eval_engine=eval_engine,
+        sync_dtype=sync_dtype,
+        layout=programs.layout,
+        batch_shardings=programs.batch_shardings,
+        update=programs.update,
+        logprobs=programs.logprobs,
+        sft_step=programs.sft_step,
+    )
+    return parts, state
+
+
+def _check_host_shares(cfg: ExperimentConfig) -> None:
+    """Each host takes an equal share of every batch."""
+    for name, value in [
+        ("train.prompts_per_step", cfg.train.prompts_per_step),
+        ("sft.batch_size", cfg.sft.batch_size if cfg.sft.steps else 0),
+    ]:
+        if value % jax.process_count():
+            raise ConfigError(
+                f"config.{name}={value} must be divisible by the number of processes "
+                f"({jax.process_count()}): each host takes an equal share of the batch"
+            )
+
+
+def _load_data(cfg: ExperimentConfig, task, tokenizer):
+    """This host's prompt iterator (the task, or the math file) and the held-out prompts."""
+    try:
+        data = pipeline.make_prompt_iterator(
+            task if task is not None else cfg.data.path,
+            tokenizer,
+            batch_size=cfg.train.prompts_per_step // jax.process_count(),
+            max_prompt_len=cfg.data.max_prompt_len,
+            seed=cfg.data.seed,
+            chat_format=cfg.data.chat_format,
+            fields=cfg.data.fields,
+        )
+    except (OSError, ValueError) as e:  # pyarrow's errors are ValueErrors too
+        raise DataError(f"config.data.path: {e}") from e
+    if data.report is not None:
+        logging.info("data: %s", data.report.summary())
+    heldout = evaluation.heldout_sets(cfg.data, cfg.eval, task, tokenizer)  # raises DataError
+    return data, heldout
