@@ -21,7 +21,11 @@ def get_config(method: str = "dvp"):
         # ~0.3M parameters on the "tiny" preset: character vocabulary (tied), 2 layers.
         model=dict(d_model=128, head_dim=32, d_ff=256, max_position_embeddings=64),
         rollout=dict(max_decode_length=6),  # answers are at most 4 characters + EOS
-        train=dict(steps=250, prompts_per_step=16, learning_rate=3e-4, chunk_size=64),
+        # 128 responses of ~10 tokens packed ~2 to a 22-token row: 4 micro-batches, so the
+        # update runs the 2 that hold them (train/packing.py).
+        train=dict(
+            steps=250, prompts_per_step=16, learning_rate=3e-4, chunk_size=64, micro_batches=4
+        ),
         sft=dict(steps=600, warmup_steps=50),
         eval=dict(every=25, num_prompts=256),
         checkpoint=dict(every=50),
