@@ -19,7 +19,9 @@ in SIZES ("d128", "d256", "50m") or a `ModelConfig` preset; `--layers` overrides
 micro-batches) on one long-tailed mix of response lengths (`length_mix`: most short, a few at
 `--max_response`), laid out twice: padded (one sequence per row) and packed (several per row,
 empty micro-batches skipped), and prints the real tokens (prompt + response) per second of each
-and their ratio, measured alternately in one process.
+and their ratio, measured alternately in one process, and how far the two layouts' loss, grad
+norm and training perplexity differ on the first update (one compiled program each: float
+rounding, e.g. bf16 attention under mixed_bf16).
 """  # noqa: E501 (the GPU command is one line)
 
 from __future__ import annotations
@@ -359,6 +361,18 @@ def measure_packing(
         active = int(split.any(axis=(1, 2)).sum())
         runs[name] = dict(compiled=compiled, batch=batch, times=[], compile_s=compile_s)
         runs[name]["info"] = dict(rows=layout.rows, rows_filled=filled, micro_batches_run=active)
+    # The same update both ways from the same state (the check that packing changes no value:
+    # on a GPU this runs cuDNN's packed-segment mask against its padded key lengths).
+    first = {
+        name: jax.device_get(run["compiled"](jax.tree.map(jnp.copy, state), run["batch"])[1])
+        for name, run in runs.items()
+    }
+    agree = {
+        f"packed_vs_padded_{key}_rel_diff": float(
+            abs(first["packed"][key] - first["padded"][key]) / max(abs(first["padded"][key]), 1e-30)
+        )
+        for key in ("loss", "grad_norm", "training_ppl")
+    }
     holder = {"state": state}
 
     def step(run):
@@ -386,7 +400,7 @@ def measure_packing(
         out |= {f"{name}_step_s": seconds, f"{name}_tok_s": real / seconds}
         out[f"{name}_compile_s"] = run["compile_s"]
     out["packed_over_padded_tok_s"] = out["packed_tok_s"] / out["padded_tok_s"]
-    return out
+    return out | agree
 
 
 def _round(result: dict) -> dict:
