@@ -142,23 +142,19 @@ def train_specs(cfg, devices) -> tuple[list[Spec], dict[str, Any]]:
 def engine_specs(
     cfg, devices, trainer: dict[str, Any], all_buckets: bool
 ) -> tuple[list[Spec], int]:
-    """The rollout engine programs of the first host (on the devices `build.engine_mesh`
-    gives it, as the trainer does) and the weight sync into it; and the bytes per chip the
-    engines keep meanwhile."""
+    """The rollout engine programs of the first host, built as the run builds its rollout side
+    (`build.build_rollout`: the engine on the devices `weights.engine_mesh` gives it) and the
+    weight sync into it; and the bytes per chip the engines keep meanwhile."""
     import jax
     import jax.numpy as jnp
 
     from dvp_jax.rollout.decode import raw_key_shape
-    from dvp_jax.rollout.engine import RolloutEngine
     from dvp_jax.rollout.offline import STEPS_PER_SYNC
-    from dvp_jax.train.build import engine_config, engine_mesh
+    from dvp_jax.train.build import build_rollout
 
-    r = cfg.rollout
-    mesh = engine_mesh(trainer["mesh"], r.tensor_parallel, devices[0].process_index)
     hosts = len({d.process_index for d in devices})
-    engine = RolloutEngine(
-        cfg.model, engine_config(cfg), tokenizer="char", mesh=mesh, abstract=True
-    )
+    rollout = build_rollout(cfg, "char", None, trainer["mesh"], process=devices[0].process_index)
+    engine, mesh = rollout.engine, rollout.mesh
     programs, ec, params = engine.programs, engine.config, engine.params
     trainer_state = per_chip_bytes(trainer["state"])
     sampling = engine.replicated_structs(ec.sampling_params())
@@ -193,10 +189,10 @@ def engine_specs(
         name = f"engine/decode_loop[k={k},kv={kv}]"
         spec(name, programs.loop, params, state, k, kv, flag, while_trips=k)
     # Weight sync: the trainer's params (on the trainer mesh) cast to the rollout dtype, on the
-    # devices into the rollout layout when the engine is a tensor row of the trainer's mesh
-    # (`RolloutEngine.trainer_row_mesh`), else cast in place and copied through the host.
+    # devices into the rollout layout when the engine is a tensor row of the trainer's mesh,
+    # else cast in place and copied through the host (`weights.WeightSync`, decided once).
     trainer_params = jax.tree.leaves(trainer["params"])
-    row_mesh = engine.trainer_row_mesh(trainer_params)
+    row_mesh = rollout.sync.row_meshes[0]
     if row_mesh is not None:
         cast = engine.sync_program(row_mesh)
         sync = Spec("weight_sync/on_device", cast, (trainer_params,), trainer["mesh"].size)
@@ -215,16 +211,7 @@ def engine_specs(
     specs.append(sync)
     # What the engines keep on a chip while the trainer runs: their weights (the decode state
     # lives only during rollouts); a second engine for evaluation at another precision too.
-    weights = per_chip_bytes(params)
-    if cfg.eval.dtype and cfg.eval.dtype != r.dtype:
-        evaluation = RolloutEngine(
-            cfg.model,
-            engine_config(cfg, cfg.eval.dtype),
-            tokenizer="char",
-            mesh=mesh,
-            abstract=True,
-        )
-        weights += per_chip_bytes(evaluation.params)
+    weights = sum(per_chip_bytes(e.params) for e in rollout.engines)
     return specs, weights
 
 

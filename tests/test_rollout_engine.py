@@ -306,29 +306,30 @@ def test_update_params_casts_reshards_without_recompiling(bf16, batch, master, t
 
 
 def test_weight_sync_into_a_tensor_row_of_the_trainer_mesh_stays_on_the_devices(trainer):
-    """The engine on one tensor row of the trainer's (1, 4, 2) mesh (`build.engine_mesh`)
-    takes the trainer's sharded fp32 params by one cast whose outputs are split over tensor on
-    the trainer's mesh (`RolloutEngine.trainer_row_mesh`): its arrays are the shards already on
-    its two devices, each holding half of every split parameter, and equal what the copying
-    path (cast where the trainer's arrays are, then `device_put`) gives, to float rounding
-    (int4 weights: the group absmax is computed by another program)."""
-    from dvp_jax.train.build import engine_mesh
+    """The run's rollout side (`Rollout`) on the trainer's (1, 4, 2) mesh places its engine on
+    one tensor row of it (`weights.engine_mesh`, decided once) and takes the trainer's sharded
+    fp32 params by one cast whose outputs are split over tensor on the trainer's mesh
+    (`WeightSync.row_meshes`): the engine's arrays are the shards already on its two devices,
+    each holding half of every split parameter, and equal what the copying path (cast where
+    the trainer's arrays are, then `device_put`) gives, to float rounding (int4 weights: the
+    group absmax is computed by another program)."""
+    from dvp_jax.rollout.rollout import Rollout
 
     trainer_mesh = trainer.embed.get_value().sharding.mesh
     assert trainer_mesh.devices.shape == (1, 4, 2)
-    mesh = engine_mesh(trainer_mesh, 2, jax.process_index())
-    assert list(mesh.devices.flat) == list(trainer_mesh.devices[0, 0])
     config = _engine_config("bfloat16_fp8kv_int4w")  # the cast quantizes too
-    # Built from the trainer's weights (not a random init of its own): one sync program.
-    engine = RolloutEngine(CFG, config, params=nnx.state(trainer, nnx.Param), mesh=mesh)
+    # Filled from the trainer's weights by the sync (not a random init of its own).
+    rollout = Rollout(CFG, config, params=trainer, trainer_mesh=trainer_mesh, tensor_parallel=2)
+    engine, mesh = rollout.engine, rollout.mesh
+    assert list(mesh.devices.flat) == list(trainer_mesh.devices[0, 0])
+    assert rollout.engines == (engine,) and rollout.eval_engine is engine
+    assert rollout.sync.row_meshes == (trainer_mesh,) and rollout.sync.paths == ("on_device",)
+    params = engine.load_params()
     leaves = jax.tree.leaves(nnx.state(trainer, nnx.Param))
-    assert engine.trainer_row_mesh(leaves) == trainer_mesh
-    params = engine.update_params(nnx.state(trainer, nnx.Param))
-    # Devices that are not, in order, a row of the trainer's mesh take the copying path
-    # (`update_params` for them): the cast where the trainer's arrays are, then device_put.
-    assert (
-        weights.trainer_row_mesh(make_mesh(MeshConfig(1, 1, 2), jax.devices()[1:3]), leaves) is None
-    )
+    # Devices that are not, in order, a row of the trainer's mesh take the copying path.
+    other = make_mesh(MeshConfig(1, 1, 2), jax.devices()[1:3])
+    assert weights.trainer_row_mesh(other, trainer_mesh) is None
+    assert weights.WeightSync([engine], None).paths == ("via_host",)
     cast = engine.programs.cast(leaves)
     reference = [jax.device_put(x, s) for x, s in zip(cast, engine.param_shardings, strict=True)]
     for x, ref, sharding in zip(
@@ -340,6 +341,14 @@ def test_weight_sync_into_a_tensor_row_of_the_trainer_mesh_stays_on_the_devices(
         )
     q_proj = params["blocks"]["attn"]["q_proj"].get_value()  # [L, d, n, h]: n split over tensor
     assert q_proj.addressable_shards[0].data.shape[2] == CFG.n_heads // 2
+    # The trainer's rollouts are the engine's, with the synced weights; close drops them.
+    got = rollout.generate(PROMPTS[:2], 2, jax.random.key(5))
+    want = generate_rollouts(engine, PROMPTS[:2], 2, jax.random.key(5), params=params)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    rollout.close()
+    assert engine.params is None
+    with pytest.raises(ValueError, match="params"):
+        Rollout(CFG, config, trainer_mesh=trainer_mesh)
 
 
 def _mismatch(b: RolloutBatch, master) -> dict:

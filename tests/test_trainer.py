@@ -213,11 +213,12 @@ def test_eval_dtype_evaluates_with_an_fp32_engine_while_rollouts_stay_bf16(tmp_p
     )
     trainer = Trainer(cfg, str(tmp_path))
     try:
-        assert trainer.eval_engine is not trainer.engine
+        engine, eval_engine = trainer.rollout.engines
+        assert trainer.rollout.eval_engine is eval_engine
         trainer._sync_weights()
         trained = jax.tree.leaves(jax.device_get(trainer.state.params))
-        rollout = jax.tree.leaves(jax.device_get(trainer.engine.load_params()))
-        evaluation = jax.tree.leaves(jax.device_get(trainer.eval_engine.load_params()))
+        rollout = jax.tree.leaves(jax.device_get(engine.load_params()))
+        evaluation = jax.tree.leaves(jax.device_get(eval_engine.load_params()))
         assert {x.dtype for x in rollout} == {np.dtype(jax.numpy.bfloat16)}
         for want, got in zip(trained, evaluation, strict=True):
             np.testing.assert_array_equal(got, want)  # fp32 weights, not a bf16 round trip

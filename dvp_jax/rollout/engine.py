@@ -5,8 +5,9 @@ runs the prompts of one length bucket in one call, `insert_batch` puts rows of t
 decode slots (a prompt's G samples with sample indices 0..G-1), `generate_steps` runs up to k
 decode steps in one compiled loop attending over a KV length bucket, and `update_params` casts
 and reshards trainer weights (on the devices when the engine is a tensor row of the trainer's
-mesh). The programs are `decode.py`'s pure functions, jitted once here with the engine's
-shardings; parameters are an argument (never closed over), so a weight sync never recompiles.
+mesh, as `weights.WeightSync` decides). The programs are `decode.py`'s pure functions, jitted
+once here with the engine's shardings; parameters are an argument (never closed over), so a
+weight sync never recompiles. A run's engines belong to its `rollout.Rollout`.
 JetStream's single-request API is `jetstream.JetStreamEngine`, built on this class.
 """
 
@@ -166,20 +167,25 @@ class RolloutEngine:
     # ------------------------------------------------------------------------------------------
     # Weights.
     # ------------------------------------------------------------------------------------------
-    def update_params(self, trainer_params: Any) -> nnx.State:
+    def update_params(
+        self, trainer_params: Any, trainer_mesh: jax.sharding.Mesh | None = None
+    ) -> nnx.State:
         """Casts and reshards trainer weights into the rollout layout (no recompilation).
 
         Args:
           trainer_params: an `nnx.State` with the same paths and shapes as the rollout model's
             parameters (e.g. the fp32 trainer's `nnx.state(model)`), in any dtype and any
             sharding, or a `Transformer`.
+          trainer_mesh: the trainer's mesh when this engine's devices are a tensor row of it
+            and the params live on it (`weights.WeightSync` decides, once): the cast then runs
+            there and the engine keeps the shards on its devices. None: the cast runs where
+            the params live and the result is copied to the engine's devices.
         Returns:
           The new rollout params (also stored, so `load_params()` returns them).
         Raises:
           ValueError: naming the first missing, unexpected or mis-shaped parameter path.
         """
         leaves = weights.matching_leaves(trainer_params, self._param_paths, self._abstract_leaves)
-        trainer_mesh = self.trainer_row_mesh(leaves)
         if trainer_mesh is not None:  # on the devices: the shards are already where ours go
             leaves = weights.local_arrays(
                 self.sync_program(trainer_mesh)(leaves), self.param_shardings
@@ -194,11 +200,6 @@ class RolloutEngine:
             ]
         self.params = jax.tree.unflatten(self._params_treedef, leaves)
         return self.params
-
-    def trainer_row_mesh(self, leaves) -> jax.sharding.Mesh | None:
-        """The trainer mesh this engine's devices are a tensor row of, or None
-        (`weights.trainer_row_mesh`; then `update_params` runs `sync_program`)."""
-        return weights.trainer_row_mesh(self.mesh, leaves)
 
     def sync_shardings(self, mesh: jax.sharding.Mesh) -> list[NamedSharding]:
         """The rollout layout (`ROLLOUT_RULES`) of every parameter on the trainer's mesh."""

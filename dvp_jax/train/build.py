@@ -1,13 +1,14 @@
 """What one RL run is built from, built once: `build_parts(cfg) -> (RunParts, TrainState)`, and
 the pieces the evaluation command, the server and `dvp_jax.aot` build the same way (the run's
-tokenizer, the trainer model, the rollout engine and its devices).
+tokenizer, the trainer model, its rollout side).
 
 `build_parts` goes in the order of failure cost: the config's host shares, the tokenizer and
 the data (a bad data file fails in a second, not after a model init), then the mesh, the trainer
-model and its train state, the rollout and evaluation engines, and the trainer's jitted programs
-(`programs.trainer_programs`, which `dvp_jax.aot` compiles too). Not here: the workdir, the
-checkpoints and the outputs (`trainer.Trainer`), the loop, the preemption signals
-(`preemption.py`), the workdir's config check (`resume.check_workdir`).
+model and its train state, the rollout side (`rollout.Rollout`: engines, their devices, the
+weight sync), and the trainer's jitted programs (`programs.trainer_programs`, which
+`dvp_jax.aot` compiles too). Not here: the workdir, the checkpoints and the outputs
+(`trainer.Trainer`), the loop, the preemption signals (`preemption.py`), the workdir's config
+check (`resume.check_workdir`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 from absl import logging
 from flax import nnx
@@ -28,8 +27,9 @@ from dvp_jax.data.tasks import GeneratedTask
 from dvp_jax.errors import ConfigError, DataError, UserError
 from dvp_jax.model import DTypePolicy, Transformer
 from dvp_jax.model.hf_import import load_hf
-from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
-from dvp_jax.sharding import TRAIN_RULES, MeshConfig, Sharder, init_sharded, make_mesh
+from dvp_jax.rollout.engine import EngineConfig
+from dvp_jax.rollout.rollout import Rollout
+from dvp_jax.sharding import TRAIN_RULES, Sharder, init_sharded, make_mesh
 from dvp_jax.train import evaluation
 from dvp_jax.train.config import ExperimentConfig
 from dvp_jax.train.packing import Layout
@@ -81,27 +81,6 @@ def build_model(cfg: ExperimentConfig, sharder: Sharder) -> Transformer:
     return init_sharded(model_factory(cfg, sharder), sharder)
 
 
-def rollout_weights(params: nnx.State, dtype, engines=()) -> nnx.State:
-    """The trainer's params as this host's engines take them (weight sync).
-
-    One process, or engines that are each a tensor row of the trainer's mesh
-    (`RolloutEngine.trainer_row_mesh`: they cast and reshard on the devices, no host): the
-    params as they are. Otherwise, with several processes, the engine of each host holds the
-    full weights on its local devices while the trainer's params are sharded over every host's
-    devices: they are cast to `dtype` (the widest engine param dtype) on device and gathered to
-    every host (`process_allgather`, through the host).
-    """
-    leaves = jax.tree.leaves(params)
-    on_device = engines and all(e.trainer_row_mesh(leaves) is not None for e in engines)
-    if jax.process_count() == 1 or on_device:
-        return params
-    from jax.experimental import multihost_utils
-
-    return multihost_utils.process_allgather(
-        jax.tree.map(lambda x: x.astype(dtype), params), tiled=True
-    )
-
-
 def engine_config(cfg: ExperimentConfig, dtype: str = "") -> EngineConfig:
     """The rollout engine's settings for a run (precision `dtype`, default `rollout.dtype`)."""
     # `rollout.*` fields carry EngineConfig's names. Prompts are padded to the smallest of
@@ -117,37 +96,25 @@ def engine_config(cfg: ExperimentConfig, dtype: str = "") -> EngineConfig:
     )
 
 
-def build_engine(cfg: ExperimentConfig, tokenizer, model, dtype: str = "") -> RolloutEngine:
-    """One rollout engine per host on its local devices, with `model`'s weights, at precision
-    `dtype` (default `rollout.dtype`; the evaluation engine passes `eval.dtype`)."""
-    r = cfg.rollout
-    dtype = dtype or r.dtype
-    return RolloutEngine(
+def build_rollout(
+    cfg: ExperimentConfig, tokenizer, model, mesh, *, process: int | None = None
+) -> Rollout:
+    """The run's rollout side (`rollout.Rollout`): process `process`'s engine (default this
+    one's) at `rollout.dtype`, placed by `weights.engine_mesh` against the trainer's `mesh`,
+    and the evaluation engine when `eval.dtype` asks for another precision, filled with the
+    weights of `model` (the trainer's `Transformer`; None: programs only, for `dvp_jax.aot`,
+    whose mesh is a TPU topology's)."""
+    return Rollout(
         cfg.model,
-        engine_config(cfg, dtype),
+        engine_config(cfg),
         tokenizer=tokenizer,
-        params=rollout_weights(nnx.state(model, nnx.Param), DTypePolicy.named(dtype).param_dtype),
-        mesh=engine_mesh(model.sharder.mesh, r.tensor_parallel, jax.process_index()),
+        params=model,
+        trainer_mesh=mesh,
+        tensor_parallel=cfg.rollout.tensor_parallel,
+        eval_config=engine_config(cfg, cfg.eval.dtype) if cfg.eval.dtype else None,
+        process=process,
+        abstract=model is None,
     )
-
-
-def engine_mesh(trainer_mesh, tensor_parallel: int, process: int) -> jax.sharding.Mesh:
-    """The devices of process `process`'s engine: a tensor row of the trainer's mesh on that
-    process when the tensor degrees agree (the weight sync then stays on the devices,
-    `RolloutEngine.trainer_row_mesh`), else its first `tensor_parallel` devices."""
-    if trainer_mesh is not None and trainer_mesh.shape["tensor"] == tensor_parallel:
-        for row in np.asarray(trainer_mesh.devices).reshape(-1, tensor_parallel):
-            if all(d.process_index == process for d in row):
-                return make_mesh(MeshConfig(1, 1, tensor_parallel), list(row))
-    # The devices of this program (a TPU topology's for `dvp_jax.aot`), else jax's.
-    pool = jax.devices() if trainer_mesh is None else trainer_mesh.devices.flat
-    devices = [d for d in pool if d.process_index == process]
-    if tensor_parallel > len(devices):
-        raise ConfigError(
-            f"config.rollout.tensor_parallel={tensor_parallel} exceeds the {len(devices)} "
-            "devices of one host"
-        )
-    return make_mesh(MeshConfig(1, 1, tensor_parallel), devices[:tensor_parallel])
 
 
 # ==============================================================================================
@@ -162,9 +129,8 @@ class RunParts:
       data: this host's prompt iterator (checkpointed with the state); heldout: the
         validation sets (`evaluation.heldout_sets`).
       mesh, sharder, graphdef, optimizer, state_shardings: the trainer side.
-      engine, eval_engine: the rollout engine and the evaluation engine (the same object
-        unless `eval.dtype` asks for another precision); sync_dtype: the widest param dtype of
-        the two, at which a multi-host weight sync gathers.
+      rollout: the rollout side (`rollout.Rollout`: the rollout and evaluation engines and
+        the weight sync).
       layout: one update's rows on this host (`packing.Layout`).
       batch_shardings: of one update's global (mini-)batch.
       update: `step.rl_update` jitted with the state donated: (state, batch) -> (state, metrics).
@@ -183,9 +149,7 @@ class RunParts:
     graphdef: nnx.GraphDef
     optimizer: optax.GradientTransformation
     state_shardings: Any
-    engine: RolloutEngine
-    eval_engine: RolloutEngine
-    sync_dtype: Any
+    rollout: Rollout
     layout: Layout
     batch_shardings: Any
     update: Callable
@@ -211,10 +175,7 @@ def build_parts(cfg: ExperimentConfig) -> tuple[RunParts, TrainState]:
     reference_dtype = cfg.loss.kl_reference_dtype if cfg.loss.uses_reference else None
     graphdef, state, state_sh = init_train_state(model, optimizer, t.seed, sharder, reference_dtype)
 
-    engine = eval_engine = build_engine(cfg, tokenizer, model)
-    if cfg.eval.dtype and cfg.eval.dtype != cfg.rollout.dtype:
-        eval_engine = build_engine(cfg, tokenizer, model, cfg.eval.dtype)
-    sync_dtype = jnp.promote_types(engine.policy.param_dtype, eval_engine.policy.param_dtype)
+    rollout = build_rollout(cfg, tokenizer, model, mesh)
     programs = trainer_programs(cfg, sharder, graphdef, optimizer, state_sh, jax.process_count())
     parts = RunParts(
         tokenizer=tokenizer,
@@ -226,9 +187,7 @@ def build_parts(cfg: ExperimentConfig) -> tuple[RunParts, TrainState]:
         graphdef=graphdef,
         optimizer=optimizer,
         state_shardings=state_sh,
-        engine=engine,
-        eval_engine=eval_engine,
-        sync_dtype=sync_dtype,
+        rollout=rollout,
         layout=programs.layout,
         batch_shardings=programs.batch_shardings,
         update=programs.update,

@@ -1,9 +1,9 @@
 """The DVP-RLOO training loop (docs/design.md section 3), readable top to bottom.
 
-  prompts (grain) -> rollout engine (JetStream Engine API, bf16, min-p sampling, E4)
+  prompts (grain) -> rollouts (`Rollout.generate`: the bf16 engine, min-p sampling, E4)
     -> rewards (host, `evaluation`) -> RLOO advantages (E8) -> packed rows (`packing.pack`)
     -> jitted fp32 update (`step.rl_update`: chunked pruned logprobs E2/E5, loss E7/E9, optax)
-    -> weight sync (cast + reshard) -> metrics / eval / checkpoints.
+    -> weight sync (`Rollout.update_weights`: cast + reshard) -> metrics / eval / checkpoints.
 
 `train(cfg, workdir)` resumes automatically from the latest checkpoint in `workdir`. A fresh run
 first does the supervised warm-up of `train/sft.py` when the config asks for one.
@@ -25,11 +25,11 @@ from dvp_jax import metrics as metrics_lib
 from dvp_jax import trackers as trackers_lib
 from dvp_jax.checkpoint import Checkpointer, abstract_like
 from dvp_jax.dvp import advantages as adv
-from dvp_jax.rollout.offline import RolloutInterrupted, generate_rollouts
+from dvp_jax.rollout.offline import RolloutInterrupted
 from dvp_jax.train import batch as batch_lib
 from dvp_jax.train import evaluation, packing, report, resume, sft
 from dvp_jax.train import step as step_lib
-from dvp_jax.train.build import build_parts, rollout_weights
+from dvp_jax.train.build import build_parts
 from dvp_jax.train.config import ExperimentConfig
 from dvp_jax.train.preemption import Preemption
 from dvp_jax.train.resume import WorkdirMismatchError, check_workdir
@@ -87,8 +87,7 @@ class Trainer:
         self._attempt_start = time.time()
 
     # The parts other code reads off a trainer (`main.py`, experiments, tests).
-    engine = property(lambda self: self.parts.engine)
-    eval_engine = property(lambda self: self.parts.eval_engine)
+    rollout = property(lambda self: self.parts.rollout)
     graphdef = property(lambda self: self.parts.graphdef)
     tokenizer = property(lambda self: self.parts.tokenizer)
     data = property(lambda self: self.parts.data)
@@ -135,12 +134,8 @@ class Trainer:
         self.checkpointer.save(step, self.state, self.parts.data, extra, force=force)
 
     def _sync_weights(self) -> None:
-        """Trainer fp32 params -> rollout (and evaluation) engine: cast, resharded."""
-        p = self.parts
-        engines = tuple({id(e): e for e in (p.engine, p.eval_engine)}.values())
-        params = nnx.merge(p.graphdef, rollout_weights(self.state.params, p.sync_dtype, engines))
-        for engine in engines:
-            engine.update_params(params)
+        """Trainer fp32 params -> the rollout (and evaluation) engine (`Rollout.update_weights`)."""
+        self.parts.rollout.update_weights(nnx.merge(self.parts.graphdef, self.state.params))
 
     def _key(self, step: int, stream: int) -> jax.Array:
         """fold_in(run key, stream, step): a pure function of the checkpointed key, the same on
@@ -154,11 +149,12 @@ class Trainer:
         `eval.sets`) with the evaluation engine (`eval.dtype`), sampled without the
         experimental logit noise unless `eval.with_rollout_noise`; `sample_rows` collects a
         few responses per set (`evaluation.evaluate`)."""
+        engine = self.parts.rollout.eval_engine
         sampling = None
         if not self.cfg.eval.with_rollout_noise:
-            sampling = self.parts.eval_engine.config.sampling_params(noise_std=0.0)
+            sampling = engine.config.sampling_params(noise_std=0.0)
         return evaluation.evaluate_sets(
-            self.parts.eval_engine,
+            engine,
             self.parts.heldout,
             self._key(step, _EVAL_STREAM),
             prompt_len=self.cfg.data.max_prompt_len,
@@ -213,8 +209,7 @@ class Trainer:
         prompts = next(self.parts.data)  # this host's rows of the global prompt batch
         n_prompts = len(prompts.lengths)
         token_lists = [prompts.tokens[i, : prompts.lengths[i]] for i in range(n_prompts)]
-        rollouts = generate_rollouts(
-            self.parts.engine,
+        rollouts = self.parts.rollout.generate(
             token_lists,
             cfg.train.group_size,
             self._key(step, _ROLLOUT_STREAM),
@@ -437,6 +432,7 @@ class Trainer:
             if self.trackers is not None:
                 self.trackers.close()
             self.preemption.close()
+            self.parts.rollout.close()
             self.lock.release()
 
 
