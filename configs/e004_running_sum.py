@@ -110,6 +110,7 @@ def get_config(arg: str = "dvp:M1"):
         tie_embeddings=True,
     )
     c.rollout.max_decode_length = MAX_RESPONSE_LEN + 2  # >= max_response_len + 1 (EOS)
+    c.rollout.max_concurrent_decodes = 64  # half of a step's 128 responses at once
     c.model.max_position_embeddings = 256  # >= max_prompt_len + max_decode_length
     for key, value in rollout.items():
         setattr(c.rollout, key.split(".")[1], value)

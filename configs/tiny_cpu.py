@@ -20,7 +20,8 @@ def get_config(method: str = "dvp"):
         method,
         # ~0.3M parameters on the "tiny" preset: character vocabulary (tied), 2 layers.
         model=dict(d_model=128, head_dim=32, d_ff=256, max_position_embeddings=64),
-        rollout=dict(max_decode_length=6),  # answers are at most 4 characters + EOS
+        # Answers are at most 4 characters + EOS; 64 slots: half of a step's 128 responses.
+        rollout=dict(max_decode_length=6, max_concurrent_decodes=64),
         # 128 responses of ~10 tokens packed ~2 to a 22-token row: 4 micro-batches, so the
         # update runs the 2 that hold them (train/packing.py).
         train=dict(

@@ -324,7 +324,7 @@ def run(out: str, smoke: bool = False, init_hf: str | None = None, seed: int = 0
     model = warm_model(cfg, init_hf)
     task = cfg.data.make_task()
     examples = task.heldout_examples(num_seqs)
-    max_len = cfg.data.max_prompt_len + cfg.rollout.max_decode_length
+    max_len = cfg.sequence_length
     sb = pipeline.sft_batch(examples, tokenizer, max_len=max_len)
     tok, lengths = sb.tokens, sb.lengths
     valid = np.arange(max_len)[None, :] < lengths[:, None]

@@ -10,6 +10,7 @@ experiments/e004_running_sum.py (`--stage 1`), which writes results/e004/stage1_
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -72,11 +73,12 @@ def measure(
     from dvp_jax.model import TRAIN_POLICY
     from dvp_jax.model.config import DTypePolicy
     from dvp_jax.model.hf_import import load_hf
-    from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
+    from dvp_jax.rollout.engine import RolloutEngine
     from dvp_jax.rollout.offline import generate_rollouts
     from dvp_jax.tokenizers import load_tokenizer
     from dvp_jax.train import evaluation
     from dvp_jax.train.batch import from_rollouts
+    from dvp_jax.train.build import engine_config
 
     t0 = time.time()
     cfg = level_config(level, overrides)
@@ -87,10 +89,9 @@ def measure(
     # The level's rollout section (dtype; M4's tail-shaped noise) as the run would take it.
     engine = RolloutEngine(
         cfg.model,
-        EngineConfig.take(
-            cfg.rollout,
+        dataclasses.replace(
+            engine_config(cfg),
             max_concurrent_decodes=rows_per_pass,
-            max_prefill_length=cfg.data.max_prompt_len,
             prefill_buckets=(cfg.data.max_prompt_len,),
             log_rho=-math.inf,  # RLOO's rollout: the whole vocabulary
             seed=seed,

@@ -20,6 +20,7 @@ stage-0 command builds it). Hardware and times: experiments/README.md, e005.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -88,13 +89,13 @@ def engine_for(cfg, model, log_rho: float, slots: int = 64):
     """The rollout engine at the config's rung (weights quantized by the engine itself)."""
     from flax import nnx
 
-    from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
+    from dvp_jax.rollout.engine import RolloutEngine
     from dvp_jax.tokenizers import load_tokenizer
+    from dvp_jax.train.build import engine_config
 
-    ec = EngineConfig.take(
-        cfg.rollout,
+    ec = dataclasses.replace(
+        engine_config(cfg),
         max_concurrent_decodes=slots,
-        max_prefill_length=cfg.data.max_prompt_len,
         prefill_buckets=(cfg.data.max_prompt_len,),
         log_rho=log_rho,
         seed=0,
@@ -235,7 +236,7 @@ def sample_unit(rung: str, chunk: int, root: str, init_hf, smoke: bool = False) 
             mask[sl], group[sl], prompts,
         )  # fmt: skip
         tokenizer = load_tokenizer(cfg.data.tokenizer)
-        max_len = cfg.data.max_prompt_len + cfg.rollout.max_decode_length
+        max_len = cfg.sequence_length
         sb = pipeline.sft_batch(examples, tokenizer, max_len=max_len)
         v = np.arange(max_len)[None, :] < sb.lengths[:, None]
         bins["reference"] = _tf_part(

@@ -51,7 +51,7 @@ def _cases(tmp, port):
             main_command(
                 run(), "--config.data.chat_format=plain", "--config.rollout.temperature=0"
             )[0],
-            "config.rollout.temperature must be a finite float > 0",
+            "config.rollout.temperature must be a finite number > 0",
         ),
         "misspelt field": (
             main_command(run(), **{"train.stpes": 10})[0],

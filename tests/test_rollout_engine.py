@@ -642,11 +642,17 @@ def test_logit_noise_is_shared_by_a_prompts_samples_and_fixed_across_calls(bf16)
 
 
 def test_engine_config_has_one_builder_and_errors_name_its_fields():
-    """`EngineConfig.take` (what `build.engine_config` and the server's flags use) copies
-    the same-named fields of a config section or a mapping; a bad value names the class it
-    was given to, with the min-p rule's message from `pruning.check_log_rho`."""
+    """A run's `rollout` section holds `EngineConfig` fields with the engine's defaults and
+    its one validation (`EngineConfig.check_fields`), naming where the value was given;
+    `build.engine_config` is the one place it becomes the engine's config, with the prompt
+    length, the loss's min-p rule and the seed. The temperature and min-p rules are
+    `pruning.check_temperature` / `check_log_rho` wherever the value is given."""
+    import dataclasses
+
+    from dvp_jax.dvp.losses import LossConfig
     from dvp_jax.train.build import engine_config
     from dvp_jax.train.config import ExperimentConfig, default_config
+    from dvp_jax.train.sections import RolloutConfig
 
     c = default_config("dvp")
     c.rollout.temperature, c.rollout.max_concurrent_decodes, c.train.seed = 0.7, 6, 3
@@ -659,10 +665,30 @@ def test_engine_config_has_one_builder_and_errors_name_its_fields():
         cfg.data.max_prompt_len,
     )
     assert got.max_decode_length == cfg.rollout.max_decode_length
-    assert EngineConfig.take({"greedy": True, "unrelated": 1}) == EngineConfig(greedy=True)
+    assert engine_config(cfg).dtype == cfg.rollout.dtype
+    # One default per field: the section's unset fields are the engine's defaults.
+    shared = [f.name for f in dataclasses.fields(RolloutConfig) if f.name != "tensor_parallel"]
+    assert shared and all(
+        getattr(RolloutConfig(), n) == getattr(EngineConfig(), n) for n in shared
+    ), shared
+    # One validation per field, naming where the value was given.
+    bad = dict(temperature=0.0, noise_std=-1.0, max_decode_length=0, max_concurrent_decodes=1.5)
+    for name, value in bad.items():
+        with pytest.raises(ValueError, match=rf"^config\.rollout\.{name} must be"):
+            RolloutConfig(**{name: value})
+        with pytest.raises(ValueError, match=rf"^EngineConfig\.{name} must be"):
+            EngineConfig(**{name: value})
+    with pytest.raises(ValueError, match=r"config\.rollout\.temperature must be a finite number"):
+        ExperimentConfig.from_config_dict(
+            default_config("dvp", rollout=dict(temperature=float("inf"))), CFG.vocab_size
+        )
+    for make, where in [
+        (lambda t: LossConfig(temperature=t), "LossConfig"),
+        (lambda t: ENGINE.sampling_params(temperature=t), "SamplingParams"),
+    ]:
+        with pytest.raises(ValueError, match=rf"^{where}\.temperature must be a finite number"):
+            make(-1.0)
     with pytest.raises(ValueError, match=r"EngineConfig\.log_rho"):
         EngineConfig(log_rho=0.5)
-    with pytest.raises(ValueError, match=r"EngineConfig\.temperature"):
-        EngineConfig.take({"temperature": 0.0})
     with pytest.raises(ValueError, match=r"SamplingParams\.log_rho"):
         ENGINE.sampling_params(log_rho=0.5)

@@ -54,7 +54,7 @@ class LossConfig:
     cap: float = 2.0
     normalisation: str = "token_mean"
     ppo_clip_eps: float | None = None
-    temperature: float = 1.0
+    temperature: float = pruning.DEFAULT_TEMPERATURE
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     kl_reference_dtype: str = "float32"
@@ -81,9 +81,7 @@ class LossConfig:
         eps = self.ppo_clip_eps
         if eps is not None and not (isinstance(eps, int | float) and 0 < eps < 1):
             raise ValueError(f"LossConfig.ppo_clip_eps must be None or in (0, 1), got {eps!r}.")
-        t = self.temperature
-        if not (isinstance(t, int | float) and math.isfinite(t) and t > 0):
-            raise ValueError(f"LossConfig.temperature must be a finite float > 0, got {t!r}.")
+        pruning.check_temperature(self.temperature, "LossConfig.temperature")
         for name in ("kl_coef", "entropy_coef"):
             c = getattr(self, name)
             if not (isinstance(c, int | float) and math.isfinite(c) and c >= 0):

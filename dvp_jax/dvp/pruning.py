@@ -15,6 +15,7 @@ finite `LOGP_FLOOR`, chosen by `jnp.where`; the pruned mass is summed from the p
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple
 
 import jax
@@ -49,6 +50,8 @@ class TokenLogprobs(NamedTuple):
 
 # The paper's min-p threshold, rho = e^-13: the one default every config and the sampler take.
 DEFAULT_LOG_RHO = -13.0
+# The sampling temperature every config, the sampler and the loss default to.
+DEFAULT_TEMPERATURE = 1.0
 
 
 def check_log_rho(log_rho, name: str = "log_rho") -> float:
@@ -65,6 +68,18 @@ def check_log_rho(log_rho, name: str = "log_rho") -> float:
     return log_rho
 
 
+def check_temperature(temperature, name: str = "temperature") -> float:
+    """The one rule for a sampling temperature tau (E1, E2): a finite number > 0.
+
+    Returns it as a float; raises ValueError naming `name` (the caller's field) otherwise.
+    """
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise ValueError(f"{name} must be a finite number > 0, got {temperature!r}.")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {temperature}.")
+    return float(temperature)
+
+
 def pruning_enabled(log_rho: float | None) -> bool:
     """Whether `log_rho` (a Python number or None) prunes anything (E1)."""
     return log_rho is not None and log_rho != -math.inf
@@ -73,9 +88,7 @@ def pruning_enabled(log_rho: float | None) -> bool:
 def _check_static_args(log_rho, temperature) -> float:
     """Validates a static `log_rho` / `temperature` pair and returns log_rho as a float."""
     log_rho = check_log_rho(-math.inf if log_rho is None else log_rho)
-    temperature = float(temperature)
-    if not (temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a finite float > 0, got {temperature}.")
+    check_temperature(temperature)
     return log_rho
 
 
@@ -190,10 +203,12 @@ def pruned_token_logprobs(
 
 __all__ = [
     "DEFAULT_LOG_RHO",
+    "DEFAULT_TEMPERATURE",
     "LOGP_FLOOR",
     "SafeSetSums",
     "TokenLogprobs",
     "check_log_rho",
+    "check_temperature",
     "pruned_token_logprobs",
     "pruning_enabled",
     "safe_set_sums",

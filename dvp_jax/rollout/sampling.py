@@ -19,6 +19,7 @@ them never recompiles; everything here runs in float32.
 from __future__ import annotations
 
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -73,7 +74,7 @@ class SamplingParams:
     @classmethod
     def create(
         cls,
-        temperature: float = 1.0,
+        temperature: float = pruning.DEFAULT_TEMPERATURE,
         log_rho: float = pruning.DEFAULT_LOG_RHO,
         noise_std: float = 0.0,
         greedy: bool = False,
@@ -91,24 +92,32 @@ class SamplingParams:
 
 
 def check_sampling_values(
-    temperature: float,
-    log_rho: float,
-    noise_std: float,
-    noise_tail_gap: float = 0.0,
+    temperature: float | None,
+    log_rho: float | None,
+    noise_std: float | None,
+    noise_tail_gap: float | None = 0.0,
     owner: str = "SamplingParams",
 ) -> None:
-    """Raises ValueError naming the field (`owner.name`: the class the value was given to)
-    and its allowed range."""
-    if not (temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"{owner}.temperature must be finite and > 0, got {temperature}")
-    pruning.check_log_rho(log_rho, f"{owner}.log_rho")
-    if not (noise_std >= 0 and math.isfinite(noise_std)):
-        raise ValueError(f"{owner}.noise_std must be finite and >= 0, got {noise_std}")
-    if not (noise_tail_gap >= 0 and math.isfinite(noise_tail_gap)):
-        raise ValueError(
-            f"{owner}.noise_tail_gap must be finite and >= 0 (0: uniform noise), got "
-            f"{noise_tail_gap}"
-        )
+    """The one validation of each sampling setting; None: not set where `owner` holds them
+    (a run's `rollout` section has no log_rho: the loss's is the rule).
+
+    Raises ValueError naming the field (`owner.name`: where the value was given) and its
+    allowed range.
+    """
+    if temperature is not None:
+        pruning.check_temperature(temperature, f"{owner}.temperature")
+    if log_rho is not None:
+        pruning.check_log_rho(log_rho, f"{owner}.log_rho")
+    for name, value, note in [
+        ("noise_std", noise_std, ""),
+        ("noise_tail_gap", noise_tail_gap, " (0: uniform noise)"),
+    ]:
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"{owner}.{name} must be a finite number >= 0{note}, got {value!r}")
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{owner}.{name} must be a finite number >= 0{note}, got {value}")
 
 
 def tail_ramp(logits: jax.Array, params: SamplingParams) -> jax.Array:

@@ -43,7 +43,6 @@ from dvp_jax.cli import (
     parse_flags,
     use_compilation_cache,
 )
-from dvp_jax.dvp.pruning import DEFAULT_LOG_RHO
 from dvp_jax.errors import UserError, one_line
 from dvp_jax.model.config import PRECISIONS, DTypePolicy, ModelConfig
 from dvp_jax.rollout import loading
@@ -101,10 +100,10 @@ flags.DEFINE_integer(
     "max_decode_length", _ENGINE.max_decode_length, "Most generated tokens per request."
 )
 flags.DEFINE_float("temperature", _ENGINE.temperature, "Sampling temperature.")
-flags.DEFINE_float("log_rho", DEFAULT_LOG_RHO, "log min-p threshold; -inf: no pruning.")
+flags.DEFINE_float("log_rho", _ENGINE.log_rho, "log min-p threshold; -inf: no pruning.")
 flags.DEFINE_bool("greedy", _ENGINE.greedy, "Greedy decoding.")
 flags.DEFINE_integer("seed", _ENGINE.seed, "Base seed of the per-request keys.")
-# The flags above that are `EngineConfig` fields of the same name (`EngineConfig.take`).
+# The flags above that are `EngineConfig` fields, under the fields' names.
 _ENGINE_FLAGS = (
     "dtype",
     "noise_std",
@@ -245,7 +244,7 @@ def build_engine() -> JetStreamEngine:
             f"--max_prefill_length must be one of {DEFAULT_PREFILL_LENGTHS}, got "
             f"{FLAGS.max_prefill_length}"
         )
-    config = EngineConfig.take({name: FLAGS[name].value for name in _ENGINE_FLAGS})
+    config = EngineConfig(**{name: FLAGS[name].value for name in _ENGINE_FLAGS})
     tp = FLAGS.tensor_parallel
     mesh = make_mesh(MeshConfig(1, 1, tp), jax.devices()[:tp])
     sharder = Sharder(mesh, ROLLOUT_RULES)

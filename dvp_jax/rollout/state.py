@@ -6,7 +6,6 @@ Data types only: `decode.py` computes with them, `engine.py` jits that and re-ex
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -50,7 +49,7 @@ class EngineConfig:
     max_prefill_length: int = 64
     prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
     max_decode_length: int = 64
-    temperature: float = 1.0
+    temperature: float = pruning.DEFAULT_TEMPERATURE
     log_rho: float = pruning.DEFAULT_LOG_RHO
     greedy: bool = False
     seed: int = 0
@@ -58,31 +57,35 @@ class EngineConfig:
     stop_tokens: tuple[int, ...] | None = None
 
     def __post_init__(self):
-        if self.dtype not in PRECISIONS:
-            raise ValueError(f"EngineConfig.dtype must be one of {PRECISIONS}, got {self.dtype!r}")
-        for name in ("max_concurrent_decodes", "max_prefill_length", "max_decode_length"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")
-        if any(not isinstance(b, int) or b < 1 for b in self.prefill_buckets):
-            raise ValueError(
-                f"EngineConfig.prefill_buckets must be positive ints, got {self.prefill_buckets}"
-            )
-        sampling.check_sampling_values(
-            self.temperature, self.log_rho, self.noise_std, self.noise_tail_gap, "EngineConfig"
-        )
+        self.check_fields(self, "EngineConfig")
 
     @classmethod
-    def take(cls, source: Any, **overrides) -> EngineConfig:
-        """The config with every field `source` (an object or a mapping) has under the same
-        name, then `overrides`; other fields keep their defaults. The one way a run's config
-        (`build.engine_config`) and the server's flags become an `EngineConfig`."""
-        get = (
-            source.get if isinstance(source, Mapping) else lambda name: getattr(source, name, None)
+    def check_fields(cls, settings: Any, where: str) -> None:
+        """The one validation of every engine setting: each `EngineConfig` field that
+        `settings` (this config, or a run's `rollout` section, which carries a subset of them
+        under the same names) has. Raises ValueError naming `where.<field>` and what is
+        allowed."""
+        missing = object()
+        get = lambda name: getattr(settings, name, missing)
+        dtype = get("dtype")
+        if dtype is not missing and dtype not in PRECISIONS:
+            raise ValueError(f"{where}.dtype must be one of {PRECISIONS}, got {dtype!r}")
+        for name in ("max_concurrent_decodes", "max_prefill_length", "max_decode_length"):
+            value = get(name)
+            if value is not missing and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(f"{where}.{name} must be an int >= 1, got {value!r}")
+        buckets = get("prefill_buckets")
+        if buckets is not missing and any(not isinstance(b, int) or b < 1 for b in buckets):
+            raise ValueError(f"{where}.prefill_buckets must be positive ints, got {buckets}")
+        sampling.check_sampling_values(
+            *[
+                None if get(n) is missing else get(n)
+                for n in ("temperature", "log_rho", "noise_std", "noise_tail_gap")
+            ],
+            owner=where,
         )
-        values = {f.name: get(f.name) for f in dataclasses.fields(cls)}
-        values = {name: value for name, value in values.items() if value is not None}
-        return cls(**{**values, **overrides})
 
     @property
     def buckets(self) -> tuple[int, ...]:

@@ -82,16 +82,26 @@ def build_model(cfg: ExperimentConfig, sharder: Sharder) -> Transformer:
 
 
 def engine_config(cfg: ExperimentConfig, dtype: str = "") -> EngineConfig:
-    """The rollout engine's settings for a run (precision `dtype`, default `rollout.dtype`)."""
-    # `rollout.*` fields carry EngineConfig's names. Prompts are padded to the smallest of
-    # EngineConfig's default buckets (16 ... 8192, and max_prompt_len) that holds the longest
-    # prompt of a prefill call, not to max_prompt_len: 2,048 for ~200-token prompts was 10x
-    # the prefill work.
-    return EngineConfig.take(
-        cfg.rollout,
-        dtype=dtype or cfg.rollout.dtype,
+    """The rollout engine's settings for a run (precision `dtype`, default `rollout.dtype`):
+    the one place a run's config becomes an `EngineConfig`.
+
+    The `rollout` section's fields (`EngineConfig`'s own, with its defaults and checks), then
+    what the run decides elsewhere: the longest prompt (`data.max_prompt_len`), the min-p rule
+    the trainer prunes with (E1; -inf when pruning is off) and the seed. Prompts are padded to
+    the smallest of the engine's default prefill buckets (16 ... 8192, and max_prompt_len) that
+    holds the longest prompt of a prefill call, not to max_prompt_len (2,048 for ~200-token
+    prompts was 10x the prefill work).
+    """
+    r = cfg.rollout
+    return EngineConfig(
+        dtype=dtype or r.dtype,
+        noise_std=r.noise_std,
+        noise_tail_gap=r.noise_tail_gap,
+        temperature=r.temperature,
+        max_decode_length=r.max_decode_length,
+        max_concurrent_decodes=r.max_concurrent_decodes,
         max_prefill_length=cfg.data.max_prompt_len,
-        log_rho=cfg.loss.effective_log_rho,  # the trainer's rule (E1): -inf when pruning is off
+        log_rho=cfg.loss.effective_log_rho,
         seed=cfg.train.seed,
     )
 

@@ -26,8 +26,11 @@ from dvp_jax.model.config import (
     PRECISIONS,
     REMAT_POLICIES,
     TRAIN_PRECISIONS,
-    DTypePolicy,
 )
+from dvp_jax.rollout.state import EngineConfig
+
+# The engine's defaults: the run's rollout section takes them (`RolloutConfig`).
+_ENGINE = EngineConfig()
 
 # The run's own held-out set (data.eval_path or the task's split; eval_accuracy); the other
 # validation sets are named (eval.sets, metrics eval/<name>/...).
@@ -70,34 +73,28 @@ def check_pos_float(field: str, value: Any, allow_zero: bool = False) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-    """The inference side: JetStream engine precision and sampling.
+    """The inference side: the rollout engine's precision, sampling, lengths and slots.
 
-    Field names are `EngineConfig`'s (and JetStream's Engine properties'), so one vocabulary
-    runs from the config file to the engine.
+    Its fields are `EngineConfig` fields, under their names, with their defaults and their
+    validation (`EngineConfig.check_fields`, naming `config.rollout.<field>`): one home each.
+    `build.engine_config` makes the engine's config from this section, the data's prompt
+    length, the loss's min-p rule and the run's seed (the engine's other fields), in one place.
+    `tensor_parallel` is the run's own: the engine's mesh, (1, 1, tensor_parallel) local devices.
     """
 
-    dtype: str = "bfloat16"  # one of PRECISIONS; float32 turns the precision mismatch off
-    noise_std: float = 0.0  # std of additive Gaussian logit noise before pruning (experiments)
+    dtype: str = _ENGINE.dtype  # one of PRECISIONS; float32 turns the precision mismatch off
+    noise_std: float = _ENGINE.noise_std  # std of additive Gaussian logit noise (experiments)
     # > 0: a synthetic tail-shaped noise (rollout/sampling.py): noise_std scaled per token by
     # clip((gap - G/2) / (G/2), 0, 1), gap = its distance below the row max (tempered logits).
-    noise_tail_gap: float = 0.0
-    temperature: float = 1.0
-    max_decode_length: int = 8  # most tokens generated per response
-    max_concurrent_decodes: int = 64  # decode slots of the engine
-    tensor_parallel: int = 1  # the engine's mesh: (1, 1, tensor_parallel) local devices
+    noise_tail_gap: float = _ENGINE.noise_tail_gap
+    temperature: float = _ENGINE.temperature
+    max_decode_length: int = _ENGINE.max_decode_length  # most tokens generated per response
+    max_concurrent_decodes: int = _ENGINE.max_concurrent_decodes  # decode slots of the engine
+    tensor_parallel: int = 1
 
     def __post_init__(self):
-        check_one_of("rollout.dtype", self.dtype, PRECISIONS)
-        check_pos_float("rollout.noise_std", self.noise_std, allow_zero=True)
-        check_pos_float("rollout.noise_tail_gap", self.noise_tail_gap, allow_zero=True)
-        check_pos_float("rollout.temperature", self.temperature)
-        check_int("rollout.max_decode_length", self.max_decode_length, 1)
-        check_int("rollout.max_concurrent_decodes", self.max_concurrent_decodes, 1)
+        EngineConfig.check_fields(self, "config.rollout")
         check_int("rollout.tensor_parallel", self.tensor_parallel, 1)
-
-    @property
-    def policy(self) -> DTypePolicy:
-        return DTypePolicy.named(self.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
