@@ -17,24 +17,14 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from experiments.stats import paired_one_sided_p, welch_one_sided_p, zero_event_upper_bound
+
 LABEL = (
     "collapse not observed within 300 steps; RLOO at M4 lost about half of its gain; "
     "M4 is synthetic and far larger than the real rungs; underpowered for the paper's premise"
 )
 CONFIDENCE = 0.95  # of the upper bound on the per-seed collapse probability
 REAL_RUNGS = ("M1", "M2", "M3")
-
-
-def paired_one_sided_p(a: Sequence[float], b: Sequence[float]) -> float:
-    """p of H1: mean(a - b) < 0, a paired t-test over seeds (the same warm start and key)."""
-    from scipy import stats
-
-    return float(stats.ttest_rel(a, b, alternative="less").pvalue)
-
-
-def zero_event_upper_bound(n: int, confidence: float = CONFIDENCE) -> float:
-    """The exact (Clopper-Pearson) upper bound on an event's probability after 0 of n."""
-    return 1.0 - (1.0 - confidence) ** (1.0 / n)
 
 
 def _mean_eval(units: Sequence[dict], step: int) -> float | None:
@@ -44,8 +34,6 @@ def _mean_eval(units: Sequence[dict], step: int) -> float | None:
 
 def reading(levels: Mapping[str, dict], units: Sequence[dict], level: str = "M4") -> dict:
     """The reading of the stage-2 records at `level` against M0 RLOO (seed-matched)."""
-    from experiments.e004_verdict import welch_one_sided_p
-
     final = [u for u in units if u["role"] == "final" and u["method"] == "rloo"]
     by_seed = {lv: {u["seed"]: u for u in final if u["level"] == lv} for lv in (level, "M0")}
     seeds = sorted(set(by_seed[level]) & set(by_seed["M0"]))
@@ -89,7 +77,7 @@ def reading(levels: Mapping[str, dict], units: Sequence[dict], level: str = "M4"
         "grad_clip": 1.0,
         "entropy_rule_margin_per_seed": ent_margin,  # last / first / 1.5 - 1: >= 0 fires
         "collapses": int(sum(i["any"] for i in ind)),
-        "collapse_probability_upper_bound": zero_event_upper_bound(len(seeds))
+        "collapse_probability_upper_bound": zero_event_upper_bound(len(seeds), CONFIDENCE)
         if not any(i["any"] for i in ind)
         else None,
         "collapse_bound_confidence": CONFIDENCE,

@@ -21,7 +21,7 @@ import types
 
 import numpy as np
 
-from experiments import e005_mechanism as mech
+from experiments import e005_setup as mech
 from experiments import e005_verdict as rules
 
 SKETCH_V, SKETCH_D = 64, 16  # the sketch of a [d, V] gradient: K_V x K_D = 1,024 coordinates
