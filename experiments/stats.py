@@ -41,3 +41,12 @@ def t_interval(x: Sequence[float], confidence: float = 0.95) -> tuple[float, flo
     m, n = float(x.mean()), len(x)
     half = float(stats.t.ppf(0.5 + confidence / 2, n - 1) * x.std(ddof=1) / np.sqrt(n))
     return m, m - half, m + half
+
+
+def welch_interval(a: Sequence[float], b: Sequence[float], confidence: float = 0.95):
+    """Welch's interval of mean(a) - mean(b) (unequal variances), as (lo, hi)."""
+    from scipy import stats
+
+    r = stats.ttest_ind(np.asarray(a, float), np.asarray(b, float), equal_var=False)
+    ci = r.confidence_interval(confidence)
+    return float(ci.low), float(ci.high)
