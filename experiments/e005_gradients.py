@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import time
 import types
@@ -255,6 +256,8 @@ def bias_sq_interval(
     """
     d = np.asarray(d, np.float64)
     n = d.shape[0]
+    if n < 4:  # a2's estimate needs n >= 4 rows: no interval (the smoke's 2 groups)
+        return _sq_norm_debiased(d), -math.inf, math.inf
     rng = np.random.default_rng(seed)
     w = rng.multinomial(n, np.full(n, 1.0 / n), size=boot).astype(np.float64)  # [B, n]
     m = d.mean(0)
