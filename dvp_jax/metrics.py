@@ -54,8 +54,10 @@ METRICS: dict[str, str] = {
         "responses with a sampled token outside the trainer safe set, or with decoupled PPO "
         "outside the old policy's (E5)"
     ),
-    "frac_responses_masked": "responses masked by seq_mis (E7)",
-    "frac_tokens_masked": "tokens masked by token_mis (E7)",
+    "frac_responses_masked": (
+        "responses masked by seq_mis (E7) or rejected by seq_geo_rs / seq_k3_rs (E7b)"
+    ),
+    "frac_tokens_masked": "tokens masked by token_mis (E7) or token_icepop (E7b)",
     "is_weight_mean": "mean applied importance weight (E7)",
     "is_weight_max": "max applied importance weight (E7)",
     "is_weight_ess": "normalised effective sample size of the weights, in (0, 1]",

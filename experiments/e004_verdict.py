@@ -42,6 +42,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from experiments.e004_reading import reading
+from experiments.stats import welch_one_sided_p
+
 # ------------------------------------------------------------------------------------------------
 # Thresholds (pre-registered).
 # ------------------------------------------------------------------------------------------------
@@ -175,16 +178,6 @@ def power_gate(
     failed = any(not c["pass"] for c in checks)
     passed = None if (missing and not failed) else not failed
     return {"level": level, "checks": checks, "pass": passed, "missing": missing}
-
-
-def welch_one_sided_p(a: Sequence[float], b: Sequence[float]) -> float:
-    """p of H1: mean(a) < mean(b) (Welch's t-test, one-sided); 0/1 when both have no spread."""
-    from scipy import stats
-
-    a, b = np.asarray(a, float), np.asarray(b, float)
-    if np.ptp(a) == 0 and np.ptp(b) == 0:  # exact: std() of equal floats may not be 0
-        return 0.0 if a.mean() < b.mean() else 1.0
-    return float(stats.ttest_ind(a, b, equal_var=False, alternative="less").pvalue)
 
 
 def premise_gate(
@@ -433,8 +426,6 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="experiments/results/e004", help="the e004 results folder")
     args = p.parse_args(argv)
-    from experiments.e004_reading import reading
-
     levels, units = read_levels(args.out), load_units(args.out)
     result = gates_from_results(levels, units)
     # What the records show, beside the decision (which the gates above made).

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import time
 import types
 
 import numpy as np
 
-from experiments import e005_mechanism as mech
+from experiments import e005_setup as mech
 from experiments import e005_verdict as rules
 
 SKETCH_V, SKETCH_D = 64, 16  # the sketch of a [d, V] gradient: K_V x K_D = 1,024 coordinates
@@ -233,21 +234,74 @@ def rel_bias(x: np.ndarray, ref: np.ndarray) -> float:
     return float(np.sqrt(max(b2, 0.0) / r2)) if r2 > 0 else float("nan")
 
 
-def method_stats(x: np.ndarray, ref: np.ndarray, seed: int = 0) -> dict:
-    """Bias, cosine, variance and MSE of the per-group estimates x against ref (coupled rows)."""
+def bias_sq_interval(
+    d: np.ndarray, boot: int = BOOTSTRAP, seed: int = 0, level: float = 0.95
+) -> tuple[float, float, float]:
+    """(estimate, lo, hi) of ||E d||^2 from rows d_i [n, K], the interval centred on the estimate.
+
+    The estimate U is the noise-corrected squared norm (`_sq_norm_debiased`, the U-statistic
+    sum_{i != j} d_i . d_j / (n (n - 1))), with Var U = 2 tr(Sigma^2) / (n (n - 1)) +
+    4 mu' Sigma mu / n (mu = E d, Sigma = Cov d). Resampling the rows themselves is wrong here:
+    a resample's U* is unbiased for the resampled population's ||mean d||^2, the plain squared
+    norm, tr Cov / n above U, and its spread carries that noise again (e005's first interval did
+    this and excluded 0 by construction where the noise term dominates). Instead the rows are
+    centred (d_i - mean d) and resampled: U* of centred rows has the null distribution of U - mu
+    (the first term of Var U, with its skew, but from the sample's tr(S^2), which overstates
+    tr(Sigma^2) by ~(tr Sigma)^2 / n). The deviations are rescaled to the variance
+    2 a2 / (n (n - 1)) + 4 max(mean' S mean - a2 / n, 0) / n, with a2 the unbiased (under
+    normality) estimate of tr(Sigma^2), (n-1)^2 / ((n-2)(n+1)) (tr S^2 - (tr S)^2 / (n-1));
+    the interval subtracts their quantiles from U. Coverage of a zero bias and power:
+    experiments/e005_coverage.py.
+    Resample counts w: U* = (||sum_k w_k c_k||^2 - sum_k w_k ||c_k||^2) / (n (n - 1)).
+    """
+    d = np.asarray(d, np.float64)
+    n = d.shape[0]
+    if n < 4:  # a2's estimate needs n >= 4 rows: no interval (the smoke's 2 groups)
+        return _sq_norm_debiased(d), -math.inf, math.inf
     rng = np.random.default_rng(seed)
+    w = rng.multinomial(n, np.full(n, 1.0 / n), size=boot).astype(np.float64)  # [B, n]
+    m = d.mean(0)
+    c = d - m  # [n, K] centred rows
+    s = w @ c  # [B, K]: each resample's sum of centred rows
+    dev = ((s * s).sum(1) - w @ (c * c).sum(1)) / (n * (n - 1))  # [B] null U*
+    gram = c @ c.T / (n - 1)  # [n, n]: tr(S^2) = ||C C^T||_F^2 / (n - 1)^2
+    tr_s2 = float((gram * gram).sum())
+    m_s_m = float(((c @ m) ** 2).sum() / (n - 1))  # mean' S mean
+    tr_s = float((c * c).sum() / (n - 1))
+    a2 = (n - 1) ** 2 / ((n - 2) * (n + 1)) * (tr_s2 - tr_s**2 / (n - 1))
+    target = 2.0 * max(a2, 0.0) / (n * (n - 1)) + 4.0 * max(m_s_m - a2 / n, 0.0) / n
+    v0 = float(dev.var())
+    scale = np.sqrt(target / v0) if v0 > 0 else 1.0
+    est = _sq_norm_debiased(d)
+    q_lo, q_hi = np.quantile(dev, [(1 - level) / 2, (1 + level) / 2]) * scale
+    return est, float(est - q_hi), float(est - q_lo)
+
+
+def method_stats(x: np.ndarray, ref: np.ndarray, seed: int = 0) -> dict:
+    """Bias, cosine, variance and MSE of the per-group estimates x against ref (coupled rows).
+
+    rel_bias_ci95: `bias_sq_interval` of the coupled differences x - ref, each end divided by
+    the corrected ||E ref||^2 (the point estimate's denominator) and square-rooted, floored at 0.
+    """
     n = x.shape[0]
-    boot = [rel_bias(x[i], ref[i]) for i in (rng.integers(0, n, n) for _ in range(BOOTSTRAP))]
     mx, mr = x.mean(0), ref.mean(0)
     var = float(((x - mx) ** 2).sum() / max(n - 1, 1))
-    b2, r2 = max(_sq_norm_debiased(x - ref), 0.0), _sq_norm_debiased(ref)
+    b2, lo, hi = bias_sq_interval(x - ref, seed=seed)
+    r2 = _sq_norm_debiased(ref)
+    diff = x - ref
+    rel = lambda v: float(np.sqrt(max(v, 0.0) / r2)) if r2 > 0 else float("nan")
     return {
-        "rel_bias": rel_bias(x, ref),
-        "rel_bias_ci95": [float(v) for v in np.nanpercentile(boot, [2.5, 97.5])],
+        "rel_bias": rel(b2),
+        "rel_bias_ci95": [rel(lo), rel(hi)],
+        "bias_sq": b2,
+        "bias_sq_ci95": [lo, hi],
+        "bias_noise_sq": float(((diff - diff.mean(0)) ** 2).sum() / max(n - 1, 1) / n),
+        "ref_sq": r2,
+        "ref_noise_sq": float(((ref - mr) ** 2).sum() / max(n - 1, 1) / n),
         "cosine": float(mx @ mr / max(np.linalg.norm(mx) * np.linalg.norm(mr), 1e-30)),
         "variance": var,
-        "mse": b2 + var,
-        "rel_mse": (b2 + var) / r2 if r2 > 0 else None,
+        "mse": max(b2, 0.0) + var,
+        "rel_mse": (max(b2, 0.0) + var) / r2 if r2 > 0 else None,
     }
 
 

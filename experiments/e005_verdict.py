@@ -332,6 +332,10 @@ def main(argv=None) -> int:
         print(status_line(units))
         return 0
     result = verdict_from_units(units)
+    # What each test could detect, beside the outcomes (which the rules above decided).
+    from experiments.e005_reading import reading
+
+    result["reading"] = reading(result, units)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "verdict.json"), "w") as fh:
         json.dump(result, fh, indent=1)

@@ -142,6 +142,11 @@ def dvp_loss(
     ref_in_safe=None,
     entropy_coef=0.0,
     entropy=None,
+    icepop_lo=0.5,
+    icepop_hi=5.0,
+    geo_lo=0.999,
+    geo_hi=1.001,
+    k3_max=0.005,
 ) -> dict:
     """E5-E9 by loops. `logp_obj` enters the objective; weights use `logp_weights` (default
     `logp_obj`; the stop-gradient of E6), so finite differences in `logp_obj` give the gradient.
@@ -156,6 +161,11 @@ def dvp_loss(
     k3 = pi_ref/pi - log(pi_ref/pi) - 1 over the kept tokens (those with y outside the reference's
     safe set skipped when pruning; log-ratio clipped to +-20); with `entropy_coef` (E12) it
     subtracts entropy_coef/Z times the sum of `entropy` over the kept tokens.
+
+    Rejection baselines (E7b): token_icepop keeps a token with weight exp(l_t) only when
+    icepop_lo <= exp(l_t) <= icepop_hi; seq_geo_rs keeps a response (weight 1) only when
+    geo_lo <= exp(mean_t l_t) <= geo_hi; seq_k3_rs keeps it when mean_t (exp(l_t) - 1 - l_t)
+    <= k3_max (l_t clipped to +-20), means over the response's tokens.
 
     Returns the loss, the counts, `kl_ref` (the mean k over the KL's tokens), and `weights`: the
     applied E7 weights, one per kept token (none, token_*) or one per kept response (seq_*).
@@ -179,6 +189,20 @@ def dvp_loss(
             continue
         ratio = {t: lp_w[i, t] - behaviour_logp[i][t] for t in tokens}  # E6
         big_l = sum(ratio.values())
+        n_tok = max(len(tokens), 1)
+        if correction == "seq_geo_rs":
+            geo = math.exp(big_l / n_tok)  # the geometric mean of the token ratios
+            reject = not (geo_lo <= geo <= geo_hi)
+        elif correction == "seq_k3_rs":
+            k3 = [
+                math.exp(min(max(r, -20.0), 20.0)) - 1.0 - min(max(r, -20.0), 20.0)
+                for r in ratio.values()
+            ]
+            reject = sum(k3) / n_tok > k3_max
+        else:
+            reject = False
+        if reject and tokens:
+            masked_seqs += 1
         weights = {}
         for t in tokens:  # E7
             if correction == "none":
@@ -195,6 +219,14 @@ def dvp_loss(
             elif correction == "seq_mis":
                 if math.exp(big_l) <= cap:
                     weights[t] = math.exp(big_l)
+            elif correction == "token_icepop":
+                if icepop_lo <= math.exp(ratio[t]) <= icepop_hi:
+                    weights[t] = math.exp(ratio[t])
+                else:
+                    masked_tokens += 1
+            elif correction in ("seq_geo_rs", "seq_k3_rs"):
+                if not reject:
+                    weights[t] = 1.0
             else:
                 raise ValueError(correction)
         if correction == "seq_mis" and tokens and math.exp(big_l) > cap:

@@ -66,3 +66,22 @@ def test_gpu_mid_config_validates():
             module.get_config(method), CharTokenizer().vocab_size
         )
         assert cfg.method == method and cfg.mesh.shape(1) == (1, 1, 1)
+
+
+def test_rejection_baselines_are_methods_and_their_bands_are_validated():
+    """config.method takes the E7b presets; a bad band names its field and the allowed range."""
+    from dvp_jax.train.config import default_config
+
+    for method, correction in (
+        ("icepop", "token_icepop"), ("geo_rs", "seq_geo_rs"), ("k3_rs", "seq_k3_rs"),
+    ):  # fmt: skip
+        cd = default_config(method)
+        cfg = ExperimentConfig.from_config_dict(cd, 512)
+        assert cfg.method == method and cfg.loss.correction == correction
+        assert not cfg.loss.prune
+    cd = default_config("geo_rs")
+    cd.loss.geo_lo = 1.2
+    with pytest.raises(ValueError, match="config.loss.*geo_lo"):
+        ExperimentConfig.from_config_dict(cd, 512)
+    with pytest.raises(ValueError, match="method"):
+        ExperimentConfig.from_config_dict(default_config("icepop_dvp"), 512)

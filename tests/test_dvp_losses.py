@@ -103,6 +103,11 @@ def _assert_weight_stats(metrics, weights):
         ("ppo_clip_eps", 0.0),
         ("ppo_clip_eps", 1.5),
         ("temperature", 0.0),
+        ("icepop_lo", 0.0),
+        ("icepop_hi", 0.9),
+        ("geo_lo", 1.5),
+        ("geo_hi", math.inf),
+        ("k3_max", 0.0),
     ],
 )
 def test_config_errors_name_the_field(field, value):
@@ -117,7 +122,11 @@ def test_presets():
         "mis": (False, "seq_mis"),
         "dvp": (True, "none"),
         "mis_dvp": (True, "seq_mis"),
+        "icepop": (False, "token_icepop"),
+        "geo_rs": (False, "seq_geo_rs"),
+        "k3_rs": (False, "seq_k3_rs"),
     }
+    assert set(expect) == set(losses.PRESETS)
     for name, (prune, correction) in expect.items():
         cfg = LossConfig.preset(name)
         assert (cfg.prune, cfg.correction, cfg.cap) == (prune, correction, 2.0)
@@ -135,6 +144,13 @@ def test_presets():
 
 
 REFERENCE_B = 10
+# The rejection baselines' bands (E7b) per regime of the reference grids, so that the batches'
+# log-ratios (std 0.3 / 1.0) fall on both sides of each (the defaults reject nearly every
+# response of these batches).
+BANDS = {
+    "near": dict(icepop_lo=0.7, icepop_hi=1.5, geo_lo=0.85, geo_hi=1.15, k3_max=0.05),
+    "cap": dict(icepop_lo=0.5, icepop_hi=2.5, geo_lo=0.7, geo_hi=1.4, k3_max=0.6),
+}
 
 
 def _reference_batch(prune, regime):
@@ -150,7 +166,7 @@ def reference_grid():
     return _grid(
         {
             (c, n, p, r): (
-                LossConfig(prune=p, correction=c, normalisation=n),
+                LossConfig(prune=p, correction=c, normalisation=n, **BANDS[r]),
                 _reference_batch(p, r),
             )
             for c in losses.CORRECTIONS
@@ -172,8 +188,14 @@ def test_matches_reference(reference_grid, correction, normalisation, prune, reg
         included = ~np.any(mask & ~in_safe, axis=1) if prune else np.ones(b, bool)
         _assert_cap_reached(lp, lr, mask, included)
     loss, metrics, grad = reference_grid[correction, normalisation, prune, regime]
-    kw = dict(prune=prune, correction=correction, normalisation=normalisation, cap=2.0)
+    kw = dict(
+        prune=prune, correction=correction, normalisation=normalisation, cap=2.0, **BANDS[regime]
+    )
     expect = ref.dvp_loss(lp, lr, adv, mask, in_safe, **kw)
+    if correction == "token_icepop":  # the band is crossed: tokens kept and masked
+        assert expect["masked_tokens"] > 0 and expect["kept_tokens"] > 0
+    if correction in ("seq_geo_rs", "seq_k3_rs"):  # responses kept and rejected
+        assert expect["masked_seqs"] > 0 and expect["kept_responses"] > 0
     np.testing.assert_allclose(loss, expect["loss"], rtol=1e-5, atol=1e-6)
     expect_grad = ref.loss_grad(lp, lr, adv, mask, in_safe, **kw)
     np.testing.assert_allclose(grad, expect_grad, rtol=1e-5, atol=1e-7)
@@ -218,8 +240,8 @@ def ppo_grid():
     cases = {}
     for correction in losses.CORRECTIONS:
         cfg, cfg0 = (
-            LossConfig(correction=correction, ppo_clip_eps=0.1),
-            LossConfig(correction=correction),
+            LossConfig(correction=correction, ppo_clip_eps=0.1, **BANDS["cap"]),
+            LossConfig(correction=correction, **BANDS["cap"]),
         )
         cases[correction, "ppo"] = (cfg, (lp, lr, adv, mask, in_safe, old_logp, old_in_safe))
         cases[correction, "e9"] = (cfg0, (lp, lr, adv, mask, in_safe))
@@ -234,7 +256,7 @@ def test_ppo_gradient_matches_decoupled_clip_surrogate(ppo_grid, correction):
     included = ~np.any(mask & ~(in_safe & old_in_safe), axis=1)
     _assert_cap_reached(old_logp, lr, mask, included)
     _, metrics, grad = ppo_grid[correction, "ppo"]
-    kw = dict(prune=True, correction=correction, ppo_eps=0.1)
+    kw = dict(prune=True, correction=correction, ppo_eps=0.1, **BANDS["cap"])
     kw |= dict(old_logp=old_logp, old_in_safe=old_in_safe)
     expect = ref.dvp_loss(lp, lr, adv, mask, in_safe, **kw)
     # Only the gradient is the surrogate's (the value is E9's with stop-gradient factors r_t).
@@ -360,6 +382,66 @@ def test_seq_mis_masks_exactly_responses_with_exp_l_above_cap_by_hand():
     np.testing.assert_allclose(grad[1], [0.0, 0.0])
     np.testing.assert_allclose(grad[0], [-1.8221188 / 4] * 2, rtol=1e-6)
     np.testing.assert_allclose(metrics["is_weight_max"], 1.8221188, rtol=1e-6)
+
+
+def test_icepop_masks_tokens_outside_the_band_both_ways_by_hand():
+    # Band [0.5, 5]. Rollout log-probs all -1; token log-ratios l (ratio exp l):
+    #   response 0: (0.3, -1.0): 1.3498588 kept (w = 1.3498588); 0.3678794 < 0.5 masked
+    #   response 1: (2.0, 0.0):  7.3890561 > 5 masked;           1.0 kept (w = 1)
+    # A = (1, -1); Z = 2 kept tokens;
+    # numerator = 1.3498588 * 1 * (-0.7) + 1 * (-1) * (-1.0) = -0.9449012 + 1 = 0.0550988;
+    # loss = -0.0550988 / 2 = -0.0275494; d loss / d logp = -w A / Z on kept tokens.
+    lr = -jnp.ones((2, 2))
+    ratio = jnp.array([[0.3, -1.0], [2.0, 0.0]])
+    mask = jnp.ones((2, 2), bool)
+    cfg = LossConfig.preset("icepop")
+    assert (cfg.icepop_lo, cfg.icepop_hi) == (0.5, 5.0)
+    loss, metrics, grad = _loss_and_grad(cfg, lr + ratio, lr, jnp.array([1.0, -1.0]), mask, mask)
+    np.testing.assert_allclose(loss, -0.0275494, rtol=1e-5)
+    np.testing.assert_allclose(grad, [[-0.6749294, 0.0], [0.0, 0.5]], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(metrics["frac_tokens_masked"], 0.5)
+    np.testing.assert_allclose(metrics["frac_responses_masked"], 0.0)
+
+
+def test_geometric_mean_rejection_reads_the_mean_log_ratio_by_hand():
+    # Band [0.9, 1.1] (log: [-0.1053605, 0.0953102]). Rollout log-probs all -1; l per token:
+    #   response 0: (0.3, -0.3)  mean 0     -> geometric mean 1.0000000 kept (a token at 1.35)
+    #   response 1: (0.3, 0.0)   mean 0.15  -> 1.1618342 > 1.1 rejected
+    #   response 2: (-0.1, 0.0)  mean -0.05 -> 0.9512294 kept
+    # A = (1, 1, -1); w = 1; Z = 4 kept tokens;
+    # numerator = (-0.7 - 1.3) + (-1) (-1.1 - 1.0) = -2.0 + 2.1 = 0.1; loss = -0.1 / 4 = -0.025.
+    lr = -jnp.ones((3, 2))
+    ratio = jnp.array([[0.3, -0.3], [0.3, 0.0], [-0.1, 0.0]])
+    mask = jnp.ones((3, 2), bool)
+    cfg = LossConfig.preset("geo_rs", geo_lo=0.9, geo_hi=1.1)
+    adv = jnp.array([1.0, 1.0, -1.0])
+    loss, metrics, grad = _loss_and_grad(cfg, lr + ratio, lr, adv, mask, mask)
+    np.testing.assert_allclose(loss, -0.025, rtol=1e-5)
+    np.testing.assert_allclose(grad, [[-0.25, -0.25], [0.0, 0.0], [0.25, 0.25]], rtol=1e-6)
+    np.testing.assert_allclose(metrics["frac_responses_masked"], 1 / 3)
+    np.testing.assert_allclose(metrics["is_weight_max"], 1.0)
+
+
+def test_k3_rejection_catches_a_symmetric_deviation_by_hand():
+    # k3(l) = exp(l) - 1 - l; bound 0.01. Rollout log-probs all -1; l per token:
+    #   response 0: (0.1, -0.1): k3 0.0051709, 0.0048374, mean 0.0050042 <= 0.01 kept
+    #   response 1: (0.3, 0.0):  k3 0.0498588, 0,         mean 0.0249294 >  0.01 rejected
+    #   response 2: (0.2, -0.2): k3 0.0214028, 0.0187308, mean 0.0200668 >  0.01 rejected,
+    #     though its geometric-mean ratio is exactly 1 (seq_geo_rs would keep it)
+    # A = (1, -1, 1); Z = 2 kept tokens; numerator = -0.9 - 1.1 = -2.0; loss = 2.0 / 2 = 1.0.
+    lr = -jnp.ones((3, 2))
+    ratio = jnp.array([[0.1, -0.1], [0.3, 0.0], [0.2, -0.2]])
+    mask = jnp.ones((3, 2), bool)
+    adv = jnp.array([1.0, -1.0, 1.0])
+    loss, metrics, grad = _loss_and_grad(
+        LossConfig.preset("k3_rs", k3_max=0.01), lr + ratio, lr, adv, mask, mask
+    )
+    np.testing.assert_allclose(loss, 1.0, rtol=1e-5)
+    np.testing.assert_allclose(grad, [[-0.5, -0.5], [0.0, 0.0], [0.0, 0.0]], rtol=1e-6)
+    np.testing.assert_allclose(metrics["frac_responses_masked"], 2 / 3)
+    geo = LossConfig.preset("geo_rs", geo_lo=0.9, geo_hi=1.1)
+    _, m_geo, _ = _loss_and_grad(geo, lr + ratio, lr, adv, mask, mask)
+    np.testing.assert_allclose(m_geo["frac_responses_masked"], 1 / 3)  # response 1 only
 
 
 # ----------------------------------------------------------------------------- identities

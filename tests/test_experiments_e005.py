@@ -193,3 +193,33 @@ def test_prefix_reward_counts_correct_steps_in_order():
     assert prefix_reward(words[:5], [12, 7]) == 0.5
     assert prefix_reward("+ 11 = 11 + 7 = 18".split(), [12, 7]) == 0.0
     assert prefix_reward("+ 12 = 12 + 7 = 20".split(), [12, 7]) == 0.5
+
+
+def test_centred_interval_covers_a_zero_bias_where_the_first_did_not():
+    """e005_coverage at small sizes: the first interval (percentiles of resampled corrected
+    norms) almost never contains a zero bias once the noise term dominates; the centred one
+    does, at about its level (a fixed seed; 60 draws, so the bound is loose)."""
+    from experiments.e005_coverage import simulate
+
+    out = simulate(reps=60, groups=64, dim=128, boot=200, spectrum="flat")
+    assert out["first_contains_0"] <= 0.2
+    assert out["centred_contains_0"] >= 0.88
+    hit = simulate(reps=20, groups=64, dim=128, boot=200, spectrum="flat", bias_sq=64.0)
+    assert hit["centred_lower_above_0"] >= 0.9  # a bias well above the noise is detected
+
+
+def test_committed_verdict_follows_from_the_committed_records():
+    """results/e005/verdict.json (outcomes and reading) is what the rules and the reading give
+    on results/e005/units: rerunning `e005_verdict` would not change it."""
+    import json
+    import os
+
+    from experiments.e005_reading import reading
+
+    out = os.path.join(os.path.dirname(__file__), "..", "experiments", "results", "e005")
+    units = v.load_units(out)
+    result = v.verdict_from_units(units)
+    result["reading"] = reading(result, units)
+    with open(os.path.join(out, "verdict.json")) as fh:
+        assert json.load(fh) == json.loads(json.dumps(result))
+    assert result["reading"]["3"]["per_rung"]["M3"]["corrected_gate"] is False

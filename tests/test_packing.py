@@ -234,6 +234,11 @@ METHODS = {
     "dvp": LossConfig.preset("dvp", log_rho=LOG_RHO),
     "mis_dvp": LossConfig.preset("mis_dvp", log_rho=LOG_RHO),
     "mis_dvp_ppo": LossConfig.preset("mis_dvp", log_rho=LOG_RHO, ppo_clip_eps=0.2),
+    # The rejection baselines (E7b), bands set so that rows 0 and 4 (ratio ~e^3) are rejected
+    # or masked and the others kept: the per-response means are segment sums when packed.
+    "icepop": LossConfig.preset("icepop", log_rho=LOG_RHO),
+    "geo_rs": LossConfig.preset("geo_rs", log_rho=LOG_RHO, geo_lo=0.05, geo_hi=5.0),
+    "k3_rs": LossConfig.preset("k3_rs", log_rho=LOG_RHO, k3_max=2.0),
 }
 
 
@@ -272,8 +277,10 @@ def test_packed_update_equals_the_padded_update(method):
     assert float(m["grad_norm"]) > 0
     if cfg.pruning:
         assert 0 < float(m["frac_responses_excluded"]) < 1
-    if cfg.correction == "seq_mis":
-        assert float(m["frac_responses_masked"]) > 0
+    if cfg.correction in ("seq_mis", "seq_geo_rs", "seq_k3_rs"):
+        assert 0 < float(m["frac_responses_masked"]) < 1
+    if cfg.correction == "token_icepop":
+        assert 0 < float(m["frac_tokens_masked"]) < 1
     if cfg.ppo_clip_eps is not None:
         assert 0 < float(m["ppo_clip_frac"]) < 1
     _assert_same(padded, packed, method + ": ")

@@ -167,8 +167,10 @@ def exclusion_metrics(
       response_mask: `[B, T]` response tokens; responses without tokens are not counted.
       excluded: per response (`segments`' shape, `[B, 1]` one per row; `[B]` also works then),
         bool, response has a sampled token outside the trainer safe set (E5).
-      seq_masked: per response, bool, response masked by the correction (seq_mis, exp L > C).
-      token_masked: `[B, T]` bool, token masked by the correction (token_mis, exp l_t > C).
+      seq_masked: per response, bool, response masked by the correction (seq_mis, exp L > C;
+        seq_geo_rs / seq_k3_rs, E7b).
+      token_masked: `[B, T]` bool, token masked by the correction (token_mis, exp l_t > C;
+        token_icepop, E7b).
       segments: which response each token belongs to (None: one response per row).
 
     Returns:

@@ -17,7 +17,12 @@ import jax.numpy as jnp
 from dvp_jax.dvp import diagnostics, pruning
 from dvp_jax.dvp.segments import Segments
 
-CORRECTIONS = ("none", "token_tis", "token_mis", "seq_tis", "seq_mis")
+CORRECTIONS = (
+    "none", "token_tis", "token_mis", "seq_tis", "seq_mis",
+    # Rejection baselines (E7b): IcePop's two-sided token mask, geometric-mean and k3 sequence
+    # rejection (verl's rollout correction `token_k1`, `seq_mean_k1`, `seq_mean_k3`).
+    "token_icepop", "seq_geo_rs", "seq_k3_rs",
+)  # fmt: skip
 NORMALISATIONS = ("token_mean", "seq_mean_token_sum")
 KL_ESTIMATORS = ("k1", "k3")  # E11
 KL_REFERENCE_DTYPES = ("float32", "bfloat16")  # how the frozen reference params are kept
@@ -46,6 +51,11 @@ class LossConfig:
       kl_reference_dtype: one of `KL_REFERENCE_DTYPES`, the dtype the frozen reference params
         are kept in ("bfloat16" is the rollout precisions' parameter dtype, half the memory).
       entropy_coef: eta >= 0 of the entropy bonus (E12); 0 = off (the paper's setting).
+      icepop_lo, icepop_hi: 0 < lo <= 1 <= hi, `token_icepop`'s band on the token ratio
+        exp l_t (E7b; IcePop's 0.5 and 5).
+      geo_lo, geo_hi: 0 < lo <= 1 <= hi, `seq_geo_rs`'s band on the response's geometric-mean
+        ratio exp(mean_t l_t) (E7b; verl's example band 0.999..1.001).
+      k3_max: > 0, `seq_k3_rs`'s bound on the response's mean k3 = exp l_t - 1 - l_t (E7b).
     """
 
     prune: bool = True
@@ -59,6 +69,11 @@ class LossConfig:
     kl_estimator: str = "k3"
     kl_reference_dtype: str = "float32"
     entropy_coef: float = 0.0
+    icepop_lo: float = 0.5
+    icepop_hi: float = 5.0
+    geo_lo: float = 0.999
+    geo_hi: float = 1.001
+    k3_max: float = 0.005
 
     def __post_init__(self):
         if not isinstance(self.prune, bool):
@@ -86,6 +101,17 @@ class LossConfig:
             c = getattr(self, name)
             if not (isinstance(c, int | float) and math.isfinite(c) and c >= 0):
                 raise ValueError(f"LossConfig.{name} must be a finite float >= 0, got {c!r}.")
+        for lo, hi in (("icepop_lo", "icepop_hi"), ("geo_lo", "geo_hi")):
+            a, b = getattr(self, lo), getattr(self, hi)
+            ok = all(isinstance(v, int | float) and math.isfinite(v) for v in (a, b))
+            if not (ok and 0 < a <= 1 <= b):
+                raise ValueError(
+                    f"LossConfig.{lo} and LossConfig.{hi} must be finite with "
+                    f"0 < {lo} <= 1 <= {hi} (a band around ratio 1), got {a!r} and {b!r}."
+                )
+        k = self.k3_max
+        if not (isinstance(k, int | float) and math.isfinite(k) and k > 0):
+            raise ValueError(f"LossConfig.k3_max must be a finite float > 0, got {k!r}.")
         for name, allowed in [
             ("kl_estimator", KL_ESTIMATORS),
             ("kl_reference_dtype", KL_REFERENCE_DTYPES),
@@ -116,7 +142,9 @@ class LossConfig:
         """The paper's methods (docs/design.md section 2), optionally with field overrides.
 
         rloo = no pruning + none; tis = no pruning + token_tis; mis = no pruning + seq_mis;
-        dvp = pruning + none (with E5 exclusion); mis_dvp = pruning + seq_mis.
+        dvp = pruning + none (with E5 exclusion); mis_dvp = pruning + seq_mis. Rejection
+        baselines (E7b), no pruning: icepop = token_icepop; geo_rs = seq_geo_rs;
+        k3_rs = seq_k3_rs.
         """
         if name not in PRESETS:
             raise ValueError(f"unknown loss preset {name!r}; choose one of {tuple(PRESETS)}.")
@@ -129,6 +157,9 @@ PRESETS: dict[str, dict] = {
     "mis": dict(prune=False, correction="seq_mis"),
     "dvp": dict(prune=True, correction="none"),
     "mis_dvp": dict(prune=True, correction="seq_mis"),
+    "icepop": dict(prune=False, correction="token_icepop"),
+    "geo_rs": dict(prune=False, correction="seq_geo_rs"),
+    "k3_rs": dict(prune=False, correction="seq_k3_rs"),
 }
 
 
@@ -159,6 +190,11 @@ def dvp_loss(
     E7 with C = `cfg.cap` (compared in the log domain, l <= log C  <=>  exp l <= C):
       none: w = 1; token_tis: w_t = min(exp l_t, C); token_mis: w_t = exp l_t, token masked if
       exp l_t > C; seq_tis: w = min(exp L, C); seq_mis: w = exp L, response masked if exp L > C.
+    E7b (rejection baselines; n_i = the response's included tokens):
+      token_icepop: w_t = exp l_t, token masked unless lo <= exp l_t <= hi (`icepop_lo/hi`);
+      seq_geo_rs: w = 1, response masked unless geo_lo <= exp(sum_t l_t / n_i) <= geo_hi;
+      seq_k3_rs: w = 1, response masked if sum_t (exp l_t - 1 - l_t) / n_i > k3_max, with l_t
+      clipped to +-20 (computed as expm1(l_t) - l_t).
     E9: loss = -(1/Z) sum_i sum_t w_it A_i log pi_S(y_it), sums over kept tokens;
       Z = kept tokens (`token_mean`) or kept responses (`seq_mean_token_sum`); masked tokens and
       responses leave Z; Z = 0 gives loss 0.
@@ -271,9 +307,24 @@ def dvp_loss(
         w = jnp.exp(jnp.minimum(l_tok, log_cap))
     elif cfg.correction == "seq_tis":
         w = jnp.broadcast_to(seqs.spread(jnp.exp(jnp.minimum(l_seq, log_cap))), lp.shape)
-    else:  # seq_mis
+    elif cfg.correction == "seq_mis":
         seq_masked = ~excluded & seqs.any(mask) & (l_seq > log_cap)
         w = jnp.broadcast_to(seqs.spread(jnp.exp(jnp.minimum(l_seq, log_cap))), lp.shape)
+    elif cfg.correction == "token_icepop":
+        lo, hi = math.log(cfg.icepop_lo), math.log(cfg.icepop_hi)
+        token_masked = tok & ((l_tok < lo) | (l_tok > hi))
+        w = jnp.exp(jnp.clip(l_tok, lo, hi))  # finite everywhere; masked tokens get 0 below
+    else:  # seq_geo_rs, seq_k3_rs: rejection by a per-response mean over its included tokens
+        n_tok = jnp.maximum(seqs.sum(tok.astype(f32)), 1.0)  # per response
+        if cfg.correction == "seq_geo_rs":
+            mean_l = l_seq / n_tok  # log of the geometric-mean ratio
+            out = (mean_l < math.log(cfg.geo_lo)) | (mean_l > math.log(cfg.geo_hi))
+        else:
+            lc = jnp.clip(l_tok, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+            k3 = jnp.where(tok, jnp.expm1(lc) - lc, 0.0)  # [B, T], >= 0
+            out = seqs.sum(k3) / n_tok > cfg.k3_max
+        seq_masked = ~excluded & seqs.any(tok) & out
+        w = jnp.ones_like(lp)
     keep = tok & ~token_masked & ~seqs.spread(seq_masked)  # [B, T]
     w = jnp.where(keep, w, 0.0)
 
@@ -321,7 +372,7 @@ def dvp_loss(
     metrics["kept_tokens"] = jnp.sum(keep).astype(f32)
     metrics["kept_responses"] = jnp.sum(kept_responses).astype(f32)
     metrics |= diagnostics.exclusion_metrics(mask, excluded, seq_masked, token_masked, seqs)
-    if cfg.correction.startswith("seq"):
+    if cfg.correction in ("seq_tis", "seq_mis"):
         # One weight per response: w is constant over a kept response's tokens, 0 elsewhere.
         metrics |= diagnostics.is_weight_stats(seqs.max(w), kept_responses)
     else:

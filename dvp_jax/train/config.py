@@ -194,7 +194,7 @@ def default_config(method: str = "dvp", **sections: dict[str, Any]) -> ml_collec
     with its type checked (the ConfigDict is locked by `main.py`).
     """
     c = ml_collections.ConfigDict()
-    c.method = method or "dvp"  # rloo | tis | mis | dvp | mis_dvp (docs/design.md section 2)
+    c.method = method or "dvp"  # a losses.PRESETS name (docs/design.md section 2)
     from_preset = {"model": {f.name for f in dataclasses.fields(ModelConfig)}}
     from_preset["loss"] = {"prune", "correction", "temperature"}
     for section, cls in _SECTIONS.items():
