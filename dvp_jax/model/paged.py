@@ -9,10 +9,10 @@ live rather than B full-length rows. Decode attention for slot b reads only page
 `j < ceil(length_b / ps)`:
 
 * `ragged_attention` (XLA, every backend): the live pages of all slots as one flat list, bounded
-  by a static `live_pages` bucket; each page gives a partial softmax (its max m, sum l, and
-  p.v), and the partials of a slot combine as in flash decoding:
-  out_b = sum_j exp(m_j - M_b) o_j / sum_j exp(m_j - M_b) l_j, M_b = max_j m_j.
-  Work and bytes grow with the live tokens, not with B x the longest slot.
+  by a static `live_pages` bucket; the scores of a slot's pages share one softmax (its max and
+  sum are segment reductions over the list), and each page's p.v is summed into its slot:
+  out_b = sum_{j of b} p_j v_j. Work and bytes grow with the live tokens, not with B x the
+  longest slot.
 * `decode_kernels.paged_decode_attention` (Pallas, TPU): the same per slot and kv head, copying
   only the live pages into VMEM.
 
@@ -197,11 +197,14 @@ def ragged_attention(q, k_all, v_all, layer, table, lengths, live_pages, from_st
     visible = (valid[:, None] & (position < lengths[owner][:, None]))[:, None, None, :]
     lowest = jnp.finfo(jnp.float32).min
     scores = jnp.where(visible, scores, lowest)
-    m = jnp.max(scores, axis=-1)  # [n, k, g]
-    probs = jnp.where(visible, jnp.exp(scores - m[..., None]), 0.0)
-    total = jnp.sum(probs, axis=-1)  # [n, k, g]
-    # [n, k, g, s] x [n, k, s, h] -> [n, k, g, h], probabilities in the compute dtype (as the
-    # dense path's), accumulated in float32.
+    # The slot's softmax over all its pages, as the dense path's: max and sum per slot first
+    # (segment reductions over the page list), then the normalised probabilities in the compute
+    # dtype, so a bf16 engine rounds what dense decode rounds.
+    top = jax.ops.segment_max(jnp.max(scores, axis=-1), owner, num_segments=b)  # [B, k, g]
+    exp = jnp.where(visible, jnp.exp(scores - top[owner][..., None]), 0.0)
+    norm = jax.ops.segment_sum(jnp.sum(exp, axis=-1), owner, num_segments=b)  # [B, k, g]
+    probs = exp / jnp.maximum(norm, 1e-30)[owner][..., None]
+    # [n, k, g, s] x [n, k, s, h] -> [n, k, g, h], accumulated in float32 over each slot's pages.
     partial = jnp.einsum(
         "nkgs,nksh->nkgh",
         probs.astype(cd),
@@ -209,11 +212,5 @@ def ragged_attention(q, k_all, v_all, layer, table, lengths, live_pages, from_st
         precision=prec,
         preferred_element_type=jnp.float32,
     )
-    # Flash-decoding combine of each slot's pages: weights exp(m_j - M_b).
-    m = jnp.where(valid[:, None, None], m, lowest)
-    top = jax.ops.segment_max(m, owner, num_segments=b)  # [B, k, g]
-    weight = jnp.where(valid[:, None, None], jnp.exp(m - top[owner]), 0.0)
-    norm = jax.ops.segment_sum(total * weight, owner, num_segments=b)
-    out = jax.ops.segment_sum(partial * weight[..., None], owner, num_segments=b)
-    # A slot with no live page (finished) has norm 0 and comes out 0.
-    return (out / jnp.maximum(norm, 1e-30)[..., None]).astype(cd)
+    # A slot with no live page (finished) sums nothing and comes out 0.
+    return jax.ops.segment_sum(partial, owner, num_segments=b).astype(cd)

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dvp_jax.model import paged
 from dvp_jax.model.attention import (
     Attention,
     KVCache,
@@ -32,7 +33,6 @@ from dvp_jax.model.attention import (
     seq_axis,
     to_storage,
 )
-from dvp_jax.model import paged
 from dvp_jax.model.config import REMAT_POLICIES, TRAIN_POLICY, DTypePolicy, ModelConfig
 from dvp_jax.model.layers import MLP, RMSNorm, matmul, param
 from dvp_jax.model.paged import PAGED_AXES

@@ -18,7 +18,6 @@ from dvp_jax.model.config import PRECISIONS
 from dvp_jax.model.paged import Pages
 from dvp_jax.rollout import sampling
 
-
 # Decode attention of the engine (`EngineConfig.decode_attention`).
 DECODE_ATTENTION = ("paged", "paged_xla", "dense")
 

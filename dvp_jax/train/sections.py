@@ -85,6 +85,11 @@ class RolloutConfig:
     max_decode_length: int = 8  # most tokens generated per response
     max_concurrent_decodes: int = 64  # decode slots of the engine
     tensor_parallel: int = 1  # the engine's mesh: (1, 1, tensor_parallel) local devices
+    # Decode attention and its paged KV cache (`EngineConfig`'s fields, defaults and checks;
+    # None: the engine's default): "paged" | "paged_xla" | "dense", positions per page, pages.
+    decode_attention: str | None = None
+    page_size: int | None = None
+    kv_pages: int | None = None
 
     def __post_init__(self):
         check_one_of("rollout.dtype", self.dtype, PRECISIONS)
