@@ -189,7 +189,13 @@ def engine_specs(
     spec("engine/insert_batch", programs.insert, prefix, state, slots, slots, slots)
     k = STEPS_PER_SYNC
     flag = engine.replicated_structs(jax.ShapeDtypeStruct((), jnp.bool_))
-    for kv in ec.kv_buckets if all_buckets else ec.kv_buckets[-1:]:
+    if ec.paged:  # one program whatever the lengths (the kernel); the XLA path: a page bucket
+        spans = ec.page_buckets if all_buckets and engine.paged_impl == "xla" else [None]
+        for pages in spans:
+            span = engine.page_bucket(pages)
+            name = f"engine/decode_loop[k={k},{engine.paged_impl},pages={span or 'own'}]"
+            spec(name, programs.loop, params, state, k, span, flag, while_trips=k)
+    for kv in [] if ec.paged else ec.kv_buckets if all_buckets else ec.kv_buckets[-1:]:
         name = f"engine/decode_loop[k={k},kv={kv}]"
         spec(name, programs.loop, params, state, k, kv, flag, while_trips=k)
     # Weight sync: the trainer's params (on the trainer mesh) cast to the rollout dtype, on the

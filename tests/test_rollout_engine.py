@@ -8,6 +8,7 @@ matmul precision `highest` from conftest); float32 statistics of O(10) logits ca
 few ulp (ulp(8) = 9.5e-7).
 """
 
+import dataclasses
 import functools
 import math
 
@@ -63,9 +64,15 @@ def fp32(master):
 
 @pytest.fixture(scope="module")
 def fp32_long(master):
-    """fp32, 40 tokens per response and no stop token (the decode-loop tests)."""
+    """fp32, 40 tokens per response and no stop token (the decode-loop tests), on the dense
+    cache: its length buckets are what these tests check (paged decode: test_paged_attention)."""
     config = EngineConfig(
-        **{**_engine_config("float32").__dict__, "max_decode_length": 40, "stop_tokens": ()}
+        **{
+            **_engine_config("float32").__dict__,
+            "max_decode_length": 40,
+            "stop_tokens": (),
+            "decode_attention": "dense",
+        }
     )
     return RolloutEngine(CFG, config, params=nnx.state(master))
 
@@ -434,15 +441,19 @@ def test_the_tpu_cache_layout_gives_the_same_rollouts(fp32, master, reference, m
     a = reference  # traced heads first, before the patch
     for module in (attention, dvp_jax.model.transformer, dvp_jax.rollout.engine):
         monkeypatch.setattr(module, "cache_layout", lambda platform: "positions_first")
-    tpu = RolloutEngine(CFG, fp32.config, params=nnx.state(master))
-    assert tpu.cache_layout == "positions_first"
-    state = tpu.init_decode_state()
     s = fp32.config.cache_length
-    assert state.cache.k.shape == (CFG.n_layers, 4, s, CFG.n_kv_heads, CFG.head_dim)
-    b = generate_rollouts(tpu, PROMPTS, G_REF, jax.random.key(KEY_REF))
-    np.testing.assert_array_equal(a.tokens, b.tokens)
-    np.testing.assert_allclose(a.behaviour_logp, b.behaviour_logp, rtol=0, atol=1e-5)
-    np.testing.assert_allclose(a.behaviour_logp_full, b.behaviour_logp_full, rtol=0, atol=1e-5)
+    # The dense cache in that layout, and the paged cache filled from prefixes in that layout.
+    for mode in ("paged", "dense"):
+        config = dataclasses.replace(fp32.config, decode_attention=mode)
+        tpu = RolloutEngine(CFG, config, params=nnx.state(master))
+        assert tpu.cache_layout == "positions_first"
+        state = tpu.init_decode_state()
+        if mode == "dense":
+            assert state.cache.k.shape == (CFG.n_layers, 4, s, CFG.n_kv_heads, CFG.head_dim)
+        b = generate_rollouts(tpu, PROMPTS, G_REF, jax.random.key(KEY_REF))
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.behaviour_logp, b.behaviour_logp, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(a.behaviour_logp_full, b.behaviour_logp_full, rtol=0, atol=1e-5)
     # JetStream's one-request path in the same layout.
     served = JetStreamEngine(tpu)
     prefix = served.prefill(params=tpu.params, padded_tokens=PROMPTS[0], true_length=5)
@@ -480,7 +491,7 @@ def test_batched_prefill_and_insert_equal_per_prompt(fp32):
     for field in ("key", "pos", "step", "done"):
         np.testing.assert_array_equal(getattr(single, field), getattr(batched, field), field)
     np.testing.assert_allclose(single.logits, batched.logits, rtol=0, atol=1e-5)
-    for a, b in zip(single.cache, batched.cache, strict=True):
+    for a, b in zip(_slot_cache(single), _slot_cache(batched), strict=True):
         for i, prompt in enumerate(PROMPTS):
             live = np.s_[:, 3 - i, :, : len(prompt)]  # [L, slot, k, S, h]
             np.testing.assert_allclose(np.asarray(a)[live], np.asarray(b)[live], atol=1e-5)
@@ -496,6 +507,20 @@ def test_batched_prefill_and_insert_equal_per_prompt(fp32):
     group = fp32.insert_batch(batch, fp32.init_decode_state(), [0, 1, 2, 3], [1] * 4, range(4))
     np.testing.assert_array_equal(single.key, group.key)
     assert len({tuple(k) for k in np.asarray(group.key)}) == 4
+
+
+def _slot_cache(state):
+    """The cache as `[L, B, k, S, h]` slot rows: the dense cache, or each slot's pages in order
+    (a page it lacks reads page 0)."""
+    if state.pages is None:
+        return state.cache
+    table = np.maximum(np.asarray(state.pages.table), 0)  # [B, C]
+    rows = []
+    for pages in state.cache:  # [L, k, P, ps, h] -> [L, k, B, C, ps, h] -> [L, B, k, C ps, h]
+        got = np.asarray(pages)[:, :, table]
+        n, k, b, c, ps, h = got.shape
+        rows.append(got.transpose(0, 2, 1, 3, 4, 5).reshape(n, b, k, c * ps, h))
+    return rows
 
 
 def test_length_buckets_equal_the_whole_cache_and_the_decode_loop_stops_where_a_slot_finishes(
