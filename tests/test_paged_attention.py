@@ -132,7 +132,9 @@ def test_tpu_kernel_in_interpret_mode_equals_the_ragged_xla_path(dtype):
     layers, heads, pool, size, h, g = 2, 2, 12, 8, 16, 2
     rng = np.random.default_rng(0)
     cache = [
-        to_storage(jnp.asarray(rng.normal(size=(layers, heads, pool, size, h)), jnp.float32), dtype)
+        to_storage(
+            jnp.asarray(rng.normal(size=(layers, pool, size, heads * h)), jnp.float32), dtype
+        )
         for _ in range(2)
     ]
     table = jnp.asarray([[3, 7, 1, -1], [0, -1, -1, -1], [5, 2, 9, 11]], jnp.int32)

@@ -516,10 +516,12 @@ def _slot_cache(state):
         return state.cache
     table = np.maximum(np.asarray(state.pages.table), 0)  # [B, C]
     rows = []
-    for pages in state.cache:  # [L, k, P, ps, h] -> [L, k, B, C, ps, h] -> [L, B, k, C ps, h]
-        got = np.asarray(pages)[:, :, table]
-        n, k, b, c, ps, h = got.shape
-        rows.append(got.transpose(0, 2, 1, 3, 4, 5).reshape(n, b, k, c * ps, h))
+    for pages in state.cache:  # [L, P, ps, k h] -> [L, B, C, ps, k, h] -> [L, B, k, C ps, h]
+        got = np.asarray(pages)[:, table]
+        k, h = CFG.n_kv_heads, CFG.head_dim
+        got = got.reshape(got.shape[:4] + (k, h))
+        n, b, c, ps = got.shape[:4]
+        rows.append(got.transpose(0, 1, 4, 2, 3, 5).reshape(n, b, k, c * ps, h))
     return rows
 
 

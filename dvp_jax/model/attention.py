@@ -348,7 +348,7 @@ class Attention(nnx.Module):
 
         Args:
           x: [b, 1, d]; positions: [b] the new token's position (written to its page).
-          k_all, v_all: [L, k, P, ps, h] the paged cache in `cache_storage`.
+          k_all, v_all: [L, P, ps, k h] the paged cache in `cache_storage`.
           layer: [] int32 (traced under `nnx.scan`) this layer's index.
           pages: the page table, lengths and the static path (`paged.PageView`).
         Returns:
@@ -358,7 +358,7 @@ class Attention(nnx.Module):
 
         q, k, v = self._qkv(x, positions[:, None])
         dtype = self.policy.cache_dtype
-        page, offset = paged.page_of(pages.table, positions, k_all.shape[3])
+        page, offset = paged.page_of(pages.table, positions, k_all.shape[2])
         store = lambda a: to_storage(a, dtype)
         k_all = paged.write_pages(k_all, layer, page, offset, k[:, 0], store)
         v_all = paged.write_pages(v_all, layer, page, offset, v[:, 0], store)

@@ -1,10 +1,11 @@
 """Pallas decode attention over a paged KV cache (`model/paged.py`): the TPU kernel.
 
-`paged_decode_attention` runs one program per (slot, kv head); each copies only the slot's live
-pages `j < ceil(length / ps)` of its layer from HBM into VMEM (two buffers: page j + 1 is in
+`paged_decode_attention` runs one program per slot; each copies only the slot's live pages
+`j < ceil(length / ps)` of its layer (all the shard's kv heads: a `[ps, k h]` tile) from HBM
+into VMEM (two buffers: page j + 1 is in
 flight while page j is used) and keeps a running softmax (max m, sum l, accumulator) over them,
 so a decode step reads each response's own tokens and no page past them. The layer index, the
-lengths and the page table are scalar-prefetched: the kernel reads the stacked `[L, k, P, ps,
+lengths and the page table are scalar-prefetched: the kernel reads the stacked `[L, P, ps, k,
 h]` cache in place, inside the layer scan, without slicing a layer out first. It computes what
 `paged.ragged_attention` (XLA) computes; tests run it in Pallas's TPU interpret mode on CPU and
 compare. The GPU has no kernel here yet: paged decode runs the ragged XLA path there (JAX's
@@ -29,17 +30,18 @@ _LOWEST = float(jnp.finfo(jnp.float32).min)
 def _kernel(
     lengths_ref, table_ref, layer_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sem, *, dtype
 ):
-    """One (slot, kv head): q `[g, h]` against the slot's live pages of `k_hbm`, `v_hbm`."""
-    b, head, layer = pl.program_id(0), pl.program_id(1), layer_ref[0]
+    """One slot: q `[k, g, h]` against the slot's live pages `[ps, k h]` of `k_hbm`, `v_hbm`."""
+    b, layer = pl.program_id(0), layer_ref[0]
     page_size = k_buf.shape[1]
+    kv, g, h = q_ref.shape
     length = lengths_ref[b]
     n = (length + page_size - 1) // page_size
 
     def copies(j, buf):
         page = table_ref[b, j]
         return (
-            pltpu.make_async_copy(k_hbm.at[layer, head, page], k_buf.at[buf], sem.at[0, buf]),
-            pltpu.make_async_copy(v_hbm.at[layer, head, page], v_buf.at[buf], sem.at[1, buf]),
+            pltpu.make_async_copy(k_hbm.at[layer, page], k_buf.at[buf], sem.at[0, buf]),
+            pltpu.make_async_copy(v_hbm.at[layer, page], v_buf.at[buf], sem.at[1, buf]),
         )
 
     @pl.when(n > 0)
@@ -47,18 +49,13 @@ def _kernel(
         for c in copies(0, 0):
             c.start()
 
-    q = q_ref[...]
-    g, h = q.shape
-    scale = h**-0.5
-
-    def load(buf_ref, buf):  # the stored bits -> the cache dtype -> q's dtype
-        x = buf_ref[buf]
+    def load(buf_ref, buf, head):  # one head's [ps, h]: the stored bits -> the cache dtype
+        x = buf_ref[buf, :, pl.ds(head * h, h)]
         if x.dtype != jnp.dtype(dtype):
             x = jax.lax.bitcast_convert_type(x, dtype)
-        return x.astype(q.dtype)
+        return x.astype(q_ref.dtype)
 
     def body(j, carry):
-        m, total, acc = carry
         buf = j % 2
         for c in copies(j, buf):
             c.wait()
@@ -68,42 +65,52 @@ def _kernel(
             for c in copies(j + 1, 1 - buf):
                 c.start()
 
-        keys, values = load(k_buf, buf), load(v_buf, buf)
-        # [g, h] x [s, h] -> [g, s] float32 scores.
-        scores = jax.lax.dot_general(
-            q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-        )
-        scores = scores * scale
-        position = j * page_size + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
-        scores = jnp.where(position < length, scores, _LOWEST)
-        m_new = jnp.maximum(m, jnp.max(scores, axis=1, keepdims=True))
-        probs = jnp.exp(scores - m_new)
-        alpha = jnp.exp(m - m_new)
-        # [g, s] x [s, h] -> [g, h], probabilities in q's dtype as the XLA paths.
-        pv = jnp.dot(probs.astype(q.dtype), values, preferred_element_type=jnp.float32)
-        return m_new, alpha * total + jnp.sum(probs, axis=1, keepdims=True), alpha * acc + pv
+        out = []
+        for head in range(kv):  # static: the shard's kv heads
+            m, total, acc = carry[head]
+            q = q_ref[head]  # [g, h]
+            keys, values = load(k_buf, buf, head), load(v_buf, buf, head)
+            # [g, h] x [s, h] -> [g, s] float32 scores.
+            scores = jax.lax.dot_general(
+                q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            )
+            scores = scores * h**-0.5
+            position = j * page_size + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
+            scores = jnp.where(position < length, scores, _LOWEST)
+            m_new = jnp.maximum(m, jnp.max(scores, axis=1, keepdims=True))
+            probs = jnp.exp(scores - m_new)
+            alpha = jnp.exp(m - m_new)
+            # [g, s] x [s, h] -> [g, h], probabilities in q's dtype as the XLA paths.
+            pv = jnp.dot(probs.astype(q.dtype), values, preferred_element_type=jnp.float32)
+            total = alpha * total + jnp.sum(probs, axis=1, keepdims=True)
+            out.append((m_new, total, alpha * acc + pv))
+        return tuple(out)
 
-    init = (
-        jnp.full((g, 1), _LOWEST, jnp.float32),
-        jnp.zeros((g, 1), jnp.float32),
-        jnp.zeros((g, h), jnp.float32),
+    init = tuple(
+        (
+            jnp.full((g, 1), _LOWEST, jnp.float32),
+            jnp.zeros((g, 1), jnp.float32),
+            jnp.zeros((g, h), jnp.float32),
+        )
+        for _ in range(kv)
     )
-    _, total, acc = jax.lax.fori_loop(0, n, body, init)
-    o_ref[...] = (acc / jnp.maximum(total, 1e-30)).astype(o_ref.dtype)
+    final = jax.lax.fori_loop(0, n, body, init)
+    for head, (_, total, acc) in enumerate(final):
+        o_ref[head] = (acc / jnp.maximum(total, 1e-30)).astype(o_ref.dtype)
 
 
 def _local(q, k_all, v_all, layer, table, lengths, *, dtype, interpret):
     b, kv, g, h = q.shape
-    page_size = k_all.shape[3]
-    q_spec = pl.BlockSpec((None, None, g, h), lambda i, j, *_: (i, j, 0, 0))
+    page_size = k_all.shape[2]
+    q_spec = pl.BlockSpec((None, kv, g, h), lambda i, *_: (i, 0, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
-        grid=(b, kv),
+        grid=(b,),
         in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=q_spec,
         scratch_shapes=[
-            pltpu.VMEM((2, page_size, h), k_all.dtype),
-            pltpu.VMEM((2, page_size, h), v_all.dtype),
+            pltpu.VMEM((2, page_size, kv * h), k_all.dtype),
+            pltpu.VMEM((2, page_size, kv * h), v_all.dtype),
             pltpu.SemaphoreType.DMA((2, 2)),
         ],
     )
@@ -111,7 +118,7 @@ def _local(q, k_all, v_all, layer, table, lengths, *, dtype, interpret):
         functools.partial(_kernel, dtype=dtype),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="paged_decode_attention",
     )(lengths, table, jnp.reshape(layer, (1,)).astype(jnp.int32), q, k_all, v_all)
@@ -122,7 +129,7 @@ def paged_decode_attention(q, k_all, v_all, layer, table, lengths, dtype, sharde
 
     Args:
       q: `[B, k, g, h]` queries grouped by kv head (compute dtype).
-      k_all, v_all: `[L, k, P, ps, h]` the paged cache, stored as `attention.cache_storage`
+      k_all, v_all: `[L, P, ps, k h]` the paged cache, stored as `attention.cache_storage`
         of `dtype` (a 16-bit cache as its bits; a float32 one as is).
       layer: [] int32 (traced) the layer read.
       table: `[B, C]` int32 page ids (`paged.Pages.table`).

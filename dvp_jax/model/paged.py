@@ -1,8 +1,13 @@
 """A paged KV cache and decode attention over each slot's own live pages.
 
 The cache is a pool of P pages of `page_size` (ps) positions shared by the B decode slots:
-`k, v: [L, k, P, ps, h]` (kv heads before pages, as the TPU kernel reads one head's page as a
-`[ps, h]` tile), stored as `attention.cache_storage`. `Pages` maps slot b's j-th page (positions
+`k, v: [L, P, ps, k h]` (kv heads and head dim as one axis), stored as
+`attention.cache_storage`. Positions come before kv heads for the reason the dense cache is
+positions first on TPU (`attention.cache_layout`): with the heads first the TPU compiler copies
+k and v in and out of the decode loop (97 GiB of temporaries for the paper config's 45 GiB
+pool). Heads and head dim are one axis so that a page is a `[ps, k h]` tile the TPU kernel
+copies whole and slices per head at multiples of 128 lanes (with `[ps, k, h]` the compiler
+tiles the small k axis and a per-head copy is refused as unaligned). `Pages` maps slot b's j-th page (positions
 `[j ps, (j + 1) ps)`) to a page id; a slot takes a page when its response reaches it
 (`allocate`) and returns all of them when it finishes (`release`), so the pool holds what is
 live rather than B full-length rows. Decode attention for slot b reads only pages
@@ -32,7 +37,7 @@ from dvp_jax.model.config import ModelConfig
 
 # The logical axes of a paged cache `[L, k, P, ps, h]`: pages are not sharded (any slot may own
 # any page); kv heads split like the dense cache's.
-PAGED_AXES = ("cache_layers", "act_kv_heads", None, None, "act_head_dim")
+PAGED_AXES = ("cache_layers", None, None, "act_kv_heads")
 # How decode attention reads the pages: the Pallas kernel or the ragged XLA path.
 PAGED_IMPLS = ("kernel", "xla")
 
@@ -88,7 +93,7 @@ class Pages:
 
 def paged_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
     """The shape of k (and v) of a paged cache."""
-    return (cfg.n_layers, cfg.n_kv_heads, num_pages, page_size, cfg.head_dim)
+    return (cfg.n_layers, num_pages, page_size, cfg.n_kv_heads * cfg.head_dim)
 
 
 def release(pages: Pages, slots: jax.Array) -> Pages:
@@ -134,18 +139,19 @@ def page_of(table: jax.Array, positions: jax.Array, page_size: int) -> tuple[jax
 
 
 def write_pages(cache, layer, page, offset, new, to_storage_fn):
-    """`cache[layer, :, page[b], offset[b]] = new[b]` for every slot b with a page (>= 0).
+    """`cache[layer, page[b], offset[b]] = new[b]` for every slot b with a page (>= 0).
 
     Args:
-      cache: `[L, k, P, ps, h]` in the storage dtype.
+      cache: `[L, P, ps, k h]` in the storage dtype.
       layer: [] int (traced) layer index.
       page, offset: `[B]` int32 (`page_of`); page -1 drops the write (a finished slot).
       new: `[B, k, h]` the new keys or values.
       to_storage_fn: values -> the storage dtype (`attention.to_storage` with the cache dtype).
     """
-    page = jnp.where(page >= 0, page, cache.shape[2])  # past the pool: dropped
-    # Advanced indices (layer, page, offset) broadcast to [B] and lead: the update is [B, k, h].
-    return cache.at[layer, :, page, offset].set(to_storage_fn(new), mode="drop")
+    page = jnp.where(page >= 0, page, cache.shape[1])  # past the pool: dropped
+    # Indices (layer, page, offset) broadcast to [B]: the update is [B, k h], one row per slot.
+    new = to_storage_fn(new).reshape(new.shape[0], -1)
+    return cache.at[layer, page, offset].set(new, mode="drop")
 
 
 def live_page_list(table: jax.Array, lengths: jax.Array, page_size: int, live_pages: int):
@@ -172,7 +178,7 @@ def ragged_attention(q, k_all, v_all, layer, table, lengths, live_pages, from_st
 
     Args:
       q: `[B, k, g, h]` queries grouped by kv head (compute dtype).
-      k_all, v_all: `[L, k, P, ps, h]` the paged cache in its storage dtype.
+      k_all, v_all: `[L, P, ps, k h]` the paged cache in its storage dtype.
       layer: [] int (traced) this layer.
       table: `[B, C]` int32 page ids (`Pages.table`).
       lengths: `[B]` int32 positions each slot attends to (0 for a finished slot: zeros out).
@@ -182,15 +188,19 @@ def ragged_attention(q, k_all, v_all, layer, table, lengths, live_pages, from_st
     Returns:
       `[B, k, g, h]` in the compute dtype.
     """
-    b, ps = q.shape[0], k_all.shape[3]
+    b, ps = q.shape[0], k_all.shape[2]
     cd, prec = policy.compute_dtype, policy.precision
     owner, column, page, valid = live_page_list(table, lengths, ps, live_pages)
-    # [n, k, s, h] (the advanced indices lead): one gather of this layer's live pages.
-    keys = from_storage_fn(k_all[layer, :, page]).astype(cd)
-    values = from_storage_fn(v_all[layer, :, page]).astype(cd)
-    # [n, k, g, h] x [n, k, s, h] -> [n, k, g, s]; scores and softmax statistics in float32.
+    # [n, s, k, h]: one gather of this layer's live pages.
+    keys, values = (
+        from_storage_fn(c[layer, page])
+        .astype(cd)
+        .reshape(page.shape + (ps,) + q.shape[1:2] + (-1,))
+        for c in (k_all, v_all)
+    )
+    # [n, k, g, h] x [n, s, k, h] -> [n, k, g, s]; scores and softmax statistics in float32.
     scores = jnp.einsum(
-        "nkgh,nksh->nkgs", q[owner], keys, precision=prec, preferred_element_type=jnp.float32
+        "nkgh,nskh->nkgs", q[owner], keys, precision=prec, preferred_element_type=jnp.float32
     )
     scores = scores * (q.shape[-1] ** -0.5)
     position = column[:, None] * ps + jnp.arange(ps)[None, :]  # [n, s]
@@ -204,9 +214,9 @@ def ragged_attention(q, k_all, v_all, layer, table, lengths, live_pages, from_st
     exp = jnp.where(visible, jnp.exp(scores - top[owner][..., None]), 0.0)
     norm = jax.ops.segment_sum(jnp.sum(exp, axis=-1), owner, num_segments=b)  # [B, k, g]
     probs = exp / jnp.maximum(norm, 1e-30)[owner][..., None]
-    # [n, k, g, s] x [n, k, s, h] -> [n, k, g, h], accumulated in float32 over each slot's pages.
+    # [n, k, g, s] x [n, s, k, h] -> [n, k, g, h], accumulated in float32 over each slot's pages.
     partial = jnp.einsum(
-        "nkgs,nksh->nkgh",
+        "nkgs,nskh->nkgh",
         probs.astype(cd),
         values,
         precision=prec,

@@ -260,7 +260,7 @@ class Transformer(nnx.Module):
             its cache so, and then no step converts the cache).
           kv_len: static count of leading cache positions attention reads (default S); rows
             with `positions >= kv_len` get wrong logits (`Attention.decode`).
-          pages: a `paged.PageView` when `cache` is paged (k, v `[L, k, P, ps, h]`,
+          pages: a `paged.PageView` when `cache` is paged (k, v `[L, P, ps, k h]`,
             `model/paged.py`): each row attends to its own pages; `kv_len` is then unused.
         Returns:
           (logits [b, v] float32 predicting position `positions + 1`, the updated KVCache: in

@@ -139,11 +139,11 @@ def _insert_rows(prefix: Prefix, cache: KVCache, slots, rows, cache_dtype, layou
 def _insert_pages(prefix: Prefix, state: DecodeState, slots, rows, cache_dtype, layout):
     """Frees the slots' pages, takes pages for the prompts and copies the prompts into them; a
     slot the pool cannot serve is marked preempted (the host admits only what fits)."""
-    b, (num_pages, page_size) = state.pos.shape[0], state.cache.k.shape[2:4]
+    b, (num_pages, page_size) = state.pos.shape[0], state.cache.k.shape[1:3]
     k_pre, v_pre = prefix.cache
-    if layout == "positions_first":  # [L, rows, bucket, k, h] -> [L, rows, k, bucket, h]
+    if layout == "heads_first":  # [L, rows, k, bucket, h] -> [L, rows, bucket, k, h]
         k_pre, v_pre = (jnp.swapaxes(x, 2, 3) for x in (k_pre, v_pre))
-    bucket = k_pre.shape[3]
+    bucket = k_pre.shape[2]
     n = -(-bucket // page_size)  # pages of the bucket
     target = jnp.zeros((b,), bool).at[slots].set(True, mode="drop")
     pages = paged.release(state.pages, target)
@@ -161,14 +161,13 @@ def _insert_pages(prefix: Prefix, state: DecodeState, slots, rows, cache_dtype, 
     )
     ids = jnp.where(keep & (ids >= 0), ids, num_pages)
 
-    def put(buf, value):  # value [L, rows, k, bucket, h] -> pages [L, k, i, j, ps, h]
+    def put(buf, value):  # value [L, rows, bucket, k, h] -> pages [L, i, j, ps, k h]
         value = to_storage(value[:, rows], cache_dtype)
         pad = [(0, 0)] * 5
-        pad[3] = (0, n * page_size - bucket)
+        pad[2] = (0, n * page_size - bucket)
         value = jnp.pad(value, pad)
-        l_, i_, k_, _, h_ = value.shape
-        value = value.reshape(l_, i_, k_, n, page_size, h_).transpose(0, 2, 1, 3, 4, 5)
-        return buf.at[:, :, ids].set(value, mode="drop")
+        l_, i_, _, k_, h_ = value.shape
+        return buf.at[:, ids].set(value.reshape(l_, i_, n, page_size, k_ * h_), mode="drop")
 
     return state.replace(
         cache=KVCache(put(state.cache.k, k_pre), put(state.cache.v, v_pre)), pages=pages
@@ -198,7 +197,7 @@ def step(
     b, m = state.tokens.shape
     pages = state.pages
     if pages is not None:
-        page_size = state.cache.k.shape[3]
+        page_size = state.cache.k.shape[2]
         column = jnp.arange(pages.table.shape[1])[None, :]
         want = ~state.done[:, None] & (column == (state.pos // page_size)[:, None])
         pages, missed = paged.allocate(pages, want, most=b)

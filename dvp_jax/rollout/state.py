@@ -223,7 +223,7 @@ class DecodeState:
       behaviour_safe_size: `[B, M]` int32 |V_S| of the rollout safe set (E1).
       sampling: the sampling parameters (arrays, so changing them never recompiles).
       pages: the page pool of a paged cache (`paged.Pages`; None for dense decode): cache k, v
-        are then `[L, k, P, page_size, h]` pages (`model/paged.py`).
+        are then `[L, P, page_size, k h]` pages (`model/paged.py`).
     """
 
     cache: KVCache
