@@ -7,10 +7,11 @@ positions first on TPU (`attention.cache_layout`): with the heads first the TPU 
 k and v in and out of the decode loop (97 GiB of temporaries for the paper config's 45 GiB
 pool). Heads and head dim are one axis so that a page is a `[ps, k h]` tile the TPU kernel
 copies whole and slices per head at multiples of 128 lanes (with `[ps, k, h]` the compiler
-tiles the small k axis and a per-head copy is refused as unaligned). `Pages` maps slot b's j-th page (positions
-`[j ps, (j + 1) ps)`) to a page id; a slot takes a page when its response reaches it
-(`allocate`) and returns all of them when it finishes (`release`), so the pool holds what is
-live rather than B full-length rows. Decode attention for slot b reads only pages
+tiles the small k axis and a per-head copy is refused as unaligned).
+
+`Pages` maps slot b's j-th page (positions `[j ps, (j + 1) ps)`) to a page id; a slot takes a
+page when its response reaches it (`allocate`) and returns all of them when it finishes
+(`release`), so the pool holds what is live rather than B full-length rows. Decode attention for slot b reads only pages
 `j < ceil(length_b / ps)`:
 
 * `ragged_attention` (XLA, every backend): the live pages of all slots as one flat list, bounded
@@ -18,8 +19,8 @@ live rather than B full-length rows. Decode attention for slot b reads only page
   sum are segment reductions over the list), and each page's p.v is summed into its slot:
   out_b = sum_{j of b} p_j v_j. Work and bytes grow with the live tokens, not with B x the
   longest slot.
-* `decode_kernels.paged_decode_attention` (Pallas, TPU): the same per slot and kv head, copying
-  only the live pages into VMEM.
+* `decode_kernels.paged_decode_attention` (Pallas, TPU): the same per slot with a running
+  softmax, copying only the live pages into VMEM.
 
 Dense decode (`attention.Attention.decode`) is the reference both are tested against. Nothing
 here picks pages for a request or refills slots: `rollout/decode.py` does, on the device.
