@@ -11,8 +11,8 @@ tiles the small k axis and a per-head copy is refused as unaligned).
 
 `Pages` maps slot b's j-th page (positions `[j ps, (j + 1) ps)`) to a page id; a slot takes a
 page when its response reaches it (`allocate`) and returns all of them when it finishes
-(`release`), so the pool holds what is live rather than B full-length rows. Decode attention for slot b reads only pages
-`j < ceil(length_b / ps)`:
+(`release`), so the pool holds what is live rather than B full-length rows. Decode attention
+for slot b reads only pages `j < ceil(length_b / ps)`:
 
 * `ragged_attention` (XLA, every backend): the live pages of all slots as one flat list, bounded
   by a static `live_pages` bucket; the scores of a slot's pages share one softmax (its max and
