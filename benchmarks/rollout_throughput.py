@@ -171,10 +171,10 @@ def long_tail(cfg, path, engine_config, hf_generate) -> dict:
     from dvp_jax.sharding import ROLLOUT_RULES, MeshConfig, Sharder, make_mesh
 
     rows = FLAGS.long_tail_rows or 4 * FLAGS.batch
-    prompts = np.random.default_rng(0).integers(3, cfg.vocab_size, size=(rows, FLAGS.prompt_len))
-    prompts = [
-        [int(t) for t in row if not 3 <= t < 3 + FLAGS.stop_tokens] or [1] for row in prompts
-    ]
+    # Prompts of ids past the stop tokens, all `--prompt_len` long (HF generates in one batch).
+    low = 3 + FLAGS.stop_tokens
+    prompts = np.random.default_rng(0).integers(low, cfg.vocab_size, (rows, FLAGS.prompt_len))
+    prompts = prompts.tolist()
     mesh = make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
     model = load_hf(path, DTypePolicy.named(FLAGS.dtype), Sharder(mesh, ROLLOUT_RULES))
     engines = {
