@@ -8,9 +8,10 @@ Runs `train_step.py` (qwen3_0_6b, 8 x 4096 tokens, under each trainer policy),
 `rollout_throughput.py` (qwen3_0_6b, 64 slots, 256 new tokens, against HF `generate`; and
 `--long_tail`: 256 responses stopping at EOS through 64 slots, up to 2,048 tokens, paged decode
 against dense, `--paged_attention` naming the paged path) and `pruned_logprobs.py` (chunked
-vs naive, N 2048, d 512, V 151,936), each in its own process, and tabulates their JSON lines. `--smoke` runs the same scripts at tiny sizes (the train step
-under `float32_x3` only; `--jobs 3` runs them at once). A failed check gets a row with its last
-error line and the exit status is 1; the table is written either way. What each figure means
+vs naive, N 2048, d 512, V 151,936), each in its own process, and tabulates their JSON lines.
+`--smoke` runs the same scripts at tiny sizes (the train step under `float32_x3` only; `--jobs
+3` runs them at once). A failed check gets a row with its last error line and the exit status
+is 1; the table is written either way. What each figure means
 is in the docstring of the script that measures it.
 """
 
