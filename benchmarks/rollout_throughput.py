@@ -1,6 +1,7 @@
 r"""Rollout throughput: our JetStream engine vs Hugging Face `generate` on the same weights.
 
   python benchmarks/rollout_throughput.py                 # 'bench' size, bf16 engine, CPU
+  python benchmarks/rollout_throughput.py --long_tail     # paged vs dense decode, EOS stops
   python benchmarks/rollout_throughput.py --preset=qwen3_0_6b --batch=64 --group=1 --prompt_len=128 --new_tokens=256 --steps_per_sync=8 --repeats=2
 
 A random model of `--preset` ('bench': d 256, 4 layers, vocab 4096; or any `ModelConfig`
@@ -11,6 +12,15 @@ sides run interleaved after a warm-up and the best time counts. One JSON line: e
 hf_tok_s, ratio_vs_hf (target >= 3 on CPU at 'bench'), ms_per_step, roofline_tok_s (weights
 plus the mean live KV cache read once per step at the memory bandwidth), frac_of_roofline,
 bandwidth_Bps and its source (a per-device table; measured by a copy on CPU), every run's time.
+
+`--long_tail`: responses that stop at EOS, with lengths spread from a few tokens to
+`--new_tokens`: `--stop_tokens` token ids end a response (the random model samples one with a
+roughly constant chance per step, so lengths are geometric, cut at the cap), and
+`--long_tail_rows` responses (default 4 x `--batch`) pass through `--batch` slots with
+continuous batching. The engine runs twice from the same keys, with the paged decode
+(`--decode_attention`, default "paged") and with the dense one, so both make the same tokens;
+HF generate stops at the same ids. One JSON line: paged_tok_s, dense_tok_s, paged_vs_dense
+(target >= 1.5 on CPU at 'bench'), hf_tok_s, the length mix, every run's time.
 """  # noqa: E501 (the GPU command is one line)
 
 from __future__ import annotations
@@ -49,6 +59,18 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_integer("repeats", 3, "Timed runs per side (interleaved; best counts).")
 flags.DEFINE_enum("backend", None, list(BACKENDS), "Refuse to run on another jax backend.")
+flags.DEFINE_bool("long_tail", False, "Responses stop at EOS (module docstring): paged vs dense.")
+flags.DEFINE_integer("long_tail_rows", 0, "--long_tail: responses (0: 4 x --batch).")
+flags.DEFINE_integer(
+    "stop_tokens", 24, "--long_tail: this many token ids end a response (ids 3 ... 3 + n - 1)."
+)
+flags.DEFINE_enum(
+    "decode_attention",
+    "paged",
+    ["paged", "paged_xla"],
+    "--long_tail: the new decode (paged_xla: the XLA path on every backend, a fallback).",
+)
+flags.DEFINE_integer("page_size", 64, "--long_tail: positions per KV page.")
 
 LOG_RHO = DEFAULT_LOG_RHO  # the min-p rule both sides sample with
 
@@ -135,6 +157,77 @@ def roofline(engine, batch: int, context: float) -> float:
     return weights + kv
 
 
+def long_tail(cfg, path, engine_config, hf_generate) -> dict:
+    """The `--long_tail` comparison (module docstring): paged and dense engines on the same
+    weights and keys, HF generate beside them."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from dvp_jax.model import DTypePolicy
+    from dvp_jax.model.hf_import import load_hf
+    from dvp_jax.rollout.engine import RolloutEngine
+    from dvp_jax.rollout.offline import generate_rollouts
+    from dvp_jax.sharding import ROLLOUT_RULES, MeshConfig, Sharder, make_mesh
+
+    rows = FLAGS.long_tail_rows or 4 * FLAGS.batch
+    # Prompts of ids past the stop tokens, all `--prompt_len` long (HF generates in one batch).
+    low = 3 + FLAGS.stop_tokens
+    prompts = np.random.default_rng(0).integers(low, cfg.vocab_size, (rows, FLAGS.prompt_len))
+    prompts = prompts.tolist()
+    mesh = make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
+    model = load_hf(path, DTypePolicy.named(FLAGS.dtype), Sharder(mesh, ROLLOUT_RULES))
+    engines = {
+        mode: RolloutEngine(
+            cfg,
+            engine_config(decode_attention=mode, page_size=FLAGS.page_size),
+            params=nnx.state(model),
+            mesh=mesh,
+        )
+        for mode in (FLAGS.decode_attention, "dense")
+    }
+    made = {}
+
+    def run(mode):
+        batch = generate_rollouts(
+            engines[mode], prompts, 1, jax.random.key(7), steps_per_sync=FLAGS.steps_per_sync
+        )
+        made[mode] = batch
+        return batch
+
+    generated = {}
+
+    def run_hf():
+        generated["hf"] = hf_generate(prompts)
+
+    fns = {"paged": lambda: run(FLAGS.decode_attention), "dense": lambda: run("dense")}
+    times = run_times({**fns, "hf": run_hf}, FLAGS.repeats)
+    paged, dense = made[FLAGS.decode_attention], made["dense"]
+    lengths = dense.response_lengths
+    # bf16 sampling: a response whose tokens differ took another branch at a near-tie (the two
+    # decodes round attention differently) and is its own long-tailed sample from then on.
+    same = np.all(paged.tokens == dense.tokens, axis=1)
+    made = {"paged": int(paged.response_lengths.sum()), "dense": int(lengths.sum())}
+    best = {name: min(t) for name, t in times.items()}
+    rate = {name: made[name] / best[name] for name in made}
+    return {
+        "paged_tok_s": round(rate["paged"], 1),
+        "dense_tok_s": round(rate["dense"], 1),
+        "paged_vs_dense": round(rate["paged"] / rate["dense"], 2),
+        "hf_tok_s": round(generated["hf"] / best["hf"], 1),
+        "paged_vs_hf": round(rate["paged"] / (generated["hf"] / best["hf"]), 2),
+        "decode_attention": FLAGS.decode_attention,
+        "paged_impl": engines[FLAGS.decode_attention].paged_impl,
+        "responses": rows,
+        "tokens": made,
+        "hf_tokens": generated["hf"],
+        "responses_equal": int(same.sum()),
+        "length_mean": round(float(lengths.mean()), 1),
+        "length_min_p50_p90_max": [int(np.percentile(lengths, q)) for q in (0, 50, 90, 100)],
+        "runs_s": {name: [round(x, 3) for x in t] for name, t in times.items()},
+    }
+
+
 def main(argv):
     del argv
     require_backend(FLAGS.backend)
@@ -185,6 +278,63 @@ def main(argv):
             if cuda:
                 torch.cuda.synchronize()
             assert out.shape == (b, p + m), out.shape
+
+        if FLAGS.long_tail:
+            stop = list(range(3, 3 + FLAGS.stop_tokens))
+
+            def hf_generate(rows):
+                """Tokens HF generates for `rows` (one batch per length, stopping at `stop`)."""
+                made = 0
+                with torch.no_grad():
+                    for length in sorted({len(r) for r in rows}):
+                        ids = torch.tensor([r for r in rows if len(r) == length], device=hf_device)
+                        out = hf.generate(
+                            ids,
+                            attention_mask=torch.ones_like(ids),
+                            do_sample=True,
+                            temperature=1.0,
+                            top_k=0,
+                            top_p=1.0,
+                            min_p=math.exp(LOG_RHO),
+                            max_new_tokens=m,
+                            eos_token_id=stop,
+                            pad_token_id=0,
+                        )[:, length:]
+                        ended = torch.isin(out, torch.tensor(stop, device=out.device))
+                        # Tokens up to and including the first stop token, else all m.
+                        first = torch.where(ended.any(1), ended.int().argmax(1) + 1, out.shape[1])
+                        made += int(first.sum())
+                if cuda:
+                    torch.cuda.synchronize()
+                return made
+
+            def engine_config(**kw):
+                return EngineConfig(
+                    dtype=FLAGS.dtype,
+                    max_concurrent_decodes=b,
+                    max_prefill_length=p,
+                    max_decode_length=m,
+                    log_rho=LOG_RHO,
+                    stop_tokens=tuple(stop),
+                    **kw,
+                )
+
+            result = long_tail(cfg, path, engine_config, hf_generate)
+            result.update(
+                device=jax.devices()[0].device_kind,
+                preset=FLAGS.preset,
+                engine_dtype=FLAGS.dtype,
+                hf_device=hf_device,
+                slots=b,
+                max_new_tokens=m,
+                prompt_len=p,
+                steps_per_sync=FLAGS.steps_per_sync,
+                cpus=os.cpu_count(),
+                jax=jax.__version__,
+            )
+            print(json.dumps(result))
+            sys.stdout.flush()
+            return
 
         # --- Our engine, weights through hf_import. ---
         mesh = make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])

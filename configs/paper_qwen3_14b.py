@@ -63,8 +63,13 @@ def get_config(method: str = "mis_dvp"):
     c.rollout.max_decode_length = 16_384  # max response length
     # One engine per host on its 4 local chips (bf16 weights split 4 ways by ROLLOUT_RULES), one
     # slot per response of this host's share of the batch: 32 prompts x G=16 / 8 hosts = 64, so
-    # every response decodes at once. KV cache 64 x 18,432 positions x 40 layers in bf16 = 180
-    # GiB per host, 45 GiB per chip. Other slice sizes: max_concurrent_decodes = 512 / hosts.
+    # every response decodes at once (more slots would have nothing to decode; fewer would read
+    # the weights twice as many steps). Decode is paged (the default `decode_attention`): the
+    # pool holds 64 x 18,432 positions x 40 layers in bf16 = 45 GiB per chip (decode loop peak
+    # 60% of HBM), of which a step at mean response 4,096 holds at most 7 GiB live
+    # (`rollout/cost.py`; 13 GiB at 8,192). It stays full size (`kv_pages` unset): the decode
+    # state lives only during rollouts, so nothing else wants the HBM, and a smaller pool would
+    # preempt (and redo) the long tail at mean 16,384. Other slice sizes: 512 / hosts slots.
     c.rollout.max_concurrent_decodes = 64
     c.rollout.tensor_parallel = 4  # all 4 chips of a v5p host
 

@@ -39,6 +39,9 @@ CHIP_HBM_GIB = {"v4": 15.25, "v5e": 15.75, "v5p": 95.74, "v6e": 31.25}
 # Dense bf16 matmul peak per JAX device, FLOP/s (Cloud TPU system-architecture pages: v5p 459,
 # v5e 197, v6e 918 TFLOP/s per chip; v4 275 per chip, two devices).
 CHIP_BF16_FLOPS = {"v4": 137.5e12, "v5e": 197e12, "v5p": 459e12, "v6e": 918e12}
+# HBM bandwidth per JAX device, bytes/s (the same pages: v5p 2,765, v5e 819, v6e 1,640 GB/s per
+# chip; v4 1,228 per chip, two devices).
+CHIP_HBM_BYTES_PER_S = {"v4": 0.614e12, "v5e": 0.819e12, "v5p": 2.765e12, "v6e": 1.64e12}
 
 # The command line's flags, defined when the module runs as a program (`_define_flags`): the
 # library functions here are imported by tests next to other absl programs' flags.
@@ -185,7 +188,13 @@ def engine_specs(
     spec("engine/insert_batch", programs.insert, prefix, state, slots, slots, slots)
     k = STEPS_PER_SYNC
     flag = engine.replicated_structs(jax.ShapeDtypeStruct((), jnp.bool_))
-    for kv in ec.kv_buckets if all_buckets else ec.kv_buckets[-1:]:
+    if ec.paged:  # one program whatever the lengths (the kernel); the XLA path: a page bucket
+        spans = ec.page_buckets if all_buckets and engine.paged_impl == "xla" else [None]
+        for pages in spans:
+            span = engine.page_bucket(pages)
+            name = f"engine/decode_loop[k={k},{engine.paged_impl},pages={span or 'own'}]"
+            spec(name, programs.loop, params, state, k, span, flag, while_trips=k)
+    for kv in [] if ec.paged else ec.kv_buckets if all_buckets else ec.kv_buckets[-1:]:
         name = f"engine/decode_loop[k={k},kv={kv}]"
         spec(name, programs.loop, params, state, k, kv, flag, while_trips=k)
     # Weight sync: the trainer's params (on the trainer mesh) cast to the rollout dtype, on the
@@ -333,6 +342,80 @@ def update_cost_report(cfg, opts, results: list[Program], mixes) -> list[dict]:
     return out
 
 
+def rollout_cost_report(cfg, opts, mixes) -> list[dict]:
+    """Prints the rollout's cost at each step's real lengths, dense and paged
+    (`rollout/cost.py`), with bytes per chip from one host's abstract engine (its weights' and
+    its cache's shardings), and returns them for the JSON line."""
+    import jax
+
+    from dvp_jax.model.paged import PAGED_AXES, paged_cache_shape
+    from dvp_jax.rollout import cost
+    from dvp_jax.rollout.engine import RolloutEngine
+    from dvp_jax.rollout.offline import STEPS_PER_SYNC
+    from dvp_jax.sharding import MeshConfig, make_mesh
+    from dvp_jax.train.build import engine_config
+
+    devices = topology_devices(opts["topology"])
+    chip, hosts = chip_of(opts["topology"]), len({d.process_index for d in devices})
+    tp = cfg.rollout.tensor_parallel
+    mesh = make_mesh(MeshConfig(1, 1, tp), devices[:tp])
+    engine = RolloutEngine(cfg.model, engine_config(cfg), "char", mesh=mesh, abstract=True)
+    ec = engine.config
+    shape = paged_cache_shape(cfg.model, ec.num_pages, ec.page_size)
+    pool = jax.ShapeDtypeStruct(
+        shape, engine.policy.cache_dtype, sharding=engine.sharder.sharding(PAGED_AXES, shape)
+    )
+    kv_per_position = 2 * per_chip_bytes(pool) / (ec.num_pages * ec.page_size)  # k and v
+    weights = per_chip_bytes(engine.params)
+    bandwidth = CHIP_HBM_BYTES_PER_S[chip]
+    out = []
+    for name, prompts, responses in mixes:
+        print(
+            f"\nrollout at real lengths: responses {name} (mean {responses.mean():,.0f}, max "
+            f"{responses.max():,}), {ec.max_concurrent_decodes} slots per host, weights "
+            f"{weights / 1e9:.2f} GB and KV {kv_per_position / 1024:.0f} KiB per position per chip",
+            flush=True,
+        )
+        costs = cost.rollout_costs(
+            prompts,
+            responses,
+            hosts=hosts,
+            slots=ec.max_concurrent_decodes,
+            steps_per_sync=STEPS_PER_SYNC,
+            kv_buckets=ec.kv_buckets,
+            page_size=ec.page_size,
+            weight_bytes=weights,
+            kv_bytes_per_position=kv_per_position,
+            hbm_bytes_per_s=bandwidth,
+        )
+        print(cost.table(costs, bandwidth), flush=True)
+        out.append(
+            {
+                "lengths": name,
+                "response_length_mean": float(responses.mean()),
+                "hbm_tb_per_s": bandwidth / 1e12,
+                "decodes": [c.row() for c in costs],
+            }
+        )
+    return out
+
+
+def step_lower_bound(update: list[dict], rollout: list[dict]) -> list[dict]:
+    """Prints and returns the whole step's lower bound at each length mix: today's (padded
+    update + dense rollout) and now (packed update + paged rollout)."""
+    out = []
+    if not update or not rollout:
+        return out
+    print("\nwhole step (update at peak FLOPs + rollout at HBM bandwidth; a lower bound):")
+    for u, r in zip(update, rollout, strict=True):
+        padded, packed = (c["seconds_at_peak"] for c in u["layouts"])
+        dense, paged = (c["seconds"] for c in r["decodes"])
+        row = {"lengths": u["lengths"], "today_s": padded + dense, "now_s": packed + paged}
+        print(f"  {row['lengths']:<26} today {row['today_s']:>8,.0f} s -> {row['now_s']:>8,.0f} s")
+        out.append(row)
+    return out
+
+
 def check_architecture_source(config) -> None:
     """Where `model.hf_path` is not a local directory here, `model.preset` must say the
     architecture (compiling "tiny" for someone's 14B checkpoint would report nothing useful)."""
@@ -392,7 +475,9 @@ def main(argv):
         "programs": [p.row(hbm) for p in results],
     }
     if mixes:
-        report["update_at_real_lengths"] = update_cost_report(cfg, opts, results, mixes)
+        update = report["update_at_real_lengths"] = update_cost_report(cfg, opts, results, mixes)
+        rollout = report["rollout_at_real_lengths"] = rollout_cost_report(cfg, opts, mixes)
+        report["step_lower_bound"] = step_lower_bound(update, rollout)
     line = json.dumps(report)
     print(line, flush=True)
     if opts["json_out"]:

@@ -31,12 +31,18 @@ def test_accelerator_check_smoke_writes_one_table_of_every_check(tmp_path):
     assert table.strip() == run.stdout.strip()
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
     names = [row.split(" | ")[0].lstrip("| ") for row in rows[1:]]
-    assert names == ["train step, float32_x3", "rollout vs HF generate", "chunked vs naive loss"]
+    assert names == [
+        "train step, float32_x3",
+        "rollout vs HF generate",
+        "rollout long tail, paged vs dense",
+        "chunked vs naive loss",
+    ]
     for row in rows[1:]:
         assert "failed" not in row and "timed out" not in row, row
     assert "tok_s" in rows[1] and "mfu" in rows[1]
     assert "ratio_vs_hf" in rows[2] and "frac_of_roofline" in rows[2]
-    assert "time_ratio" in rows[3] and "mem_ratio" in rows[3]
+    assert "paged_vs_dense" in rows[3] and "hf_tok_s" in rows[3]
+    assert "time_ratio" in rows[4] and "mem_ratio" in rows[4]
     # The full run's commands: every trainer policy, the accelerator sizes.
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     import accelerator_check

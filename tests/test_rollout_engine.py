@@ -8,6 +8,7 @@ matmul precision `highest` from conftest); float32 statistics of O(10) logits ca
 few ulp (ulp(8) = 9.5e-7).
 """
 
+import dataclasses
 import functools
 import math
 
@@ -63,9 +64,15 @@ def fp32(master):
 
 @pytest.fixture(scope="module")
 def fp32_long(master):
-    """fp32, 40 tokens per response and no stop token (the decode-loop tests)."""
+    """fp32, 40 tokens per response and no stop token (the decode-loop tests), on the dense
+    cache: its length buckets are what these tests check (paged decode: test_paged_attention)."""
     config = EngineConfig(
-        **{**_engine_config("float32").__dict__, "max_decode_length": 40, "stop_tokens": ()}
+        **{
+            **_engine_config("float32").__dict__,
+            "max_decode_length": 40,
+            "stop_tokens": (),
+            "decode_attention": "dense",
+        }
     )
     return RolloutEngine(CFG, config, params=nnx.state(master))
 
@@ -443,15 +450,19 @@ def test_the_tpu_cache_layout_gives_the_same_rollouts(fp32, master, reference, m
     a = reference  # traced heads first, before the patch
     for module in (attention, dvp_jax.model.transformer, dvp_jax.rollout.engine):
         monkeypatch.setattr(module, "cache_layout", lambda platform: "positions_first")
-    tpu = RolloutEngine(CFG, fp32.config, params=nnx.state(master))
-    assert tpu.cache_layout == "positions_first"
-    state = tpu.init_decode_state()
     s = fp32.config.cache_length
-    assert state.cache.k.shape == (CFG.n_layers, 4, s, CFG.n_kv_heads, CFG.head_dim)
-    b = generate_rollouts(tpu, PROMPTS, G_REF, jax.random.key(KEY_REF))
-    np.testing.assert_array_equal(a.tokens, b.tokens)
-    np.testing.assert_allclose(a.behaviour_logp, b.behaviour_logp, rtol=0, atol=1e-5)
-    np.testing.assert_allclose(a.behaviour_logp_full, b.behaviour_logp_full, rtol=0, atol=1e-5)
+    # The dense cache in that layout, and the paged cache filled from prefixes in that layout.
+    for mode in ("paged", "dense"):
+        config = dataclasses.replace(fp32.config, decode_attention=mode)
+        tpu = RolloutEngine(CFG, config, params=nnx.state(master))
+        assert tpu.cache_layout == "positions_first"
+        state = tpu.init_decode_state()
+        if mode == "dense":
+            assert state.cache.k.shape == (CFG.n_layers, 4, s, CFG.n_kv_heads, CFG.head_dim)
+        b = generate_rollouts(tpu, PROMPTS, G_REF, jax.random.key(KEY_REF))
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.behaviour_logp, b.behaviour_logp, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(a.behaviour_logp_full, b.behaviour_logp_full, rtol=0, atol=1e-5)
     # JetStream's one-request path in the same layout.
     served = JetStreamEngine(tpu)
     prefix = served.prefill(params=tpu.params, padded_tokens=PROMPTS[0], true_length=5)
@@ -489,7 +500,7 @@ def test_batched_prefill_and_insert_equal_per_prompt(fp32):
     for field in ("key", "pos", "step", "done"):
         np.testing.assert_array_equal(getattr(single, field), getattr(batched, field), field)
     np.testing.assert_allclose(single.logits, batched.logits, rtol=0, atol=1e-5)
-    for a, b in zip(single.cache, batched.cache, strict=True):
+    for a, b in zip(_slot_cache(single), _slot_cache(batched), strict=True):
         for i, prompt in enumerate(PROMPTS):
             live = np.s_[:, 3 - i, :, : len(prompt)]  # [L, slot, k, S, h]
             np.testing.assert_allclose(np.asarray(a)[live], np.asarray(b)[live], atol=1e-5)
@@ -505,6 +516,22 @@ def test_batched_prefill_and_insert_equal_per_prompt(fp32):
     group = fp32.insert_batch(batch, fp32.init_decode_state(), [0, 1, 2, 3], [1] * 4, range(4))
     np.testing.assert_array_equal(single.key, group.key)
     assert len({tuple(k) for k in np.asarray(group.key)}) == 4
+
+
+def _slot_cache(state):
+    """The cache as `[L, B, k, S, h]` slot rows: the dense cache, or each slot's pages in order
+    (a page it lacks reads page 0)."""
+    if state.pages is None:
+        return state.cache
+    table = np.maximum(np.asarray(state.pages.table), 0)  # [B, C]
+    rows = []
+    for pages in state.cache:  # [L, P, ps, k h] -> [L, B, C, ps, k, h] -> [L, B, k, C ps, h]
+        got = np.asarray(pages)[:, table]
+        k, h = CFG.n_kv_heads, CFG.head_dim
+        got = got.reshape(got.shape[:4] + (k, h))
+        n, b, c, ps = got.shape[:4]
+        rows.append(got.transpose(0, 1, 4, 2, 3, 5).reshape(n, b, k, c * ps, h))
+    return rows
 
 
 def test_length_buckets_equal_the_whole_cache_and_the_decode_loop_stops_where_a_slot_finishes(
@@ -672,7 +699,15 @@ def test_engine_config_has_one_builder_and_errors_name_its_fields():
         getattr(RolloutConfig(), n) == getattr(EngineConfig(), n) for n in shared
     ), shared
     # One validation per field, naming where the value was given.
-    bad = dict(temperature=0.0, noise_std=-1.0, max_decode_length=0, max_concurrent_decodes=1.5)
+    bad = dict(
+        temperature=0.0,
+        noise_std=-1.0,
+        max_decode_length=0,
+        max_concurrent_decodes=1.5,
+        decode_attention="flash",
+        page_size=0,
+        kv_pages=0,
+    )
     for name, value in bad.items():
         with pytest.raises(ValueError, match=rf"^config\.rollout\.{name} must be"):
             RolloutConfig(**{name: value})
@@ -681,6 +716,13 @@ def test_engine_config_has_one_builder_and_errors_name_its_fields():
     with pytest.raises(ValueError, match=r"config\.rollout\.temperature must be a finite number"):
         ExperimentConfig.from_config_dict(
             default_config("dvp", rollout=dict(temperature=float("inf"))), CFG.vocab_size
+        )
+    # The pool rule needs the cache length: checked where it is known, by the engine's rule.
+    with pytest.raises(
+        ValueError, match=r"^config\.rollout\.kv_pages must be None or an int >= 40"
+    ):
+        ExperimentConfig.from_config_dict(
+            default_config("dvp", rollout=dict(kv_pages=39, page_size=2)), CFG.vocab_size
         )
     for make, where in [
         (lambda t: LossConfig(temperature=t), "LossConfig"),

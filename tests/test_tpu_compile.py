@@ -124,7 +124,8 @@ def test_float32_on_an_fsdp_mesh_compiles_without_a_kernel_and_decode_does_not_c
     far below its KV cache: with the cache laid out heads first on TPU the compiler copied k
     and v in and out of the loop (temporaries = 0.95 of the decode state), which is what ran
     the paper config's decode out of HBM; positions first (TPU's layout,
-    `attention.cache_layout`) leaves ~0.35."""
+    `attention.cache_layout`) leaves ~0.35. The paged pool (the default) is positions first for
+    the same reason (`model/paged.py`)."""
     fsdp = dict(precision="float32", mesh=(1, 4, 1), tensor_parallel=1, rollout_dtype="bfloat16")
     programs = _compile(_config(**fsdp), "v5p:2x2x1", programs=("rl_update", "weight_sync"))
     assert set(programs) == {"rl_update", "weight_sync/on_device"}
@@ -138,7 +139,8 @@ def test_float32_on_an_fsdp_mesh_compiles_without_a_kernel_and_decode_does_not_c
     sync = programs["weight_sync/on_device"]
     assert 0.72 * sync.output < sync.moved <= 0.75 * sync.output
     state = programs["engine/init_state"].output  # the decode state: the cache and a few rows
-    decode = programs["engine/decode_loop[k=8,kv=512]"]
+    decode = _one(programs, "engine/decode_loop")  # paged: the Pallas kernel, one program
+    assert decode.mosaic_kernels == 1
     print(f"decode temp / decode state = {decode.temp / state:.2f}")
     assert decode.temp < 0.5 * state, (decode.temp, state)
 
@@ -247,6 +249,13 @@ def test_aot_command_on_the_tiny_config_on_two_hosts_with_every_axis_split():
     # Sequences of 4 + ~2 tokens pack several to a row: fewer rows than responses.
     assert short["layouts"][1]["rows"] < short["layouts"][0]["rows"]
     assert "packed / padded FLOPs" in out.stdout
+    # The rollout at the same lengths, dense and paged, and the whole step's lower bound.
+    for mix in result["rollout_at_real_lengths"]:
+        dense, paged = mix["decodes"]
+        assert (dense["decode"], paged["decode"]) == ("dense (today)", "paged")
+        assert paged["kv_gb"] <= dense["kv_gb"] and paged["seconds"] <= dense["seconds"]
+    assert [row["now_s"] <= row["today_s"] for row in result["step_lower_bound"]] == [True] * 2
+    assert "paged / dense bytes read" in out.stdout
 
 
 @pytest.mark.parametrize(

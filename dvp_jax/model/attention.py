@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dvp_jax.model import kernels
+from dvp_jax.model import kernels, paged
 from dvp_jax.model.blockwise import blockwise_attention
 from dvp_jax.model.config import ATTENTION_IMPLS, DTypePolicy, ModelConfig
 from dvp_jax.model.layers import RMSNorm, matmul, param, rope
@@ -341,6 +341,46 @@ class Attention(nnx.Module):
         q, k, v = self._qkv(x, positions)
         attn = full_attention(q, k, v, segment_ids, self.policy, sharder=self.sharder)
         return self._out(attn), (k, v)
+
+    def decode_paged(self, x, positions, k_all, v_all, layer, pages: paged.PageView):
+        """One new token per slot on a paged cache (`model/paged.py`), attending to the slot's
+        own `pages.lengths[b]` positions.
+
+        Args:
+          x: [b, 1, d]; positions: [b] the new token's position (written to its page).
+          k_all, v_all: [L, P, ps, k h] the paged cache in `cache_storage`.
+          layer: [] int32 (traced under `nnx.scan`) this layer's index.
+          pages: the page table, lengths and the static path (`paged.PageView`).
+        Returns:
+          (out [b, 1, d], k_all, v_all) with the new key and value written in place.
+        """
+        from dvp_jax.model import decode_kernels  # Pallas imports only where pages are used
+
+        q, k, v = self._qkv(x, positions[:, None])
+        dtype = self.policy.cache_dtype
+        page, offset = paged.page_of(pages.table, positions, k_all.shape[2])
+        store = lambda a: to_storage(a, dtype)
+        k_all = paged.write_pages(k_all, layer, page, offset, k[:, 0], store)
+        v_all = paged.write_pages(v_all, layer, page, offset, v[:, 0], store)
+        q = self._group(q)[:, 0]  # [b, k, g, h]
+        if pages.impl == "kernel":
+            attn = decode_kernels.paged_decode_attention(
+                q, k_all, v_all, layer, pages.table, pages.lengths, dtype, self.sharder
+            )
+        else:
+            load = lambda a: from_storage(a, dtype)
+            attn = paged.ragged_attention(
+                q,
+                k_all,
+                v_all,
+                layer,
+                pages.table,
+                pages.lengths,
+                pages.live_pages,
+                load,
+                self.policy,
+            )
+        return self._out(attn[:, None]), k_all, v_all
 
     def decode(self, x, positions, k_all, v_all, layer, kv_len: int | None = None):
         """One new token per row, attending to the live prefix of the cache.

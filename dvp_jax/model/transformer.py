@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dvp_jax.model import paged
 from dvp_jax.model.attention import (
     Attention,
     KVCache,
@@ -34,6 +35,7 @@ from dvp_jax.model.attention import (
 )
 from dvp_jax.model.config import REMAT_POLICIES, TRAIN_POLICY, DTypePolicy, ModelConfig
 from dvp_jax.model.layers import MLP, RMSNorm, matmul, param
+from dvp_jax.model.paged import PAGED_AXES
 from dvp_jax.sharding import Sharder
 
 ACT = ("act_batch", "act_seq", "act_embed")
@@ -86,10 +88,15 @@ class Block(nnx.Module):
         x = self.sharder.constrain(x + self.mlp(self.post_attn_norm(x)), ACT)
         return x, kv
 
-    def decode(self, x, positions, k_all, v_all, layer, kv_len=None):
-        attn, k_all, v_all = self.attn.decode(
-            self.input_norm(x), positions, k_all, v_all, layer, kv_len
-        )
+    def decode(self, x, positions, k_all, v_all, layer, kv_len=None, pages=None):
+        if pages is None:
+            attn, k_all, v_all = self.attn.decode(
+                self.input_norm(x), positions, k_all, v_all, layer, kv_len
+            )
+        else:
+            attn, k_all, v_all = self.attn.decode_paged(
+                self.input_norm(x), positions, k_all, v_all, layer, pages
+            )
         x = x + attn
         return x + self.mlp(self.post_attn_norm(x)), k_all, v_all
 
@@ -241,7 +248,7 @@ class Transformer(nnx.Module):
         cache = KVCache(self.sharder.constrain(k, axes), self.sharder.constrain(v, axes))
         return self.logits(last), cache
 
-    def decode(self, tokens, positions, cache: KVCache, kv_len: int | None = None):
+    def decode(self, tokens, positions, cache: KVCache, kv_len: int | None = None, pages=None):
         """One decode step.
 
         Args:
@@ -253,6 +260,8 @@ class Transformer(nnx.Module):
             its cache so, and then no step converts the cache).
           kv_len: static count of leading cache positions attention reads (default S); rows
             with `positions >= kv_len` get wrong logits (`Attention.decode`).
+          pages: a `paged.PageView` when `cache` is paged (k, v `[L, P, ps, k h]`,
+            `model/paged.py`): each row attends to its own pages; `kv_len` is then unused.
         Returns:
           (logits [b, v] float32 predicting position `positions + 1`, the updated KVCache: in
           `cache_storage` if it came so, else in the cache dtype).
@@ -264,22 +273,33 @@ class Transformer(nnx.Module):
         # instead of emitting a second [L, b, k, S, h] cache as stacked outputs. A 16-/8-bit
         # cache rides as its bits (an integer scatter; a float one would be converted to
         # float32 and back per layer on CPU); a caller passing bits pays no conversion at all.
-        def block_fn(block, layer, carry, positions):
-            x, k_all, v_all = carry
-            return block.decode(x, positions, k_all, v_all, layer, kv_len)
+        # A paged cache: the table and lengths ride as broadcast arguments, the static size and
+        # path in the closure.
+        static = None if pages is None else (pages.live_pages, pages.impl)
 
-        scan = _scan(block_fn, in_axes=(0, 0, nnx.Carry, None), out_axes=nnx.Carry)
+        def block_fn(block, layer, carry, positions, table, lengths):
+            x, k_all, v_all = carry
+            view = None if static is None else paged.PageView(table, lengths, *static)
+            return block.decode(x, positions, k_all, v_all, layer, kv_len, view)
+
+        scan = _scan(block_fn, in_axes=(0, 0, nnx.Carry, None, None, None), out_axes=nnx.Carry)
         layers = jnp.arange(self.cfg.n_layers, dtype=jnp.int32)
         dtype = self.policy.cache_dtype
         storage = cache_storage(dtype)
+        table, lengths = (None, None) if pages is None else (pages.table, pages.lengths)
         x, k_all, v_all = scan(
-            self.blocks, layers, (x, *(to_storage(c, dtype) for c in cache)), positions
+            self.blocks,
+            layers,
+            (x, *(to_storage(c, dtype) for c in cache)),
+            positions,
+            table,
+            lengths,
         )
         # Back in the dtype the caller gave: the storage as is, else the cache dtype's values.
         out = [
             c if a.dtype == storage else from_storage(c, dtype)
             for c, a in zip((k_all, v_all), cache, strict=True)
         ]
-        axes = cache_axes(cache_layout(self.sharder.platform))
+        axes = cache_axes(cache_layout(self.sharder.platform)) if pages is None else PAGED_AXES
         cache = KVCache(*(self.sharder.constrain(c, axes) for c in out))
         return self.logits(self.final_norm(x)[:, 0]), cache

@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dvp_jax.model import paged
 from dvp_jax.model.attention import KVCache, cache_storage, seq_axis, to_storage
 from dvp_jax.model.config import ModelConfig
 from dvp_jax.model.transformer import Transformer
@@ -45,11 +46,22 @@ def empty_state(
     cache_dtype,
     layout: str,
     params: sampling.SamplingParams,
+    pool: tuple[int, int] | None = None,
 ) -> DecodeState:
-    """`slots` empty (done) slots with a zero cache of `cache_length` positions."""
+    """`slots` empty (done) slots with a zero cache of `cache_length` positions per slot, or,
+    with `pool` = (pages, page_size), a paged cache of that many pages, all free."""
     b, m = slots, max_decode_length
+    storage = cache_storage(cache_dtype)
+    if pool is None:
+        cache, pages = KVCache.zeros(model_cfg, b, cache_length, storage, layout), None
+    else:
+        num_pages, page_size = pool
+        shape = paged.paged_cache_shape(model_cfg, num_pages, page_size)
+        cache = KVCache(jnp.zeros(shape, storage), jnp.zeros(shape, storage))
+        pages = paged.Pages.empty(b, -(-cache_length // page_size), num_pages)
     return DecodeState(
-        cache=KVCache.zeros(model_cfg, b, cache_length, cache_storage(cache_dtype), layout),
+        cache=cache,
+        pages=pages,
         logits=jnp.zeros((b, model_cfg.vocab_size), jnp.float32),
         pos=jnp.zeros((b,), jnp.int32),
         step=jnp.zeros((b,), jnp.int32),
@@ -83,7 +95,36 @@ def insert(
     layout: str,
 ) -> DecodeState:
     """Puts prefix row `rows[i]` into slot `slots[i]` with the key `fold_in(prefix key,
-    sample_index[i])`; a slot index past the last slot (padding) is dropped."""
+    sample_index[i])`; a slot index past the last slot (padding) is dropped. On a paged cache
+    the slot's old pages return to the pool and it takes ceil(prompt length / page_size)."""
+    if state.pages is not None:
+        state = _insert_pages(prefix, state, slots, rows, cache_dtype, layout)
+        cache = state.cache
+    else:
+        cache = _insert_rows(prefix, state.cache, slots, rows, cache_dtype, layout)
+    set_rows = lambda a, v: a.at[slots].set(v, mode="drop")
+    keys = jax.vmap(_fold)(prefix.key[rows], sample_index)
+    return state.replace(
+        cache=cache,
+        logits=set_rows(state.logits, prefix.logits[rows]),
+        pos=set_rows(state.pos, prefix.length[rows]),
+        step=set_rows(state.step, 0),
+        done=set_rows(state.done, False) | _preempted(state),
+        key=set_rows(state.key, keys),
+        context=set_rows(state.context, prefix.context[rows]),
+        **{f: set_rows(getattr(state, f), 0) for f in RECORD_FIELDS},
+    )
+
+
+def _preempted(state: DecodeState) -> jax.Array:
+    """[B] bool slots stopped for want of a page (all False on a dense cache)."""
+    if state.pages is None:
+        return jnp.zeros(state.done.shape, bool)
+    return state.pages.preempted
+
+
+def _insert_rows(prefix: Prefix, cache: KVCache, slots, rows, cache_dtype, layout) -> KVCache:
+    """Prefix rows into the dense cache's slot rows (positions `[0, bucket)`)."""
     bucket = prefix.cache.k.shape[seq_axis(layout)]
     # [:, slots, :, :bucket] heads first, [:, slots, :bucket] positions first.
     index = (slice(None), slots) + (slice(None),) * (seq_axis(layout) - 2)
@@ -92,17 +133,44 @@ def insert(
         value = to_storage(value[:, rows], cache_dtype)
         return buf.at[index + (slice(None, bucket),)].set(value, mode="drop")
 
-    set_rows = lambda a, v: a.at[slots].set(v, mode="drop")
-    keys = jax.vmap(_fold)(prefix.key[rows], sample_index)
+    return KVCache(put(cache.k, prefix.cache.k), put(cache.v, prefix.cache.v))
+
+
+def _insert_pages(prefix: Prefix, state: DecodeState, slots, rows, cache_dtype, layout):
+    """Frees the slots' pages, takes pages for the prompts and copies the prompts into them; a
+    slot the pool cannot serve is marked preempted (the host admits only what fits)."""
+    b, (num_pages, page_size) = state.pos.shape[0], state.cache.k.shape[1:3]
+    k_pre, v_pre = prefix.cache
+    if layout == "heads_first":  # [L, rows, k, bucket, h] -> [L, rows, bucket, k, h]
+        k_pre, v_pre = (jnp.swapaxes(x, 2, 3) for x in (k_pre, v_pre))
+    bucket = k_pre.shape[2]
+    n = -(-bucket // page_size)  # pages of the bucket
+    target = jnp.zeros((b,), bool).at[slots].set(True, mode="drop")
+    pages = paged.release(state.pages, target)
+    length = jnp.zeros((b,), jnp.int32).at[slots].set(prefix.length[rows], mode="drop")
+    column = jnp.arange(pages.table.shape[1])[None, :]
+    want = target[:, None] & (column < -(-length // page_size)[:, None])
+    pages, missed = paged.allocate(pages, want, most=min(b, slots.shape[0]) * n)
+    pages = pages.replace(preempted=jnp.where(target, missed, pages.preempted))
+    pages = paged.release(pages, missed)
+    # Page ids [i, j] of insertion i's j-th page; past its prompt, or padding: dropped.
+    ins = jnp.clip(slots, 0, b - 1)
+    ids = pages.table[ins, :n]
+    keep = (slots < b)[:, None] & (
+        jnp.arange(n)[None, :] < -(-prefix.length[rows] // page_size)[:, None]
+    )
+    ids = jnp.where(keep & (ids >= 0), ids, num_pages)
+
+    def put(buf, value):  # value [L, rows, bucket, k, h] -> pages [L, i, j, ps, k h]
+        value = to_storage(value[:, rows], cache_dtype)
+        pad = [(0, 0)] * 5
+        pad[2] = (0, n * page_size - bucket)
+        value = jnp.pad(value, pad)
+        l_, i_, _, k_, h_ = value.shape
+        return buf.at[:, ids].set(value.reshape(l_, i_, n, page_size, k_ * h_), mode="drop")
+
     return state.replace(
-        cache=KVCache(put(state.cache.k, prefix.cache.k), put(state.cache.v, prefix.cache.v)),
-        logits=set_rows(state.logits, prefix.logits[rows]),
-        pos=set_rows(state.pos, prefix.length[rows]),
-        step=set_rows(state.step, 0),
-        done=set_rows(state.done, False),
-        key=set_rows(state.key, keys),
-        context=set_rows(state.context, prefix.context[rows]),
-        **{f: set_rows(getattr(state, f), 0) for f in RECORD_FIELDS},
+        cache=KVCache(put(state.cache.k, k_pre), put(state.cache.v, v_pre)), pages=pages
     )
 
 
@@ -112,6 +180,7 @@ def step(
     kv_len: int,
     stop_tokens: tuple[int, ...],
     cache_length: int,
+    paged_impl: str | None = None,
 ) -> tuple[DecodeState, jax.Array]:
     """One token for every active slot, and the decode step that gives its next logits.
 
@@ -126,6 +195,14 @@ def step(
       already finished, `length` its generated tokens including this one).
     """
     b, m = state.tokens.shape
+    pages = state.pages
+    if pages is not None:
+        page_size = state.cache.k.shape[2]
+        column = jnp.arange(pages.table.shape[1])[None, :]
+        want = ~state.done[:, None] & (column == (state.pos // page_size)[:, None])
+        pages, missed = paged.allocate(pages, want, most=b)
+        pages = pages.replace(preempted=pages.preempted | missed)
+        state = state.replace(done=state.done | missed)
     active = ~state.done
     keys = jax.vmap(lambda k, s: jax.random.fold_in(jax.random.wrap_key_data(k), s))(
         state.key, state.step
@@ -141,8 +218,15 @@ def step(
     new_step = state.step + active.astype(jnp.int32)
     stop = jnp.isin(tokens, jnp.asarray(stop_tokens, jnp.int32))
     done = state.done | (active & (stop | (new_step >= m)))
-    logits, cache = model.decode(tokens, state.pos, state.cache, kv_len)
+    if pages is None:
+        logits, cache = model.decode(tokens, state.pos, state.cache, kv_len)
+    else:
+        lengths = jnp.where(active, state.pos + 1, 0)
+        view = paged.PageView(pages.table, lengths, kv_len, paged_impl)
+        logits, cache = model.decode(tokens, state.pos, state.cache, pages=view)
+        pages = paged.release(pages, done)  # a finished slot's pages go back to the pool
     new_state = state.replace(
+        pages=pages,
         cache=cache,
         logits=logits,
         pos=jnp.minimum(state.pos + active.astype(jnp.int32), cache_length - 1),
@@ -166,6 +250,7 @@ def loop(
     stop_at_finish: jax.Array,
     stop_tokens: tuple[int, ...],
     cache_length: int,
+    paged_impl: str | None = None,
 ) -> DecodeState:
     """Up to `num_steps` `step`s in one while loop: it ends once every slot is done and, with
     `stop_at_finish` (a traced flag), after the step in which a slot active at the start
@@ -179,6 +264,6 @@ def loop(
 
     def body(carry):
         i, st = carry
-        return i + 1, step(model, st, kv_len, stop_tokens, cache_length)[0]
+        return i + 1, step(model, st, kv_len, stop_tokens, cache_length, paged_impl)[0]
 
     return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]

@@ -19,12 +19,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
 from dvp_jax.model.attention import KVCache, cache_axes, cache_layout, cache_shape
 from dvp_jax.model.config import DTypePolicy, ModelConfig
+from dvp_jax.model.paged import PAGED_AXES, Pages, paged_cache_shape
 from dvp_jax.model.transformer import Transformer
 from dvp_jax.rollout import decode, sampling, weights
 from dvp_jax.rollout.quantize import quantize_leaves
@@ -100,6 +102,13 @@ class RolloutEngine:
         # One KV-cache layout for every program of the engine (`attention.cache_layout`).
         self.cache_layout = cache_layout(self.sharder.platform)
         self.policy = DTypePolicy.named(config.dtype)
+        # Paged decode's attention path: the Pallas kernel on TPU for "paged", else XLA's.
+        self.paged_impl = None
+        if config.paged:
+            # (an 8-bit cache runs XLA's: the kernel reads 16- and 32-bit pages)
+            tpu = config.decode_attention == "paged" and self.sharder.platform == "tpu"
+            wide = jnp.dtype(self.policy.cache_dtype).itemsize >= 2
+            self.paged_impl = "kernel" if tpu and wide else "xla"
         stop = self.tokenizer.stop_tokens if config.stop_tokens is None else config.stop_tokens
         self.stop_tokens = tuple(sorted(int(t) for t in stop))
 
@@ -128,10 +137,12 @@ class RolloutEngine:
         dtype, layout, stop = self.policy.cache_dtype, self.cache_layout, self.stop_tokens
         s, state_sh = cfg.cache_length, self.state_shardings
         paths, dtypes = self._param_paths, [a.dtype for a in self._abstract_leaves]
+        pool = (cfg.num_pages, cfg.page_size) if cfg.paged else None
+        impl = self.paged_impl
 
         def init_state(params):
             b, m = cfg.max_concurrent_decodes, cfg.max_decode_length
-            return decode.empty_state(self.model_cfg, b, m, s, dtype, layout, params)
+            return decode.empty_state(self.model_cfg, b, m, s, dtype, layout, params, pool)
 
         def insert(prefix, state, slots, rows, sample_index):
             return decode.insert(prefix, state, slots, rows, sample_index, dtype, layout)
@@ -148,14 +159,14 @@ class RolloutEngine:
             prefill=jax.jit(lambda p, *args: decode.prefill(model(p), *args)),
             insert=jax.jit(insert, donate_argnums=(1,), out_shardings=state_sh),
             step=jax.jit(
-                lambda p, state, kv_len: decode.step(model(p), state, kv_len, stop, s),
+                lambda p, state, kv_len: decode.step(model(p), state, kv_len, stop, s, impl),
                 static_argnums=(2,),
                 donate_argnums=(1,),
                 out_shardings=(state_sh, self.sharder.replicated()),
             ),
             loop=jax.jit(
                 lambda p, state, k, kv_len, flag: decode.loop(
-                    model(p), state, k, kv_len, flag, stop, s
+                    model(p), state, k, kv_len, flag, stop, s, impl
                 ),
                 static_argnums=(2, 3),
                 donate_argnums=(1,),
@@ -231,12 +242,19 @@ class RolloutEngine:
         return self.sharder.sharding(cache_axes(self.cache_layout), shape)
 
     def _decode_state_shardings(self) -> DecodeState:
-        cache = self.cache_sharding(self.config.max_concurrent_decodes, self.config.cache_length)
-        rep = self.sharder.replicated()
+        cfg, rep = self.config, self.sharder.replicated()
+        pages = None
+        if cfg.paged:
+            shape = paged_cache_shape(self.model_cfg, cfg.num_pages, cfg.page_size)
+            cache = self.sharder.sharding(PAGED_AXES, shape)
+            pages = Pages(rep, rep, rep)
+        else:
+            cache = self.cache_sharding(cfg.max_concurrent_decodes, cfg.cache_length)
         return DecodeState(
             cache=KVCache(cache, cache),
             **{f: rep for f in ("logits", "pos", "step", "done", "key", "context") + RECORD_FIELDS},
             sampling=sampling.SamplingParams(rep, rep, rep, rep, rep),
+            pages=pages,
         )
 
     def replicated_structs(self, tree):
@@ -397,14 +415,34 @@ class RolloutEngine:
             prefix, decode_state, pad(slots, b), pad(rows, 0), pad(sample_indices, 0)
         )
 
+    def page_bucket(self, live_pages: int | None) -> int:
+        """The static bound of the ragged XLA path: the smallest of `page_buckets` >=
+        `live_pages` (None: the pool); 0 for the kernel, which reads each slot's own pages."""
+        if self.paged_impl == "kernel":
+            return 0
+        buckets = self.config.page_buckets
+        if live_pages is None:
+            return buckets[-1]
+        return buckets[min(bisect.bisect_left(buckets, int(live_pages)), len(buckets) - 1)]
+
+    def _span(self, kv_len: int | None, live_pages: int | None) -> int:
+        """The decode programs' static read bound: a kv bucket (dense) or a page bucket."""
+        if self.config.paged:
+            return self.page_bucket(live_pages)
+        return self.config.cache_length if kv_len is None else self.kv_bucket(kv_len)
+
     def generate_step(
-        self, params: nnx.State, decode_state: DecodeState, kv_len: int | None = None
+        self,
+        params: nnx.State,
+        decode_state: DecodeState,
+        kv_len: int | None = None,
+        live_pages: int | None = None,
     ) -> tuple[DecodeState, jax.Array]:
         """One decode step (`decode.step`, donating the state) attending over the first
-        `kv_bucket(kv_len)` cache positions (None: the whole cache); returns the state and the
+        `kv_bucket(kv_len)` cache positions (None: the whole cache), or on a paged cache over
+        each slot's own pages (`live_pages`: see `generate_steps`); returns the state and the
         `[B, 3]` rows (token, valid, length)."""
-        kv_len = self.config.cache_length if kv_len is None else self.kv_bucket(kv_len)
-        return self.programs.step(params, decode_state, kv_len)
+        return self.programs.step(params, decode_state, self._span(kv_len, live_pages))
 
     def generate_steps(
         self,
@@ -413,6 +451,7 @@ class RolloutEngine:
         num_steps: int,
         kv_len: int | None = None,
         stop_at_finish: bool = False,
+        live_pages: int | None = None,
     ) -> DecodeState:
         """Up to `num_steps` decode steps in one compiled loop (`decode.loop`; donates the
         state): the tokens of that many `generate_step` calls (keys depend on the step, not
@@ -430,12 +469,16 @@ class RolloutEngine:
             None: the whole cache.
           stop_at_finish: end the loop after the step in which a slot active at the call
             finishes (a traced flag: both settings share one loop; read `pos`/`done`).
+          live_pages: paged cache only: a bound on the pages the slots hold together by the
+            end of these steps, `sum ceil((pos + num_steps) / page_size)` over active slots
+            (the ragged XLA path reads `page_bucket(live_pages)` entries; a smaller value gives
+            wrong logits). None: the whole pool. `kv_len` is unused on a paged cache.
         """
         if int(num_steps) == 1:
-            return self.generate_step(params, decode_state, kv_len)[0]
-        kv_len = self.config.cache_length if kv_len is None else self.kv_bucket(kv_len)
+            return self.generate_step(params, decode_state, kv_len, live_pages)[0]
+        span = self._span(kv_len, live_pages)
         return self.programs.loop(
-            params, decode_state, int(num_steps), kv_len, np.bool_(stop_at_finish)
+            params, decode_state, int(num_steps), span, np.bool_(stop_at_finish)
         )
 
     def compile_cache_sizes(self) -> dict[str, int]:

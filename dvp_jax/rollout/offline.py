@@ -184,7 +184,8 @@ def generate_rollouts(
         )
     )
     pending = collections.deque((p, g) for p in range(n_prompts) for g in range(g_size))
-    prefixes: dict[int, list] = {}  # p -> [batched Prefix, its row, inserts left]
+    waiting = collections.Counter(p for p, _ in pending)  # pairs of each prompt in `pending`
+    prefixes: dict[int, tuple] = {}  # p -> (batched Prefix, its row) while p has pairs waiting
     owner: list[tuple[int, int] | None] = [None] * engine.max_concurrent_decodes
     # Each occupied slot's position as of the last sync (the decode's length bucket).
     slot_pos = np.zeros((engine.max_concurrent_decodes,), np.int64)
@@ -201,10 +202,32 @@ def generate_rollouts(
             finished[i] = r > 0 and bool(np.isin(host["tokens"][slot, r - 1], stop))
             owner[slot] = None
 
+    cfg = engine.config
+    pages_of = lambda positions: -(-np.asarray(positions) // cfg.page_size)
+    free_pages = cfg.num_pages  # as of the last sync
+
+    def admitted(free):
+        """How many of the next pairs fit in the free slots `free` and, on a paged cache, in
+        the free pages (each needs its prompt and the next dispatch's pages; the occupied
+        slots keep room for theirs): the pool is never overcommitted at admission."""
+        count = min(len(free), len(pending))
+        if not cfg.paged or cfg.kv_pages is None:
+            return count
+        occupied = np.array([o is not None for o in owner])
+        spare = free_pages - int(
+            np.sum(pages_of(slot_pos[occupied] + steps_per_sync) - pages_of(slot_pos[occupied]))
+        )
+        for i in range(count):
+            spare -= int(pages_of(token_lists[pending[i][0]].size + steps_per_sync))
+            if spare < 0:
+                return i
+        return count
+
     def refill(state):
-        """Fills every free slot with the next (prompt, sample) pairs: new prompts prefilled in
+        """Fills free slots with the next (prompt, sample) pairs: new prompts prefilled in
         one call per prompt bucket, then one insert per prefill batch."""
-        free = [s for s, o in enumerate(owner) if o is None][: len(pending)]
+        free = [s for s, o in enumerate(owner) if o is None]
+        free = free[: admitted(free)]
         pairs = [pending.popleft() for _ in free]
         new = sorted({p for p, _ in pairs if p not in prefixes})
         by_bucket = collections.defaultdict(list)
@@ -215,16 +238,16 @@ def generate_rollouts(
                 params, [token_lists[p] for p in group], prompt_keys[group]
             )
             for row, p in enumerate(group):
-                prefixes[p] = [prefix, row, g_size]
+                prefixes[p] = (prefix, row)
         inserts = {}  # id(prefix) -> (prefix, slots, rows, sample indices)
         for slot, (p, g) in zip(free, pairs, strict=True):
-            prefix, row, _ = prefixes[p]
+            prefix, row = prefixes[p]
             _, slots, rows, samples = inserts.setdefault(id(prefix), (prefix, [], [], []))
             slots.append(slot)
             rows.append(row)
             samples.append(g)
-            prefixes[p][2] -= 1
-            if prefixes[p][2] == 0:
+            waiting[p] -= 1
+            if waiting[p] == 0:
                 del prefixes[p]
             owner[slot] = (p, g)
             slot_pos[slot] = token_lists[p].size
@@ -238,14 +261,30 @@ def generate_rollouts(
         if pending and None in owner:
             state = refill(state)
         occupied = np.array([o is not None for o in owner])
-        # Attention reads the live prefix: every active slot writes below pos + steps_per_sync.
+        # Attention reads the live prefix: every active slot writes below pos + steps_per_sync
+        # (dense: one length bucket for all; paged: the slots' pages together).
         kv_len = int(slot_pos[occupied].max()) + steps_per_sync
+        live = int(np.sum(pages_of(slot_pos[occupied] + steps_per_sync)))
         state = engine.generate_steps(
-            params, state, steps_per_sync, kv_len=kv_len, stop_at_finish=bool(pending)
+            params,
+            state,
+            steps_per_sync,
+            kv_len=kv_len,
+            stop_at_finish=bool(pending),
+            live_pages=live,
         )
         # The one host sync per dispatch: which slots are done, and where each slot stands.
-        done, pos = jax.device_get((state.done, state.pos))
+        done, pos, pool = jax.device_get((state.done, state.pos, state.pages))
         slot_pos[occupied] = pos[occupied]
+        if pool is not None:
+            free_pages = int(np.sum(~pool.used))
+            # A slot the pool could not serve gives its pair back: decoded again from its
+            # start, with the same keys, so the same tokens.
+            for s in np.flatnonzero(pool.preempted & occupied)[::-1]:
+                p, g = owner[s]
+                pending.appendleft((p, g))
+                waiting[p] += 1
+                owner[s] = None
         ended = [s for s, o in enumerate(owner) if o is not None and done[s]]
         if ended:
             harvest(state, ended)

@@ -14,7 +14,11 @@ from flax import struct
 from dvp_jax.dvp import pruning
 from dvp_jax.model.attention import KVCache
 from dvp_jax.model.config import PRECISIONS
+from dvp_jax.model.paged import Pages
 from dvp_jax.rollout import sampling
+
+# Decode attention of the engine (`EngineConfig.decode_attention`).
+DECODE_ATTENTION = ("paged", "paged_xla", "dense")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +45,16 @@ class EngineConfig:
       seed: base seed of the keys given to requests prefilled without an explicit `rng`.
       stop_tokens: token ids that end a response; None: the tokenizer's `stop_tokens`; () never
         stops early (benchmarks).
+      decode_attention: one of `DECODE_ATTENTION`: "paged" (the default: a paged KV cache and
+        attention over each slot's own live pages, the Pallas kernel of
+        `model/decode_kernels.py` on TPU, the ragged XLA path of `model/paged.py` elsewhere),
+        "paged_xla" (the paged cache with the ragged XLA path on every backend) or "dense"
+        (one `[B, S]` cache, attention over a length bucket shared by all slots).
+      page_size: positions per KV page (paged decode).
+      kv_pages: pages in the pool (paged decode); None: enough for every slot at full length
+        (`B * ceil(S / page_size)`, never short). Fewer spends HBM on live tokens only: a
+        response that finds the pool empty is preempted and decoded again later (its key fixes
+        its tokens, so the result is the same). At least one slot's full length.
     """
 
     dtype: str = "bfloat16"
@@ -55,9 +69,13 @@ class EngineConfig:
     seed: int = 0
     noise_tail_gap: float = 0.0
     stop_tokens: tuple[int, ...] | None = None
+    decode_attention: str = "paged"
+    page_size: int = 64
+    kv_pages: int | None = None
 
     def __post_init__(self):
         self.check_fields(self, "EngineConfig")
+        self.check_kv_pages(self.kv_pages, self.cache_length, self.page_size, "EngineConfig")
 
     @classmethod
     def check_fields(cls, settings: Any, where: str) -> None:
@@ -79,6 +97,18 @@ class EngineConfig:
         buckets = get("prefill_buckets")
         if buckets is not missing and any(not isinstance(b, int) or b < 1 for b in buckets):
             raise ValueError(f"{where}.prefill_buckets must be positive ints, got {buckets}")
+        attention = get("decode_attention")
+        if attention is not missing and attention not in DECODE_ATTENTION:
+            raise ValueError(
+                f"{where}.decode_attention must be one of {DECODE_ATTENTION}, got {attention!r}"
+            )
+        for name, allow_none in [("page_size", False), ("kv_pages", True)]:
+            value = get(name)
+            if value is missing or (value is None and allow_none):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                none = "None or " if allow_none else ""
+                raise ValueError(f"{where}.{name} must be {none}an int >= 1, got {value!r}")
         sampling.check_sampling_values(
             *[
                 None if get(n) is missing else get(n)
@@ -86,6 +116,17 @@ class EngineConfig:
             ],
             owner=where,
         )
+
+    @staticmethod
+    def check_kv_pages(kv_pages: int | None, cache_length: int, page_size: int, where: str):
+        """A page pool must hold one slot at full length: None, or at least
+        ceil(cache_length / page_size) pages. Raises ValueError naming `where.kv_pages`."""
+        least = -(-cache_length // page_size)
+        if kv_pages is not None and kv_pages < least:
+            raise ValueError(
+                f"{where}.kv_pages must be None or an int >= {least} (one slot at full length: "
+                f"ceil({cache_length} / page_size {page_size})), got {kv_pages!r}"
+            )
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -97,6 +138,28 @@ class EngineConfig:
     def cache_length(self) -> int:
         """S: every slot holds a full prompt plus a full response."""
         return self.max_prefill_length + self.max_decode_length
+
+    @property
+    def paged(self) -> bool:
+        """True when decode runs on a paged KV cache (`decode_attention` != "dense")."""
+        return self.decode_attention != "dense"
+
+    @property
+    def pages_per_slot(self) -> int:
+        """Pages one slot holds at full length: ceil(S / page_size)."""
+        return -(-self.cache_length // self.page_size)
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in the pool: `kv_pages`, or every slot at full length."""
+        return self.kv_pages or self.max_concurrent_decodes * self.pages_per_slot
+
+    @property
+    def page_buckets(self) -> tuple[int, ...]:
+        """Live-page counts the ragged XLA decode is compiled for: powers of two from 8 below
+        the pool, and the pool (a dispatch reads the smallest bucket above its live pages)."""
+        p = self.num_pages
+        return tuple(sorted({2**i for i in range(3, p.bit_length()) if 2**i < p} | {p}))
 
     @property
     def kv_buckets(self) -> tuple[int, ...]:
@@ -171,6 +234,8 @@ class DecodeState:
       behaviour_pruned_mass: `[B, M]` float32 delta_S of the rollout safe set (E3).
       behaviour_safe_size: `[B, M]` int32 |V_S| of the rollout safe set (E1).
       sampling: the sampling parameters (arrays, so changing them never recompiles).
+      pages: the page pool of a paged cache (`paged.Pages`; None for dense decode): cache k, v
+        are then `[L, P, page_size, k h]` pages (`model/paged.py`).
     """
 
     cache: KVCache
@@ -186,6 +251,7 @@ class DecodeState:
     behaviour_pruned_mass: jax.Array
     behaviour_safe_size: jax.Array
     sampling: sampling.SamplingParams
+    pages: Pages | None = None
 
 
 # The per-generated-token record arrays of `DecodeState` (the names `RolloutBatch` keeps).

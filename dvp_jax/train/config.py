@@ -20,6 +20,7 @@ from dvp_jax.dvp.losses import LossConfig
 from dvp_jax.model.config import PRESETS as MODEL_PRESETS
 from dvp_jax.model.config import ModelConfig
 from dvp_jax.model.hub import checkpoint_config, resolve_model_dir
+from dvp_jax.rollout.state import EngineConfig
 from dvp_jax.sharding import MeshConfig
 from dvp_jax.train.sections import (
     GENERATED_TASKS,
@@ -157,6 +158,8 @@ class ExperimentConfig:
                 f"{data.max_prompt_len} + {rollout.max_decode_length} = {longest}: a row must "
                 "hold it (0 picks that length)"
             )
+        # The engine's pool rule, on the run's cache length (prompt + response).
+        EngineConfig.check_kv_pages(rollout.kv_pages, longest, rollout.page_size, "config.rollout")
         return cfg
 
     @property

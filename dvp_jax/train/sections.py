@@ -90,6 +90,11 @@ class RolloutConfig:
     temperature: float = _ENGINE.temperature
     max_decode_length: int = _ENGINE.max_decode_length  # most tokens generated per response
     max_concurrent_decodes: int = _ENGINE.max_concurrent_decodes  # decode slots of the engine
+    # Decode attention and its paged KV cache: "paged" | "paged_xla" | "dense", positions per
+    # page, pages in the pool (None: every slot at full length).
+    decode_attention: str = _ENGINE.decode_attention
+    page_size: int = _ENGINE.page_size
+    kv_pages: int | None = _ENGINE.kv_pages
     tensor_parallel: int = 1
 
     def __post_init__(self):
