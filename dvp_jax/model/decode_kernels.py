@@ -2,13 +2,14 @@
 
 `paged_decode_attention` runs one program per slot; each copies only the slot's live pages
 `j < ceil(length / ps)` of its layer (all the shard's kv heads: a `[ps, k h]` tile) from HBM
-into VMEM (two buffers: page j + 1 is in
-flight while page j is used) and keeps a running softmax (max m, sum l, accumulator) over them,
-so a decode step reads each response's own tokens and no page past them. The layer index, the
-lengths and the page table are scalar-prefetched: the kernel reads the stacked `[L, P, ps, k,
-h]` cache in place, inside the layer scan, without slicing a layer out first. It computes what
-`paged.ragged_attention` (XLA) computes; tests run it in Pallas's TPU interpret mode on CPU and
-compare. The GPU has no kernel here yet: paged decode runs the ragged XLA path there (JAX's
+into VMEM (two buffers: page j + 1 is in flight while page j is used) and keeps a running
+softmax per kv head (max m, sum l, accumulator) over them, so a decode step reads each
+response's own tokens and no page past them. The layer index, the lengths and the page table
+are scalar-prefetched: the kernel reads the stacked `[L, P, ps, k h]` cache in place, inside
+the layer scan, without slicing a layer out first. Its dots run in float32 on values rounded to
+the compute dtype. It computes what `paged.ragged_attention` (XLA) computes; tests run it in
+Pallas's TPU interpret mode on CPU and compare, and `dvp_jax.aot` compiles it for v5p. The GPU
+has no kernel here yet: paged decode runs the ragged XLA path there (JAX's
 `pallas.ops.gpu.paged_attention` is the candidate; it needs a GPU to test).
 """
 
