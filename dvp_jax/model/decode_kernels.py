@@ -2,13 +2,14 @@
 
 `paged_decode_attention` runs one program per slot; each copies only the slot's live pages
 `j < ceil(length / ps)` of its layer (all the shard's kv heads: a `[ps, k h]` tile) from HBM
-into VMEM (two buffers: page j + 1 is in
-flight while page j is used) and keeps a running softmax (max m, sum l, accumulator) over them,
-so a decode step reads each response's own tokens and no page past them. The layer index, the
-lengths and the page table are scalar-prefetched: the kernel reads the stacked `[L, P, ps, k,
-h]` cache in place, inside the layer scan, without slicing a layer out first. It computes what
-`paged.ragged_attention` (XLA) computes; tests run it in Pallas's TPU interpret mode on CPU and
-compare. The GPU has no kernel here yet: paged decode runs the ragged XLA path there (JAX's
+into VMEM (two buffers: page j + 1 is in flight while page j is used) and keeps a running
+softmax per kv head (max m, sum l, accumulator) over them, so a decode step reads each
+response's own tokens and no page past them. The layer index, the lengths and the page table
+are scalar-prefetched: the kernel reads the stacked `[L, P, ps, k h]` cache in place, inside
+the layer scan, without slicing a layer out first. Its dots run in float32 on values rounded to
+the compute dtype. It computes what `paged.ragged_attention` (XLA) computes; tests run it in
+Pallas's TPU interpret mode on CPU and compare, and `dvp_jax.aot` compiles it for v5p. The GPU
+has no kernel here yet: paged decode runs the ragged XLA path there (JAX's
 `pallas.ops.gpu.paged_attention` is the candidate; it needs a GPU to test).
 """
 
@@ -49,11 +50,14 @@ def _kernel(
         for c in copies(0, 0):
             c.start()
 
+    # The dots run in float32 on values of the compute dtype (exact products, as the XLA path's
+    # bf16 dots with float32 accumulation; Mosaic refused bf16 operands of some shapes: "Bad lhs
+    # type" at g = 2).
     def load(buf_ref, buf, head):  # one head's [ps, h]: the stored bits -> the cache dtype
         x = buf_ref[buf, :, pl.ds(head * h, h)]
         if x.dtype != jnp.dtype(dtype):
             x = jax.lax.bitcast_convert_type(x, dtype)
-        return x.astype(q_ref.dtype)
+        return x.astype(q_ref.dtype).astype(jnp.float32)
 
     def body(j, carry):
         buf = j % 2
@@ -68,7 +72,7 @@ def _kernel(
         out = []
         for head in range(kv):  # static: the shard's kv heads
             m, total, acc = carry[head]
-            q = q_ref[head]  # [g, h]
+            q = q_ref[head].astype(jnp.float32)  # [g, h]
             keys, values = load(k_buf, buf, head), load(v_buf, buf, head)
             # [g, h] x [s, h] -> [g, s] float32 scores.
             scores = jax.lax.dot_general(
@@ -80,8 +84,10 @@ def _kernel(
             m_new = jnp.maximum(m, jnp.max(scores, axis=1, keepdims=True))
             probs = jnp.exp(scores - m_new)
             alpha = jnp.exp(m - m_new)
-            # [g, s] x [s, h] -> [g, h], probabilities in q's dtype as the XLA paths.
-            pv = jnp.dot(probs.astype(q.dtype), values, preferred_element_type=jnp.float32)
+            # [g, s] x [s, h] -> [g, h], probabilities rounded to the compute dtype as the XLA
+            # paths'.
+            rounded = probs.astype(q_ref.dtype).astype(jnp.float32)
+            pv = jnp.dot(rounded, values, preferred_element_type=jnp.float32)
             total = alpha * total + jnp.sum(probs, axis=1, keepdims=True)
             out.append((m_new, total, alpha * acc + pv))
         return tuple(out)
@@ -143,7 +149,9 @@ def paged_decode_attention(q, k_all, v_all, layer, table, lengths, dtype, sharde
     """
     platform = sharder.platform if sharder is not None else jax.default_backend()
     local = functools.partial(_local, dtype=jnp.dtype(dtype), interpret=platform != "tpu")
-    if sharder is None or sharder.mesh is None or sharder.mesh.size == 1:
+    # On a mesh the kernel runs under `shard_map` even on one device: lowered outside it for a
+    # TPU topology from a CPU host, Pallas asks this host's devices for the TPU kind.
+    if sharder is None or sharder.mesh is None:
         return local(q, k_all, v_all, layer, table, lengths)
     q_spec = sharder.spec(("act_batch", "act_kv_heads", None, None), q.shape)
     cache_spec = sharder.spec(PAGED_AXES, k_all.shape)
