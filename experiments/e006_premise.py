@@ -146,7 +146,9 @@ def run_record(workdir: str, arm: str, seed: int, seconds: list[float]) -> dict 
     if summary is None:
         return None
     rows = metrics.read_metrics(workdir)
-    train = [r for r in rows if r["step"] > 0 and "loss" in r]
+    # One row per step: a segment resumed from an earlier checkpoint logs its steps again.
+    train = sorted({int(r["step"]): r for r in rows if r["step"] > 0 and "loss" in r}.items())
+    train = [r for _, r in train]
     evals = sorted(
         {int(r["step"]): float(r["eval_accuracy"]) for r in rows if "eval_accuracy" in r}.items()
     )
