@@ -138,8 +138,13 @@ def get_sweep(
 # ------------------------------------------------------------------------------------------------
 # Records.
 # ------------------------------------------------------------------------------------------------
-def run_record(workdir: str, arm: str, seed: int, seconds: list[float]) -> dict | None:
-    """The curves and held-out evaluations of one run so far (None before its first segment)."""
+def run_record(
+    workdir: str, arm: str, seed: int, seconds: list[float], evals_before=()
+) -> dict | None:
+    """The curves and held-out evaluations of one run so far (None before its first segment).
+
+    A resumed segment drops the rows after its checkpoint from metrics.jsonl, the earlier
+    segment-end evaluations included, so `evals_before` (the previous record's) are kept."""
     from dvp_jax import metrics
 
     summary = local.read_summary(workdir)
@@ -149,9 +154,10 @@ def run_record(workdir: str, arm: str, seed: int, seconds: list[float]) -> dict 
     # One row per step: a segment resumed from an earlier checkpoint logs its steps again.
     train = sorted({int(r["step"]): r for r in rows if r["step"] > 0 and "loss" in r}.items())
     train = [r for _, r in train]
-    evals = sorted(
-        {int(r["step"]): float(r["eval_accuracy"]) for r in rows if "eval_accuracy" in r}.items()
-    )
+    evals = {int(st): float(a) for st, a in evals_before}
+    evals |= {int(r["step"]): float(r["eval_accuracy"]) for r in rows if "eval_accuracy" in r}
+    evals = sorted(evals.items())
+
     method, rung = ARMS[arm]
     return {
         "run": run_name(arm, seed),
@@ -192,13 +198,14 @@ def run_segment(root: str, out: str, arm: str, seed: int, end: int, init_hf: str
     unit = next(u for u in exp.units if u.name.split("_", 1)[1] == run_name(arm, seed))
     workdir = os.path.join(os.path.abspath(root), EXPERIMENT, run_name(arm, seed))
     prev = os.path.join(out, "units", f"{run_name(arm, seed)}.json")
-    seconds = []
+    seconds, evals = [], []
     if os.path.exists(prev):
         with open(prev) as fh:
-            seconds = json.load(fh).get("segment_seconds", [])
+            before = json.load(fh)
+        seconds, evals = before.get("segment_seconds", []), before.get("evals", [])
     t0 = time.time()
     result = local.run_unit(exp, unit, workdir, None)
-    rec = run_record(workdir, arm, seed, seconds + [round(time.time() - t0, 1)])
+    rec = run_record(workdir, arm, seed, seconds + [round(time.time() - t0, 1)], evals)
     if rec is not None:
         write_record(out, rec)
     return result, rec
