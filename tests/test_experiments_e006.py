@@ -83,3 +83,21 @@ def test_plots_work_on_partial_data(tmp_path):
         (tmp_path / "units" / f"{name}.json").write_text(json.dumps(rec))
     e006_plots.plot_all(str(tmp_path))
     assert (tmp_path / "e006_mismatch.png").stat().st_size > 0
+
+
+def test_run_record_keeps_earlier_segment_evaluations_and_one_row_per_step(tmp_path):
+    """A resumed segment rewrites metrics.jsonl from its checkpoint (earlier evaluation rows
+    gone, replayed steps logged again): the record keeps the previous evaluations and one row
+    per step."""
+    import json
+
+    from experiments.e006_premise import run_record
+
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 4}))
+    rows = [{"step": 0, "eval_accuracy": 0.1}]
+    rows += [{"step": s, "loss": 0.0, v.PRIMARY: s * 1e-4} for s in (1, 2, 3, 3, 4)]
+    rows += [{"step": 4, "eval_accuracy": 0.3}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rec = run_record(str(tmp_path), "rloo_M3", 0, [1.0, 2.0], evals_before=[[0, 0.1], [2, 0.2]])
+    assert rec["evals"] == [[0, 0.1], [2, 0.2], [4, 0.3]]
+    assert rec["steps_logged"] == [1, 2, 3, 4] and rec["curves"][v.PRIMARY][-1] == 4e-4
