@@ -3,7 +3,9 @@
 The rules (experiments/e005_verdict.py) are kept as registered and their outcomes stay in
 verdict.json `claims`. This module reads the same committed records (results/e005/units/*.json)
 for what each rule's test could detect, and writes `reading` beside the outcomes: a label per
-claim and the figures it rests on. It adds no threshold and reruns nothing.
+claim and the figures it rests on. It adds no threshold and reruns nothing. The verdict module
+passes its own design constants in (`rules`: RUNGS, REAL, T_GRID, P_EDGES, CHUNKS, REF_CHUNKS),
+so this module imports no verdict and the imports run one way (e005_verdict -> e005_reading).
 
 * 2a (selection): the rule compares the sampled tail's d with 0, but the teacher-forced control
   tail (reference tokens mu did not choose) is itself many s.e. below 0: rounding shifts every
@@ -26,8 +28,6 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from experiments import e005_verdict as rules
-
 LABELS = {
     "1": "holds",
     "2_selection": "sign of d contradicted at the real rungs; selection not resolved by this rule",
@@ -49,7 +49,7 @@ def _diff(a: list, b: list) -> list[float]:
     return [a[0] - b[0], float(np.hypot(a[1], b[1]))]
 
 
-def selection(claim: Mapping[str, dict], bins: Mapping[str, dict]) -> dict:
+def selection(rules, claim: Mapping[str, dict], bins: Mapping[str, dict]) -> dict:
     """Per real rung: the control tail's distance from 0 (in s.e.) and sampled - reference."""
     out = {}
     for r in rules.REAL:
@@ -69,7 +69,7 @@ def selection(claim: Mapping[str, dict], bins: Mapping[str, dict]) -> dict:
     return out
 
 
-def accumulation(claim: Mapping[str, dict], units: Mapping[str, dict]) -> dict:
+def accumulation(rules, claim: Mapping[str, dict], units: Mapping[str, dict]) -> dict:
     """Per rung: where RLOO's relative bias is floored at 0, and E[D_T] at the last T."""
     out = {}
     for r, c in claim["per_rung"].items():
@@ -83,7 +83,7 @@ def accumulation(claim: Mapping[str, dict], units: Mapping[str, dict]) -> dict:
     return out
 
 
-def dvp(claim: Mapping[str, dict], units: Mapping[str, dict]) -> dict:
+def dvp(rules, claim: Mapping[str, dict], units: Mapping[str, dict]) -> dict:
     """Per rung: DVP's reach (tokens outside the safe set) and the corrected gate, if known."""
     out = {}
     for r in rules.RUNGS:
@@ -121,14 +121,15 @@ def dvp(claim: Mapping[str, dict], units: Mapping[str, dict]) -> dict:
     return out
 
 
-def reading(result: Mapping[str, dict], units: Mapping[str, dict]) -> dict:
-    """The `reading` block of verdict.json from the rule outcomes and the unit records."""
+def reading(result: Mapping[str, dict], units: Mapping[str, dict], rules) -> dict:
+    """The `reading` block of verdict.json from the rule outcomes, the unit records and the
+    verdict's design constants (`rules`, the e005_verdict module)."""
     c = result["claims"]
     if result["missing_units"]:
         return {"missing": "incomplete records: the reading needs every registered unit"}
-    sel = selection(c["2_selection"], result["rungs"])
-    acc = accumulation(c["2_accumulation"], units)
-    reach = dvp(c["3"], units)
+    sel = selection(rules, c["2_selection"], result["rungs"])
+    acc = accumulation(rules, c["2_accumulation"], units)
+    reach = dvp(rules, c["3"], units)
     ctrl = [x for r in sel.values() for x in r["control_tail_se_from_0"]]
     outside = [reach[r]["frac_sampled_tokens_outside_safe"] for r in rules.REAL if r in reach]
     share = [reach[r]["rloo_bias_outside_share_by_T"][-1] for r in rules.REAL if r in reach]

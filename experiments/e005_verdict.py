@@ -42,6 +42,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from experiments.e005_reading import reading
+
 # ------------------------------------------------------------------------------------------------
 # Design and thresholds (pre-registered).
 # ------------------------------------------------------------------------------------------------
@@ -333,9 +335,7 @@ def main(argv=None) -> int:
         return 0
     result = verdict_from_units(units)
     # What each test could detect, beside the outcomes (which the rules above decided).
-    from experiments.e005_reading import reading
-
-    result["reading"] = reading(result, units)
+    result["reading"] = reading(result, units, sys.modules[__name__])
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "verdict.json"), "w") as fh:
         json.dump(result, fh, indent=1)

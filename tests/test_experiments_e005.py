@@ -219,7 +219,7 @@ def test_committed_verdict_follows_from_the_committed_records():
     out = os.path.join(os.path.dirname(__file__), "..", "experiments", "results", "e005")
     units = v.load_units(out)
     result = v.verdict_from_units(units)
-    result["reading"] = reading(result, units)
+    result["reading"] = reading(result, units, v)
     with open(os.path.join(out, "verdict.json")) as fh:
         assert json.load(fh) == json.loads(json.dumps(result))
     assert result["reading"]["3"]["per_rung"]["M3"]["corrected_gate"] is False

@@ -231,3 +231,27 @@ def test_e003_table_reports_each_policys_bias_check(smoke_runs, tmp_path, monkey
     [unit] = [d for d in os.listdir(root / "e003_rho_ablation") if not d.endswith(".json")]
     assert calls == [(unit, (-8.0,))] and res["bias_checks"]["-8"]["unit"] == unit
     assert "| -2.0e-03 ± 1e-03 / 3.0e-03 (ok) |" in (tmp_path / "results.md").read_text()
+
+
+# ------------------------------------------------------------------------------------------------
+# e006.
+# ------------------------------------------------------------------------------------------------
+def test_e006_sweeps_and_the_device_tier_smoke():
+    """e006's CPU-tier sweep holds every arm x seed from e005's warm start, its unit order runs
+    the premise arms first; the device tier's `--smoke` validates every unit's config at the
+    device sizes and counts the model under `nnx.eval_shape` (nothing runs; seconds)."""
+    from experiments import e006_device, e006_premise
+    from experiments import e006_verdict as rules
+
+    path = os.path.join("experiments", "e006_premise.py")
+    exp = sweep.load_experiment(path)
+    runs = {(dict(u.overrides)["method"], dict(u.overrides)["rollout.dtype"]) for u in exp.units}
+    assert len(exp.units) == len(rules.ARMS) * len(rules.SEEDS) and len(runs) == len(rules.ARMS)
+    assert all(dict(u.overrides)["model.hf_path"] == e006_premise.WARM_START for u in exp.units)
+    order = e006_premise.unit_order()
+    premise = 2 * len(rules.SEEDS) * (rules.STEPS // e006_premise.UNIT_STEPS)
+    assert {a for a, _, _ in order[:premise]} == {"rloo_fp32", "rloo_M3"}
+    out = e006_device.smoke()
+    assert out["units"] == 1 + len(rules.ARMS) * len(rules.SEEDS)
+    assert 10e6 <= out["params"] <= 20e6 and out["vocab_size"] >= 32_000
+    assert out["max_decode_length"] >= 1_000 and out["tail_log_ratio_last_rank"] < -13

@@ -1,0 +1,226 @@
+"""e006 decision rules: reads results/e006/units/*.json and writes results/e006/verdict.json.
+
+Committed with the runner before any e006 data (the commit order is the evidence); each rule is
+a pure function of the figures below (tests/test_experiments_e006.py checks each outcome).
+
+Records (experiments/e006_premise.py): one per run (arm x seed), with the per-step series of the
+run's sampled tokens, unpruned whatever the method: m_t = `full_kl_k1`, the mean over response
+tokens of log mu - log pi (primary), and g_t = `full_log_ppl_diff`, the paper's log-PPL gap
+(secondary), and held-out avg@16 at step 0 and at each segment's end.
+
+Figures, per run and metric: the growth G = b x STEPS, b the least-squares slope of the series
+on the step over steps 1..STEPS (nats per token over the run), and the starting level
+m0 = the mean of steps 1..START_WINDOW.
+
+Rules (pre-registered):
+* Premise (primary metric; the secondary is judged the same way and reported beside it). Per seed
+  s with both premise arms complete, the relative excess growth r_s = (G(RLOO M3, s) -
+  G(RLOO fp32, s)) / |m0(RLOO M3)| (m0 averaged over seeds); its 95% Student-t interval over the
+  seeds (n = 3, t = 4.30):
+    - "the premise appears at this scale" if the interval's lower end > 0 and its mean >=
+      MATERIAL_GROWTH (the mismatch grows by at least a quarter of its starting level in STEPS
+      steps, beyond what fp32 rollouts show);
+    - "the premise does not appear at this scale" (the null outcome, stated in advance) if the
+      interval's upper end < MATERIAL_GROWTH: any growth is smaller than a quarter of the
+      starting level over the run;
+    - "inconclusive" otherwise (the interval straddles the threshold), with its width.
+  Held-out accuracy: the drop of RLOO M3 against RLOO fp32 at step STEPS, paired by seed, mean and
+  95% t interval; reported, not a gate (3 seeds resolve only a large drop).
+* Methods (DVP, MIS+DVP, IcePop at M3), judged only if the premise appears: per method the
+  relative excess growth over fp32 (as above, the method's run in place of RLOO M3's, over the
+  same |m0(RLOO M3)|):
+    - "removes the growth" if its interval's upper end < MATERIAL_GROWTH;
+    - "does not remove it" if its interval's lower end >= the mean of RLOO M3's r_s x (1 -
+      REMOVED_SHARE), i.e. it keeps most of RLOO's growth;
+    - "partly, unresolved" otherwise; the share removed, 1 - mean r(method) / mean r(RLOO M3),
+      is reported with the held-out accuracy difference against RLOO M3 (paired by seed).
+  If the premise does not appear: "nothing to remove (premise absent)", the figures reported.
+A rule reads a run only once it has STEPS steps; with fewer complete seeds than SEEDS a status
+is "incomplete" (the figures of what exists are still written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from experiments.stats import t_interval
+
+# ------------------------------------------------------------------------------------------------
+# Design and thresholds (pre-registered).
+# ------------------------------------------------------------------------------------------------
+ARMS = {  # arm -> (method, rung); M0 = fp32 rollouts, M3 = bf16 + fp8 KV + int4 weights
+    "rloo_fp32": ("rloo", "M0"),
+    "rloo_M3": ("rloo", "M3"),
+    "dvp_M3": ("dvp", "M3"),
+    "mis_dvp_M3": ("mis_dvp", "M3"),
+    "icepop_M3": ("icepop", "M3"),
+}
+ARM_GROUPS = (("rloo_fp32", "rloo_M3"), ("dvp_M3", "mis_dvp_M3"), ("icepop_M3",))  # run order
+METHOD_ARMS = ("dvp_M3", "mis_dvp_M3", "icepop_M3")
+SEEDS = (0, 1, 2)
+STEPS = 100
+PRIMARY, SECONDARY = "full_kl_k1", "full_log_ppl_diff"
+START_WINDOW = 10
+MATERIAL_GROWTH = 0.25
+REMOVED_SHARE = 0.5
+CONFIDENCE = 0.95
+
+
+# ------------------------------------------------------------------------------------------------
+# Figures.
+# ------------------------------------------------------------------------------------------------
+def growth(steps: Sequence[int], values: Sequence[float], horizon: int = STEPS) -> float:
+    """b x horizon, b the least-squares slope of `values` on `steps` (nats over the run)."""
+    x, y = np.asarray(steps, float), np.asarray(values, float)
+    return float(np.polyfit(x, y, 1)[0] * horizon)
+
+
+def start_level(values: Sequence[float], window: int = START_WINDOW) -> float:
+    return float(np.mean(np.asarray(values[:window], float)))
+
+
+def run_figures(rec: Mapping, metric: str, horizon: int = STEPS) -> dict | None:
+    pairs = [
+        (s, v)
+        for s, v in zip(rec["steps_logged"], rec["curves"][metric], strict=True)
+        if v is not None
+    ]
+    if len(pairs) < 2:
+        return None
+    s, v = zip(*pairs, strict=True)
+    return {"growth": growth(s, v, horizon), "start": start_level(v), "mean": float(np.mean(v))}
+
+
+def final_acc(rec: Mapping, steps: int = STEPS) -> float | None:
+    return next((a for s, a in rec["evals"] if s == steps), None)
+
+
+def _interval(xs: Sequence[float]) -> dict:
+    if len(xs) < 2:
+        return {"n": len(xs), "mean": float(np.mean(xs)) if xs else None, "lo": None, "hi": None}
+    m, lo, hi = t_interval(xs, CONFIDENCE)
+    return {"n": len(xs), "mean": m, "lo": lo, "hi": hi, "values": list(map(float, xs))}
+
+
+# ------------------------------------------------------------------------------------------------
+# The rules: pure functions of the figures.
+# ------------------------------------------------------------------------------------------------
+def premise_status(rel: Mapping, complete: bool) -> str:
+    """The premise from the interval of the relative excess growth r_s (`_interval`)."""
+    if not complete or rel["lo"] is None:
+        return "incomplete"
+    if rel["lo"] > 0 and rel["mean"] >= MATERIAL_GROWTH:
+        return "the premise appears at this scale"
+    if rel["hi"] < MATERIAL_GROWTH:
+        return "the premise does not appear at this scale"
+    return "inconclusive"
+
+
+def method_status(rel: Mapping, rloo_mean: float, premise: str, complete: bool) -> str:
+    """A method at M3 from its own relative excess growth and RLOO M3's mean."""
+    if premise != "the premise appears at this scale":
+        if premise == "the premise does not appear at this scale":
+            return "nothing to remove (premise absent)"
+        return "not judged (premise " + premise + ")"
+    if not complete or rel["lo"] is None:
+        return "incomplete"
+    if rel["hi"] < MATERIAL_GROWTH:
+        return "removes the growth"
+    if rel["lo"] >= rloo_mean * (1 - REMOVED_SHARE):
+        return "does not remove it"
+    return "partly, unresolved"
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading the records and writing verdict.json.
+# ------------------------------------------------------------------------------------------------
+def load_units(out: str) -> dict[str, dict]:
+    base = os.path.join(out, "units")
+    units = {}
+    for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        if name.endswith(".json"):
+            with open(os.path.join(base, name)) as fh:
+                units[name[:-5]] = json.load(fh)
+    return units
+
+
+def verdict_from_units(
+    units: Mapping[str, dict], steps: int = STEPS, seeds: Sequence[int] = SEEDS
+) -> dict:
+    """Every rule's status and figures from the run records (`steps`, `seeds`: the registered
+    sizes; the smoke passes its own)."""
+    done = {
+        (u["arm"], u["seed"]): u
+        for u in units.values()
+        if u["steps"] >= steps and u["seed"] in seeds
+    }
+    out = {"complete_runs": sorted(f"{a}_s{s}" for a, s in done), "metrics": {}}
+    for metric in (PRIMARY, SECONDARY):
+        fig = {k: run_figures(u, metric, steps) for k, u in done.items()}
+        both = [s for s in seeds if fig.get(("rloo_M3", s)) and fig.get(("rloo_fp32", s))]
+        m0 = abs(np.mean([fig["rloo_M3", s]["start"] for s in both])) if both else None
+        rel = lambda arm, m0=m0, fig=fig: [  # noqa: E731
+            (fig[arm, s]["growth"] - fig["rloo_fp32", s]["growth"]) / m0
+            for s in seeds
+            if fig.get((arm, s)) and fig.get(("rloo_fp32", s)) and m0
+        ]
+        r_rloo = _interval(rel("rloo_M3"))
+        premise = premise_status(r_rloo, len(both) == len(seeds))
+        entry = {
+            "start_level_rloo_M3": m0,
+            "growth_per_run": {f"{a}_s{s}": f["growth"] for (a, s), f in fig.items() if f},
+            "start_per_run": {f"{a}_s{s}": f["start"] for (a, s), f in fig.items() if f},
+            "relative_excess_growth_rloo_M3": r_rloo,
+            "premise": premise,
+            "methods": {},
+        }
+        for arm in METHOD_ARMS:
+            r = _interval(rel(arm))
+            full = r["n"] == len(seeds)
+            entry["methods"][arm] = {
+                "relative_excess_growth": r,
+                "share_removed": 1 - r["mean"] / r_rloo["mean"]
+                if r["mean"] is not None and r_rloo["mean"]
+                else None,
+                "status": method_status(r, r_rloo["mean"] or 0.0, premise, full),
+            }
+        out["metrics"][metric] = entry
+    acc = {k: final_acc(u, steps) for k, u in done.items()}
+    paired = lambda a, b: [  # noqa: E731
+        acc[a, s] - acc[b, s]
+        for s in seeds
+        if acc.get((a, s)) is not None and acc.get((b, s)) is not None
+    ]
+    out["heldout"] = {
+        "final_acc": {f"{a}_s{s}": v for (a, s), v in acc.items()},
+        "drop_rloo_M3_vs_fp32": _interval(paired("rloo_fp32", "rloo_M3")),
+        "gain_vs_rloo_M3": {arm: _interval(paired(arm, "rloo_M3")) for arm in METHOD_ARMS},
+    }
+    out["premise"] = out["metrics"][PRIMARY]["premise"]
+    out["methods"] = {a: out["metrics"][PRIMARY]["methods"][a]["status"] for a in METHOD_ARMS}
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="experiments/results/e006", help="the e006 results folder")
+    p.add_argument("--smoke", action="store_true", help="the smoke's sizes (2 steps, seed 0)")
+    args = p.parse_args(argv)
+    units = load_units(args.out)
+    kw = dict(steps=2, seeds=(0,)) if args.smoke else {}
+    result = verdict_from_units(units, **kw)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "verdict.json"), "w") as fh:
+        json.dump(result, fh, indent=1)
+    print(json.dumps({"premise": result["premise"], "methods": result["methods"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

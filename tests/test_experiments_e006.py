@@ -1,0 +1,103 @@
+"""e006 (experiments/e006_verdict.py, e006_plots.py): each pre-registered outcome on synthetic
+run records, and the plots on partial data. The runs themselves: `e006_premise --smoke`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from experiments import e006_verdict as v
+
+
+def _rec(arm, seed, start, growth, acc=(0.15, 0.2), steps=v.STEPS, noise=0.0):
+    """A run whose primary and secondary series rise linearly by `growth` over STEPS steps."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(1, steps + 1)
+    y = start + growth * t / v.STEPS + noise * rng.standard_normal(steps)
+    curves = {k: [None] * steps for k in ("reward_mean",)}
+    curves |= {v.PRIMARY: y.tolist(), v.SECONDARY: (2 * y).tolist()}
+    return {
+        "run": f"{arm}_s{seed}",
+        "arm": arm,
+        "seed": seed,
+        "steps": steps,
+        "steps_logged": t.tolist(),
+        "curves": curves,
+        "evals": [[0, acc[0]], [steps, acc[1]]],
+    }
+
+
+def _units(growth_m3, growth_methods=None, acc_m3=0.2):
+    units = {}
+    for s in v.SEEDS:
+        g = growth_m3[s] if isinstance(growth_m3, list | tuple) else growth_m3
+        units[f"rloo_fp32_s{s}"] = _rec("rloo_fp32", s, 1e-8, 0.0)
+        units[f"rloo_M3_s{s}"] = _rec("rloo_M3", s, 4e-4, g, acc=(0.15, acc_m3))
+        for arm, gm in (growth_methods or {}).items():
+            units[f"{arm}_s{s}"] = _rec(arm, s, 4e-4, gm)
+    return units
+
+
+def test_premise_appears_when_growth_is_material_in_every_seed():
+    res = v.verdict_from_units(_units([2e-4, 2.2e-4, 1.8e-4], {"dvp_M3": 0.0, "mis_dvp_M3": 2e-4}))
+    assert res["premise"] == "the premise appears at this scale"
+    rel = res["metrics"][v.PRIMARY]["relative_excess_growth_rloo_M3"]
+    # 2e-4 over the start level, the mean of steps 1..10: 4e-4 + 2e-4 x 5.5 / 100
+    assert rel["mean"] == pytest.approx(2e-4 / (4e-4 + 2e-4 * 0.055), rel=1e-6)
+    assert res["methods"]["dvp_M3"] == "removes the growth"
+    assert res["methods"]["mis_dvp_M3"] == "does not remove it"
+    assert res["methods"]["icepop_M3"] == "incomplete"  # no records
+
+
+def test_null_outcome_when_the_growth_bound_is_small():
+    res = v.verdict_from_units(_units([1e-5, -1e-5, 2e-5], {"dvp_M3": 0.0}))
+    assert res["premise"] == "the premise does not appear at this scale"
+    assert res["methods"]["dvp_M3"] == "nothing to remove (premise absent)"
+    drop = res["heldout"]["drop_rloo_M3_vs_fp32"]
+    assert drop["mean"] == pytest.approx(0.0) and drop["n"] == 3
+
+
+def test_inconclusive_when_the_interval_straddles_the_threshold_and_incomplete_runs():
+    res = v.verdict_from_units(_units([2e-4, -1e-4, 1e-4]))
+    assert res["premise"] == "inconclusive"
+    units = _units([2e-4, 2e-4, 2e-4])
+    units["rloo_M3_s2"] = _rec("rloo_M3", 2, 4e-4, 2e-4, steps=50)  # half a run: not read
+    res = v.verdict_from_units(units)
+    assert res["premise"] == "incomplete" and "rloo_M3_s2" not in res["complete_runs"]
+
+
+def test_growth_is_the_least_squares_slope_times_the_horizon():
+    assert v.growth([1, 2, 3, 4], [1.0, 1.5, 2.0, 2.5], horizon=100) == pytest.approx(50.0)
+    assert v.start_level(list(range(20))) == pytest.approx(4.5)
+
+
+def test_plots_work_on_partial_data(tmp_path):
+    import json
+    import os
+
+    from experiments import e006_plots
+
+    units = _units([2e-4, 2e-4, 2e-4])
+    os.makedirs(tmp_path / "units")
+    for name, rec in list(units.items())[:3]:  # seed 0's fp32, seed 0's M3, seed 1's fp32
+        (tmp_path / "units" / f"{name}.json").write_text(json.dumps(rec))
+    e006_plots.plot_all(str(tmp_path))
+    assert (tmp_path / "e006_mismatch.png").stat().st_size > 0
+
+
+def test_run_record_keeps_earlier_segment_evaluations_and_one_row_per_step(tmp_path):
+    """A resumed segment rewrites metrics.jsonl from its checkpoint (earlier evaluation rows
+    gone, replayed steps logged again): the record keeps the previous evaluations and one row
+    per step."""
+    import json
+
+    from experiments.e006_premise import run_record
+
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 4}))
+    rows = [{"step": 0, "eval_accuracy": 0.1}]
+    rows += [{"step": s, "loss": 0.0, v.PRIMARY: s * 1e-4} for s in (1, 2, 3, 3, 4)]
+    rows += [{"step": 4, "eval_accuracy": 0.3}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rec = run_record(str(tmp_path), "rloo_M3", 0, [1.0, 2.0], evals_before=[[0, 0.1], [2, 0.2]])
+    assert rec["evals"] == [[0, 0.1], [2, 0.2], [4, 0.3]]
+    assert rec["steps_logged"] == [1, 2, 3, 4] and rec["curves"][v.PRIMARY][-1] == 4e-4
