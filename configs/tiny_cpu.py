@@ -2,13 +2,13 @@
 
 Command:
   python -m dvp_jax.main --config configs/tiny_cpu.py --workdir /tmp/dvp_tiny
-  (or `make demo`). Method: `--config.method=rloo|tis|mis|dvp|mis_dvp`, or the config argument
+  (or `make demo`). Method: `--config.method=rloo|tis|mis|dvp|mis_dvp|icepop|geo_rs|k3_rs`, or the config argument
   `--config configs/tiny_cpu.py:mis_dvp`.
 Hardware: 2 CPU cores, no accelerator.
-Expected: the 600-step supervised warm-up takes the random model to 10-54% held-out avg@4 on
+Expected: the 600-step supervised warm-up takes the random model to 10-51% held-out avg@4 on
   2-operand +/- problems (operands 0..49), depending on the seed; 250 DVP-RLOO steps with bf16
-  rollouts add +1 to +22 points (seed 0 on the 2-core development machine: 22.9% -> 33.4%, PPL
-  gap 0.017, wall_time_s 109; five seeds in README "Quick start").
+  rollouts add 0 to +22 points (seed 0 with `make install`'s lock on a 2-core Intel Xeon:
+  12.3% -> 16.0%, PPL gap 0.020, wall_time_s 79; five seeds in README "Quick start").
 """
 
 from dvp_jax.train.config import default_config
