@@ -109,12 +109,12 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 none = "None or " if allow_none else ""
                 raise ValueError(f"{where}.{name} must be {none}an int >= 1, got {value!r}")
+        numbers = ("temperature", "log_rho", "noise_std", "noise_tail_gap")
+        for name in numbers:
+            if get(name) is None:  # the sampler's check reads None as "not held here"
+                raise ValueError(f"{where}.{name} must be a number, got None")
         sampling.check_sampling_values(
-            *[
-                None if get(n) is missing else get(n)
-                for n in ("temperature", "log_rho", "noise_std", "noise_tail_gap")
-            ],
-            owner=where,
+            *[None if get(n) is missing else get(n) for n in numbers], owner=where
         )
 
     @staticmethod
