@@ -259,21 +259,25 @@ def main(argv):
         # --- Hugging Face transformers (PyTorch: CPU float32, or CUDA bfloat16). ---
         hf = Qwen3ForCausalLM.from_pretrained(path, torch_dtype=hf_dtype).to(hf_device).eval()
         input_ids = torch.tensor(prompts, device=hf_device)
+        # Our engine's sampling rule (temperature 1, min-p at LOG_RHO), m new tokens at most.
+        sample = dict(
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            min_p=math.exp(LOG_RHO),
+            max_new_tokens=m,
+            pad_token_id=0,
+        )
 
         def run_hf():
             with torch.no_grad():
                 out = hf.generate(
                     input_ids,
                     attention_mask=torch.ones_like(input_ids),
-                    do_sample=True,
-                    temperature=1.0,
-                    top_k=0,
-                    top_p=1.0,
-                    min_p=math.exp(LOG_RHO),
-                    max_new_tokens=m,
                     min_new_tokens=m,
                     num_return_sequences=g,
-                    pad_token_id=0,
+                    **sample,
                 )
             if cuda:
                 torch.cuda.synchronize()
@@ -289,16 +293,7 @@ def main(argv):
                     for length in sorted({len(r) for r in rows}):
                         ids = torch.tensor([r for r in rows if len(r) == length], device=hf_device)
                         out = hf.generate(
-                            ids,
-                            attention_mask=torch.ones_like(ids),
-                            do_sample=True,
-                            temperature=1.0,
-                            top_k=0,
-                            top_p=1.0,
-                            min_p=math.exp(LOG_RHO),
-                            max_new_tokens=m,
-                            eos_token_id=stop,
-                            pad_token_id=0,
+                            ids, attention_mask=torch.ones_like(ids), eos_token_id=stop, **sample
                         )[:, length:]
                         ended = torch.isin(out, torch.tensor(stop, device=out.device))
                         # Tokens up to and including the first stop token, else all m.

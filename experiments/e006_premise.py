@@ -37,6 +37,7 @@ import time
 
 from dvp_jax.launch import local
 from dvp_jax.launch import sweep as sweeps
+from experiments import e005_setup
 from experiments import e006_verdict as rules
 
 CONFIG = "configs/e004_running_sum.py"
@@ -70,12 +71,7 @@ SMOKE = {  # CI sizes: a random model, 2 RL steps, 2 prompts x 2 responses of <=
     "eval.dtype": "",
     "checkpoint.every": 0,
     "plots": False,
-    "model.d_model": 32,
-    "model.head_dim": 8,
-    "model.d_ff": 64,
-    "data.running_sum.min_response_len": 14,
-    "data.running_sum.max_response_len": 16,
-    "rollout.max_decode_length": 17,
+    **e005_setup.SMOKE,  # e005's CI model and response sizes
 }
 # The per-step series each run record keeps (declared trainer metrics, dvp_jax/metrics.py).
 CURVES = (
