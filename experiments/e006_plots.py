@@ -64,7 +64,9 @@ def plot_mismatch(units: dict, path: str) -> None:
     ax.set(title="held-out avg@16 (fp32 engine)", xlabel="RL step", ylabel="accuracy")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    tmp = f"{path}.{os.getpid()}.tmp.png"  # whole or not at all, lanes side by side
+    fig.savefig(tmp, dpi=80)
+    os.replace(tmp, path)
     plt.close(fig)
 
 

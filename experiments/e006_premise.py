@@ -20,8 +20,9 @@ responses of the per-response mean); held-out avg@16 (39 problems x `EVAL_K`, an
 at steps 0 and at each segment's end. After each unit, results/e006/units/<run>.json (the
 curves) and results/e006/verdict.json (the rules) are rewritten.
 
-Commands (repository root; one unit at a time, resumable: what is done is skipped):
-  python -m experiments.e006_premise --root /tmp/e006/root [--max_units N] [--status]
+Commands (repository root; one unit at a time, resumable: what is done is skipped; `--lane i/n`
+runs only every n-th run from the i-th, so n processes can share the units):
+  python -m experiments.e006_premise --root /tmp/e006/root [--max_units N] [--status] [--lane i/n]
   python -m experiments.e006_premise --smoke --root /tmp/e006_smoke   (CI sizes, random init)
 Device tier: experiments/e006_device.py (the same arms at a size where the tail exists).
 Hardware and times: experiments/README.md, e006.
@@ -102,6 +103,19 @@ def unit_order(seeds=SEEDS, steps: int = STEPS, unit_steps: int = UNIT_STEPS):
             for arm in group:
                 order += [(arm, s, e) for e in ends]
     return order
+
+
+def lane_runs(lane: str, seeds=SEEDS) -> set[str]:
+    """The runs of lane "i/n": every n-th run of the fixed run order from the i-th, so n
+    processes (one per core) share the units without two ever touching the same run."""
+    try:
+        i, n = (int(x) for x in lane.split("/"))
+        if not 0 <= i < n:
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"--lane: {lane!r} is not i/n with 0 <= i < n (e.g. 0/2)") from None
+    runs = list(dict.fromkeys(run_name(a, s) for a, s, _ in unit_order(seeds)))
+    return set(runs[i::n])
 
 
 def arm_overrides(arm: str, seed: int, steps: int, init_hf: str, smoke: bool = False) -> dict:
@@ -214,15 +228,22 @@ def main(argv=None) -> int:
     p.add_argument("--init_hf", default=WARM_START, help="the warm start's hf_export")
     p.add_argument("--max_units", type=int, default=0, help="stop after this many (0: all)")
     p.add_argument("--status", action="store_true", help="print which units are missing")
+    p.add_argument(
+        "--lane", default="", help="i/n: only every n-th run from the i-th (n processes)"
+    )
     p.add_argument("--smoke", action="store_true", help="CI sizes on a random init")
     args = p.parse_args(argv)
     if args.smoke:
         order, init_hf = [("icepop_M3", 0, 2)], ""
     else:
         order, init_hf = unit_order(), args.init_hf
+    if args.lane and not args.smoke:
+        mine = lane_runs(args.lane)
+        order = [(a, s, e) for a, s, e in order if run_name(a, s) in mine]
     todo = [(a, s, e) for a, s, e in order if reached(args.root, a, s) < e]
     if args.status:
-        print(f"e006: {len(order) - len(todo)} of {len(order)} units done; next: {todo[:3]}")
+        lane = f" (lane {args.lane})" if args.lane else ""
+        print(f"e006{lane}: {len(order) - len(todo)} of {len(order)} units done; next: {todo[:3]}")
         return 0
     for i, (arm, seed, end) in enumerate(todo):
         if args.max_units and i >= args.max_units:

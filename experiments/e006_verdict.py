@@ -216,8 +216,10 @@ def main(argv=None) -> int:
     kw = dict(steps=2, seeds=(0,)) if args.smoke else {}
     result = verdict_from_units(units, **kw)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "verdict.json"), "w") as fh:
+    path = os.path.join(args.out, "verdict.json")
+    with open(f"{path}.{os.getpid()}.tmp", "w") as fh:  # whole or not at all, lanes side by side
         json.dump(result, fh, indent=1)
+    os.replace(f"{path}.{os.getpid()}.tmp", path)
     print(json.dumps({"premise": result["premise"], "methods": result["methods"]}))
     return 0
 

@@ -101,3 +101,18 @@ def test_run_record_keeps_earlier_segment_evaluations_and_one_row_per_step(tmp_p
     rec = run_record(str(tmp_path), "rloo_M3", 0, [1.0, 2.0], evals_before=[[0, 0.1], [2, 0.2]])
     assert rec["evals"] == [[0, 0.1], [2, 0.2], [4, 0.3]]
     assert rec["steps_logged"] == [1, 2, 3, 4] and rec["curves"][v.PRIMARY][-1] == 4e-4
+
+
+def test_lanes_split_the_runs_without_sharing_one():
+    from experiments import e006_premise as p
+
+    runs = {p.run_name(a, s) for a, s, _ in p.unit_order()}
+    for n in (1, 2, 3):
+        lanes = [p.lane_runs(f"{i}/{n}") for i in range(n)]
+        assert set().union(*lanes) == runs
+        assert sum(len(x) for x in lanes) == len(runs)  # disjoint
+    # The premise runs alternate between two lanes, so both start on the premise.
+    assert {"rloo_fp32_s2", "rloo_M3_s2"} & p.lane_runs("0/2") == {"rloo_fp32_s2"}
+    for bad in ("2/2", "x", "1/0", "-1/2"):
+        with pytest.raises(SystemExit, match="--lane"):
+            p.lane_runs(bad)
