@@ -1,5 +1,6 @@
 """e006's figures from results/e006/units: the per-step mismatch of each arm (seeds faint, the
-mean over the seeds present bold) and held-out accuracy per arm. Works on partial data: an arm
+mean over the seeds present bold) and held-out accuracy per arm; and verdict.md, the tables the
+READMEs quote, rendered from verdict.json (never typed by hand). Works on partial data: an arm
 with no record is left out, a mean is over the runs (and steps) that exist.
 
 Command (from the repository root): python -m experiments.e006_plots --out experiments/results/e006
@@ -8,13 +9,14 @@ Command (from the repository root): python -m experiments.e006_plots --out exper
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
 import numpy as np
 
 from experiments import e006_verdict as rules
-from experiments.analyze import pyplot
+from experiments.analyze import markdown_table, pyplot
 
 COLORS = {
     "rloo_fp32": "tab:gray",
@@ -70,10 +72,85 @@ def plot_mismatch(units: dict, path: str) -> None:
     plt.close(fig)
 
 
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def _ci(iv: dict) -> str:
+    """An `e006_verdict._interval` as "mean [lo, hi] (n)"; "-" before any seed."""
+    if iv["mean"] is None:
+        return "-"
+    if iv["lo"] is None:
+        return f"{_num(iv['mean'])} (n = {iv['n']})"
+    return f"{_num(iv['mean'])} [{_num(iv['lo'])}, {_num(iv['hi'])}] (n = {iv['n']})"
+
+
+def tables(verdict: dict) -> str:
+    """verdict.json as markdown: the premise per metric, each method, held-out accuracy."""
+    seeds = rules.SEEDS
+    md = [f"Complete runs ({rules.STEPS} steps): {', '.join(verdict['complete_runs']) or 'none'}."]
+    md.append("\n**Premise**: r_s = (G(RLOO M3) - G(RLOO fp32)) / |m0(RLOO M3)|, 95% t interval.\n")
+    rows = []
+    for metric, e in verdict["metrics"].items():
+        g = e["growth_per_run"]
+        per_seed = lambda arm, g=g: ", ".join(_num(g.get(f"{arm}_s{s}")) for s in seeds)  # noqa: E731
+        rows.append(
+            [
+                f"`{metric}`",
+                _num(e["start_level_rloo_M3"]),
+                per_seed("rloo_M3"),
+                per_seed("rloo_fp32"),
+                _ci(e["relative_excess_growth_rloo_M3"]),
+                e["premise"],
+            ]
+        )
+    header = [
+        "metric",
+        "m0 (RLOO M3)",
+        "G, RLOO M3 (seeds " + ", ".join(map(str, seeds)) + ")",
+        "G, RLOO fp32",
+        "r_s",
+        "outcome",
+    ]
+    md.append(markdown_table(header, rows))
+    heldout = verdict["heldout"]
+    md.append(
+        "\n**Methods** at M3 (r over the same m0; held-out gain at the last step, "
+        "paired by seed):\n"
+    )
+    rows = []
+    for metric, e in verdict["metrics"].items():
+        for arm, m in e["methods"].items():
+            gain = _ci(heldout["gain_vs_rloo_M3"][arm]) if metric == rules.PRIMARY else ""
+            share = _num(m["share_removed"])
+            rows.append(
+                [arm, f"`{metric}`", _ci(m["relative_excess_growth"]), share, gain, m["status"]]
+            )
+    header = ["arm", "metric", "r", "share removed", "held-out vs RLOO M3", "outcome"]
+    md.append(markdown_table(header, rows))
+    acc = heldout["final_acc"]
+    md.append(
+        f"\n**Held-out avg@16 at step {rules.STEPS}** (the drop of RLOO M3 against fp32, paired: "
+    )
+    md[-1] += f"{_ci(heldout['drop_rloo_M3_vs_fp32'])}; reported, not a gate):\n"
+    rows = [[arm] + [_num(acc.get(f"{arm}_s{s}")) for s in seeds] for arm in rules.ARMS]
+    md.append(markdown_table(["arm"] + [f"seed {s}" for s in seeds], rows))
+    return "\n".join(md) + "\n"
+
+
 def plot_all(out: str) -> None:
     units = rules.load_units(out)
     if units:
         plot_mismatch(units, os.path.join(out, "e006_mismatch.png"))
+    path = os.path.join(out, "verdict.json")
+    if os.path.exists(path):
+        with open(path) as fh:
+            text = tables(json.load(fh))
+        tmp = os.path.join(out, f"verdict.md.{os.getpid()}.tmp")
+        with open(tmp, "w") as fh:
+            fh.write("# e006 verdict (rendered from verdict.json by experiments/e006_plots.py)\n\n")
+            fh.write(text)
+        os.replace(tmp, os.path.join(out, "verdict.md"))
 
 
 def main(argv=None) -> int:

@@ -83,6 +83,27 @@ def test_plots_work_on_partial_data(tmp_path):
         (tmp_path / "units" / f"{name}.json").write_text(json.dumps(rec))
     e006_plots.plot_all(str(tmp_path))
     assert (tmp_path / "e006_mismatch.png").stat().st_size > 0
+    assert not (tmp_path / "verdict.md").exists()  # no verdict.json yet: no tables
+
+
+def test_tables_render_the_verdict_not_a_copy_of_it(tmp_path):
+    """verdict.md is rendered from verdict.json: the outcome strings and the interval of r_s
+    appear as the rules computed them, and a missing seed shows as "-"."""
+    import json
+
+    from experiments import e006_plots
+
+    units = _units([4e-4, 3e-4, 5e-4], {"dvp_M3": 1e-5, "mis_dvp_M3": 4e-4})
+    result = v.verdict_from_units(units)
+    (tmp_path / "verdict.json").write_text(json.dumps(result))
+    e006_plots.plot_all(str(tmp_path))
+    md = (tmp_path / "verdict.md").read_text()
+    r = result["metrics"][v.PRIMARY]["relative_excess_growth_rloo_M3"]
+    assert result["premise"] == "the premise appears at this scale"
+    assert f"{r['mean']:.3g} [{r['lo']:.3g}, {r['hi']:.3g}] (n = 3)" in md
+    assert "| dvp_M3 | `full_kl_k1` |" in md and "removes the growth" in md
+    assert "does not remove it" in md  # mis_dvp keeps RLOO's growth
+    assert "| icepop_M3 | - | - | - |" in md  # no icepop record
 
 
 def test_run_record_keeps_earlier_segment_evaluations_and_one_row_per_step(tmp_path):
