@@ -160,3 +160,24 @@ def test_premise_smoke_trains_an_icepop_run_at_m3_into_its_own_folder(tmp_path, 
     assert "to step" not in capsys.readouterr().out
     with pytest.raises(SystemExit):
         p.main(["--smoke", "--root", str(tmp_path), "--out", p.OUT])
+
+
+def test_readme_quotes_the_committed_verdict():
+    """experiments/README.md's e006 tables are verdict.md's, which are rendered from the
+    committed verdict.json, which the rules give on the committed records: no figure is typed."""
+    import json
+    import os
+
+    from experiments import e006_plots
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    out = os.path.join(root, "experiments", "results", "e006")
+    result = v.verdict_from_units(v.load_units(out))
+    with open(os.path.join(out, "verdict.json")) as fh:
+        assert json.load(fh) == json.loads(json.dumps(result))
+    md = e006_plots.tables(result)
+    with open(os.path.join(out, "verdict.md")) as fh:
+        assert fh.read().endswith(md)
+    with open(os.path.join(root, "experiments", "README.md")) as fh:
+        readme = fh.read()
+    assert e006_plots.readme_block(readme, md) == readme
