@@ -12,13 +12,15 @@ so this module imports no verdict and the imports run one way (e005_verdict -> e
   tail token, so the rule could pass only if selection outweighed that shift. The quantity that
   isolates selection is sampled minus reference per bin.
 * 2b (accumulation): b = E_mu[log mu - log pi] = KL(mu || pi) >= 0 by construction, so its sign
-  re-tests 2a's; the slope rule reads RLOO's relative gradient bias, floored at 0 at T = 96 and
-  192 at every rung, the M4 positive control included: the test cannot see its own control.
+  re-tests 2a's; the slope rule reads RLOO's relative gradient bias, floored at 0 at two of the
+  three T at every rung (which two: `floors_text`), the M4 positive control included: the test
+  cannot see its own control.
 * 3 (DVP): DVP changes only tokens outside the e^-13 safe set (their share of the sampled tokens
   and of RLOO's bias), so "DVP's bias < 0.5x RLOO's" is out of reach at any number of groups; the
-  gate (RLOO's interval above 0) used an interval that excluded 0 by construction
-  (experiments/e005_coverage.py); an interval centred on the corrected estimate has its lower
-  end <= 0 wherever the point estimate is floored at 0. The per-group sketches (grads/*.npz)
+  gate (RLOO's interval above 0) used an interval biased upward (at M3's noise ratios it
+  contained a zero bias in none of 400 simulated draws: experiments/e005_coverage.py); an
+  interval centred on the corrected estimate has its lower end <= 0 wherever the point estimate
+  is floored at 0. The per-group sketches (grads/*.npz)
   were not committed, so the corrected interval elsewhere needs the gradient units rerun.
 """
 
@@ -81,6 +83,21 @@ def accumulation(rules, claim: Mapping[str, dict], units: Mapping[str, dict]) ->
         ]
         out[r] = {"rloo_rel_bias_floored_at_T": floored, "mean_D_last_T_nats": float(s / n)}
     return out
+
+
+def floors_text(acc: Mapping[str, dict]) -> str:
+    """Where RLOO's relative bias is floored at 0, read from `accumulation`'s per-rung lists:
+    "at T = 96, 192 at M1, M2, M3, M4; at T = 48, 96 at bf16"."""
+    by: dict[tuple, list[str]] = {}
+    for r, a in acc.items():
+        by.setdefault(tuple(a["rloo_rel_bias_floored_at_T"]), []).append(r)
+    parts = [
+        f"at T = {', '.join(map(str, ts))} at {', '.join(rs)}"
+        if ts
+        else f"nowhere at {', '.join(rs)}"
+        for ts, rs in sorted(by.items(), key=lambda kv: -len(kv[1]))
+    ]
+    return "; ".join(parts)
 
 
 def dvp(rules, claim: Mapping[str, dict], units: Mapping[str, dict]) -> dict:
@@ -155,8 +172,9 @@ def reading(result: Mapping[str, dict], units: Mapping[str, dict], rules) -> dic
             "label": LABELS["2_accumulation"],
             "could_detect": "no: b = E_mu[log mu - log pi] = KL(mu || pi) >= 0 by construction, "
             "so sign(b) = sign(tail d) re-tests 2a; the slope rule reads RLOO's relative gradient "
-            "bias, floored at 0 at T = 96 and 192 at every rung, the M4 control included "
-            f"(E[D_192] = {m4.get('mean_D_last_T_nats', float('nan')):.0f} nats there)",
+            f"bias, floored at 0 {floors_text(acc)}: at two of the three T at every rung, the M4 "
+            f"control included (E[D_192] = {m4.get('mean_D_last_T_nats', float('nan')):.0f} nats "
+            "there), so no slope over T is read",
             "per_rung": acc,
         },
         "3": {
@@ -166,7 +184,8 @@ def reading(result: Mapping[str, dict], units: Mapping[str, dict], rules) -> dic
             f"{100 * min(outside):.3f}-{100 * max(outside):.3f}% of sampled tokens outside the "
             f"safe set, which carry {100 * min(share):.1f}-{100 * max(share):.1f}% of RLOO's "
             "gradient bias at T = 192 at M1-M3, so DVP < 0.5x RLOO's bias is out of reach at any "
-            "number of groups; the gate's interval excluded 0 by construction (coverage below); "
+            "number of groups; the gate's interval was biased upward (at M3's noise ratios it "
+            "contained a zero bias in 0 of 400 simulated draws: coverage below); "
             "centred on the corrected estimate, the gate is false at every rung whose point "
             "estimate is floored at 0, which is every real rung at T = 192",
             "per_rung": reach,

@@ -4,6 +4,7 @@ READMEs quote, rendered from verdict.json (never typed by hand). Works on partia
 with no record is left out, a mean is over the runs (and steps) that exist.
 
 Command (from the repository root): python -m experiments.e006_plots --out experiments/results/e006
+[--readme experiments/README.md] (and copy the tables into the README's e006 block)
 """
 
 from __future__ import annotations
@@ -153,11 +154,31 @@ def plot_all(out: str) -> None:
         os.replace(tmp, os.path.join(out, "verdict.md"))
 
 
+BEGIN, END = "<!-- e006 verdict.md: begin -->", "<!-- e006 verdict.md: end -->"
+
+
+def readme_block(readme: str, md: str) -> str:
+    """`readme` with the text between BEGIN and END replaced by `md` (verdict.md's tables)."""
+    head, sep, rest = readme.partition(BEGIN)
+    _, sep2, tail = rest.partition(END)
+    if not (sep and sep2):
+        raise SystemExit(f"the README has no {BEGIN} ... {END} block for e006's tables")
+    return f"{head}{BEGIN}\n{md}{END}{tail}"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="experiments/results/e006")
+    p.add_argument("--readme", default="", help="also copy verdict.md's tables into this README")
     args = p.parse_args(argv)
     plot_all(args.out)
+    if args.readme:
+        with open(os.path.join(args.out, "verdict.json")) as fh:
+            md = tables(json.load(fh))
+        with open(args.readme) as fh:
+            text = readme_block(fh.read(), md)
+        with open(args.readme, "w") as fh:
+            fh.write(text)
     return 0
 
 

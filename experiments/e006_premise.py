@@ -23,7 +23,8 @@ curves) and results/e006/verdict.json (the rules) are rewritten.
 Commands (repository root; one unit at a time, resumable: what is done is skipped; `--lane i/n`
 runs only every n-th run from the i-th, so n processes can share the units):
   python -m experiments.e006_premise --root /tmp/e006/root [--max_units N] [--status] [--lane i/n]
-  python -m experiments.e006_premise --smoke --root /tmp/e006_smoke   (CI sizes, random init)
+  python -m experiments.e006_premise --smoke --root /tmp/e006_smoke   (CI sizes, random init;
+      its records and verdict go to <root>/results, never to the committed results folder)
 Device tier: experiments/e006_device.py (the same arms at a size where the tail exists).
 Hardware and times: experiments/README.md, e006.
 """
@@ -224,7 +225,10 @@ def run_segment(root: str, out: str, arm: str, seed: int, end: int, init_hf: str
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--root", default="/tmp/e006/root", help="the runs' workdirs (not committed)")
-    p.add_argument("--out", default=OUT, help="results folder (units/, verdict.json, plots)")
+    p.add_argument(
+        "--out", default="", help=f"results folder (units/, verdict.json, plots); default {OUT}, "
+        "with --smoke <root>/results"
+    )  # fmt: skip
     p.add_argument("--init_hf", default=WARM_START, help="the warm start's hf_export")
     p.add_argument("--max_units", type=int, default=0, help="stop after this many (0: all)")
     p.add_argument("--status", action="store_true", help="print which units are missing")
@@ -234,8 +238,12 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="CI sizes on a random init")
     args = p.parse_args(argv)
     if args.smoke:
+        args.out = args.out or os.path.join(args.root, "results")
+        if os.path.abspath(args.out) == os.path.join(REPO, OUT):
+            p.error(f"--smoke writes a random model's records: give an --out other than {OUT}")
         order, init_hf = [("icepop_M3", 0, 2)], ""
     else:
+        args.out = args.out or OUT
         order, init_hf = unit_order(), args.init_hf
     if args.lane and not args.smoke:
         mine = lane_runs(args.lane)

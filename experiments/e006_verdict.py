@@ -23,7 +23,8 @@ Rules (pre-registered):
     - "the premise does not appear at this scale" (the null outcome, stated in advance) if the
       interval's upper end < MATERIAL_GROWTH: any growth is smaller than a quarter of the
       starting level over the run;
-    - "inconclusive" otherwise (the interval straddles the threshold), with its width.
+    - "inconclusive" otherwise (neither of the above: the interval reaches 0, or its mean is
+      below the threshold while its upper end is not), with its ends.
   Held-out accuracy: the drop of RLOO M3 against RLOO fp32 at step STEPS, paired by seed, mean and
   95% t interval; reported, not a gate (3 seeds resolve only a large drop).
 * Methods (DVP, MIS+DVP, IcePop at M3), judged only if the premise appears: per method the

@@ -223,3 +223,6 @@ def test_committed_verdict_follows_from_the_committed_records():
     with open(os.path.join(out, "verdict.json")) as fh:
         assert json.load(fh) == json.loads(json.dumps(result))
     assert result["reading"]["3"]["per_rung"]["M3"]["corrected_gate"] is False
+    # Where RLOO's bias is floored is read from the records, rung by rung (bf16 differs).
+    floors = result["reading"]["2_accumulation"]["could_detect"]
+    assert "T = 96, 192 at M1, M2, M3, M4" in floors and "T = 48, 96 at bf16" in floors

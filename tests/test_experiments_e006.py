@@ -1,5 +1,6 @@
 """e006 (experiments/e006_verdict.py, e006_plots.py): each pre-registered outcome on synthetic
-run records, and the plots on partial data. The runs themselves: `e006_premise --smoke`."""
+run records, and the plots on partial data; and the CPU tier's runner end to end at CI sizes
+(`e006_premise --smoke`: one IcePop run at M3, trained, resumed and recorded)."""
 
 from __future__ import annotations
 
@@ -137,3 +138,46 @@ def test_lanes_split_the_runs_without_sharing_one():
     for bad in ("2/2", "x", "1/0", "-1/2"):
         with pytest.raises(SystemExit, match="--lane"):
             p.lane_runs(bad)
+
+
+def test_premise_smoke_trains_an_icepop_run_at_m3_into_its_own_folder(tmp_path, capsys):
+    """The runner end to end at CI sizes (a random model, 2 RL steps): the record holds both
+    steps of the M3 mismatch (well above fp32's rounding level) and IcePop's masked fraction;
+    the verdict and plot go under --root, and the committed results folder is refused."""
+    import json
+
+    from experiments import e006_premise as p
+
+    assert p.main(["--smoke", "--root", str(tmp_path)]) == 0
+    rec = json.loads((tmp_path / "results" / "units" / "icepop_M3_s0.json").read_text())
+    assert rec["steps_logged"] == [1, 2] and rec["method"] == "icepop"
+    assert all(m > 1e-5 for m in rec["curves"][v.PRIMARY])  # M3's rounding, not fp32's ~1e-9
+    assert all(0.0 <= f <= 1.0 for f in rec["curves"]["frac_tokens_masked"])
+    assert [s for s, _ in rec["evals"]] == [0, 2]
+    assert json.loads((tmp_path / "results" / "verdict.json").read_text())["premise"]
+    assert "icepop_M3_s0 to step 2: ok" in capsys.readouterr().out
+    assert p.main(["--smoke", "--root", str(tmp_path)]) == 0  # done: nothing reruns
+    assert "to step" not in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        p.main(["--smoke", "--root", str(tmp_path), "--out", p.OUT])
+
+
+def test_readme_quotes_the_committed_verdict():
+    """experiments/README.md's e006 tables are verdict.md's, which are rendered from the
+    committed verdict.json, which the rules give on the committed records: no figure is typed."""
+    import json
+    import os
+
+    from experiments import e006_plots
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    out = os.path.join(root, "experiments", "results", "e006")
+    result = v.verdict_from_units(v.load_units(out))
+    with open(os.path.join(out, "verdict.json")) as fh:
+        assert json.load(fh) == json.loads(json.dumps(result))
+    md = e006_plots.tables(result)
+    with open(os.path.join(out, "verdict.md")) as fh:
+        assert fh.read().endswith(md)
+    with open(os.path.join(root, "experiments", "README.md")) as fh:
+        readme = fh.read()
+    assert e006_plots.readme_block(readme, md) == readme

@@ -255,3 +255,4 @@ def test_e006_sweeps_and_the_device_tier_smoke():
     assert out["units"] == 1 + len(rules.ARMS) * len(rules.SEEDS)
     assert 10e6 <= out["params"] <= 20e6 and out["vocab_size"] >= 32_000
     assert out["max_decode_length"] >= 1_000 and out["tail_log_ratio_last_rank"] < -13
+    assert 0.0 < out["data_mass_outside_safe"] < 0.01  # the tail exists, thin (the docstring)
