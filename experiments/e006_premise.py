@@ -199,6 +199,39 @@ def reached(root: str, arm: str, seed: int) -> int:
     return int(summary["steps"]) if summary else 0
 
 
+def recorded(out: str, arm: str, seed: int) -> int:
+    """The steps in the run's record under `out` (0 if none)."""
+    path = os.path.join(out, "units", f"{run_name(arm, seed)}.json")
+    if not os.path.exists(path):
+        return 0
+    with open(path) as fh:
+        return int(json.load(fh)["steps"])
+
+
+def pending(order, root: str, out: str) -> tuple[list, list[str]]:
+    """The units of `order` still to run, and one line per run that starts over.
+
+    A run is as far as its workdir (under `root`) reached. Its record (under `out`) is the result
+    and its workdir only resumes it, so a run whose workdir is gone counts as done if its record
+    is complete (reaches the run's last segment); a partial record without its workdir cannot be
+    resumed, so that run starts again from step 0 (and its record is rewritten from the rerun)."""
+    last = {}
+    for a, s, e in order:
+        last[(a, s)] = max(e, last.get((a, s), 0))
+    done, notes = {}, []
+    for (a, s), end in last.items():
+        done[(a, s)] = reached(root, a, s)
+        rec = recorded(out, a, s) if not done[(a, s)] else 0
+        if rec >= end:
+            done[(a, s)] = rec
+        elif rec:
+            notes.append(
+                f"[e006] {run_name(a, s)}: its record reaches step {rec} but its workdir under "
+                f"{root} is gone; rerunning it from step 0"
+            )
+    return [(a, s, e) for a, s, e in order if done[(a, s)] < e], notes
+
+
 def run_segment(root: str, out: str, arm: str, seed: int, end: int, init_hf: str, smoke=False):
     """Launches one segment (the run resumed to step `end`) and rewrites its record."""
     path = os.path.join(REPO, "experiments", f"{EXPERIMENT}.py")
@@ -210,7 +243,7 @@ def run_segment(root: str, out: str, arm: str, seed: int, end: int, init_hf: str
     workdir = os.path.join(os.path.abspath(root), EXPERIMENT, run_name(arm, seed))
     prev = os.path.join(out, "units", f"{run_name(arm, seed)}.json")
     seconds, evals = [], []
-    if os.path.exists(prev):
+    if os.path.exists(prev) and reached(root, arm, seed):  # a rerun from step 0 starts clean
         with open(prev) as fh:
             before = json.load(fh)
         seconds, evals = before.get("segment_seconds", []), before.get("evals", [])
@@ -248,7 +281,9 @@ def main(argv=None) -> int:
     if args.lane and not args.smoke:
         mine = lane_runs(args.lane)
         order = [(a, s, e) for a, s, e in order if run_name(a, s) in mine]
-    todo = [(a, s, e) for a, s, e in order if reached(args.root, a, s) < e]
+    todo, notes = pending(order, args.root, args.out)
+    for note in notes:
+        print(note, flush=True)
     if args.status:
         lane = f" (lane {args.lane})" if args.lane else ""
         print(f"e006{lane}: {len(order) - len(todo)} of {len(order)} units done; next: {todo[:3]}")

@@ -4,6 +4,8 @@ run records, and the plots on partial data; and the CPU tier's runner end to end
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -73,7 +75,6 @@ def test_growth_is_the_least_squares_slope_times_the_horizon():
 
 
 def test_plots_work_on_partial_data(tmp_path):
-    import json
     import os
 
     from experiments import e006_plots
@@ -90,8 +91,6 @@ def test_plots_work_on_partial_data(tmp_path):
 def test_tables_render_the_verdict_not_a_copy_of_it(tmp_path):
     """verdict.md is rendered from verdict.json: the outcome strings and the interval of r_s
     appear as the rules computed them, and a missing seed shows as "-"."""
-    import json
-
     from experiments import e006_plots
 
     units = _units([4e-4, 3e-4, 5e-4], {"dvp_M3": 1e-5, "mis_dvp_M3": 4e-4})
@@ -111,8 +110,6 @@ def test_run_record_keeps_earlier_segment_evaluations_and_one_row_per_step(tmp_p
     """A resumed segment rewrites metrics.jsonl from its checkpoint (earlier evaluation rows
     gone, replayed steps logged again): the record keeps the previous evaluations and one row
     per step."""
-    import json
-
     from experiments.e006_premise import run_record
 
     (tmp_path / "summary.json").write_text(json.dumps({"steps": 4}))
@@ -144,8 +141,6 @@ def test_premise_smoke_trains_an_icepop_run_at_m3_into_its_own_folder(tmp_path, 
     """The runner end to end at CI sizes (a random model, 2 RL steps): the record holds both
     steps of the M3 mismatch (well above fp32's rounding level) and IcePop's masked fraction;
     the verdict and plot go under --root, and the committed results folder is refused."""
-    import json
-
     from experiments import e006_premise as p
 
     assert p.main(["--smoke", "--root", str(tmp_path)]) == 0
@@ -165,7 +160,6 @@ def test_premise_smoke_trains_an_icepop_run_at_m3_into_its_own_folder(tmp_path, 
 def test_readme_quotes_the_committed_verdict():
     """experiments/README.md's e006 tables are verdict.md's, which are rendered from the
     committed verdict.json, which the rules give on the committed records: no figure is typed."""
-    import json
     import os
 
     from experiments import e006_plots
@@ -181,3 +175,23 @@ def test_readme_quotes_the_committed_verdict():
     with open(os.path.join(root, "experiments", "README.md")) as fh:
         readme = fh.read()
     assert e006_plots.readme_block(readme, md) == readme
+
+
+def test_a_complete_record_is_done_without_its_workdir_and_a_partial_one_starts_over(tmp_path):
+    from experiments import e006_premise as p
+
+    root, out = str(tmp_path / "root"), str(tmp_path / "out")
+    (tmp_path / "out" / "units").mkdir(parents=True)
+    for run, steps in (("rloo_M3_s0", p.STEPS), ("dvp_M3_s1", 3 * p.UNIT_STEPS)):
+        (tmp_path / "out" / "units" / f"{run}.json").write_text(json.dumps({"steps": steps}))
+    order = p.unit_order()
+    todo, notes = p.pending(order, root, out)
+    runs = [p.run_name(a, s) for a, s, _ in todo]
+    assert "rloo_M3_s0" not in runs  # its record is the result; the checkpoint only resumed it
+    per_run = [p.run_name(a, s) for a, s, _ in order].count("dvp_M3_s1")
+    assert runs.count("dvp_M3_s1") == per_run  # every segment again, from step 0
+    assert len(todo) == len(order) - per_run
+    assert notes == [
+        f"[e006] dvp_M3_s1: its record reaches step {3 * p.UNIT_STEPS} but its workdir under "
+        f"{root} is gone; rerunning it from step 0"
+    ]
