@@ -116,8 +116,8 @@ def tables(verdict: dict) -> str:
     md.append(markdown_table(header, rows))
     heldout = verdict["heldout"]
     md.append(
-        "\n**Methods** at M3 (r over the same m0; held-out gain at the last step, "
-        "paired by seed):\n"
+        f"\n**Methods** at M3 (r over the same m0; held-out avg@16 at step {rules.STEPS} minus "
+        "RLOO M3's, paired by seed):\n"
     )
     rows = []
     for metric, e in verdict["metrics"].items():
@@ -136,7 +136,40 @@ def tables(verdict: dict) -> str:
     md[-1] += f"{_ci(heldout['drop_rloo_M3_vs_fp32'])}; reported, not a gate):\n"
     rows = [[arm] + [_num(acc.get(f"{arm}_s{s}")) for s in seeds] for arm in rules.ARMS]
     md.append(markdown_table(["arm"] + [f"seed {s}" for s in seeds], rows))
+    if "reading" in verdict:  # verdict.json files written before the reading existed have none
+        md.append(reading_table(verdict["reading"], seeds))
     return "\n".join(md) + "\n"
+
+
+def reading_table(reading: dict, seeds) -> str:
+    """The figures beside the rules (`e006_verdict.reading`), marked as not pre-registered."""
+    md = [
+        "\n**Reading** (not pre-registered; added after the data, no outcome reads it): each "
+        "method against RLOO M3, paired by seed: its growth minus RLOO M3's over m0 (the share of "
+        "m0 it adds; negative = removes), and its held-out gain (step "
+        f"{rules.STEPS} minus step 0) minus RLOO M3's. The held-out prompts are sampled with each "
+        "arm's engine and min-p rule, so the arms start apart on the same weights (step 0 "
+        "below); the gain takes that offset out.\n"
+    ]
+    start = reading["start_acc"]
+    rows = [
+        [
+            arm,
+            _ci(reading["paired_growth_vs_rloo_M3"][arm]),
+            _ci(reading["heldout_gain_vs_rloo_M3"][arm]),
+            ", ".join(_num(start.get(f"{arm}_s{s}")) for s in seeds),
+        ]
+        for arm in reading["paired_growth_vs_rloo_M3"]
+    ]
+    rows.append(["rloo_M3", "", "", ", ".join(_num(start.get(f"rloo_M3_s{s}")) for s in seeds)])
+    header = [
+        "arm",
+        "(G - G(RLOO M3)) / m0",
+        "held-out gain - RLOO M3's",
+        "held-out at step 0 (seeds " + ", ".join(map(str, seeds)) + ")",
+    ]
+    md.append(markdown_table(header, rows))
+    return "\n".join(md)
 
 
 def plot_all(out: str) -> None:

@@ -69,6 +69,22 @@ def test_inconclusive_when_the_interval_straddles_the_threshold_and_incomplete_r
     assert res["premise"] == "incomplete" and "rloo_M3_s2" not in res["complete_runs"]
 
 
+def test_reading_pairs_each_method_with_rloo_by_seed_and_takes_out_the_start_offset():
+    units = _units([2e-4, 3e-4, 4e-4], {"dvp_M3": 1e-4})
+    for s in v.SEEDS:  # DVP evaluates 0.01 lower from the start and gains 0.02 more than RLOO
+        units[f"dvp_M3_s{s}"]["evals"] = [[0, 0.14], [v.STEPS, 0.21]]
+    res = v.verdict_from_units(units)
+    m0 = abs(res["metrics"][v.PRIMARY]["start_level_rloo_M3"])
+    growth = res["reading"]["paired_growth_vs_rloo_M3"]["dvp_M3"]
+    assert growth["values"] == pytest.approx([(1e-4 - g) / m0 for g in (2e-4, 3e-4, 4e-4)])
+    gain = res["reading"]["heldout_gain_vs_rloo_M3"]["dvp_M3"]
+    assert gain["mean"] == pytest.approx(0.02) and gain["n"] == 3
+    # The rule's step-100 difference carries the start offset the gain takes out.
+    assert res["heldout"]["gain_vs_rloo_M3"]["dvp_M3"]["mean"] == pytest.approx(0.01)
+    assert res["reading"]["start_acc"]["dvp_M3_s1"] == 0.14
+    assert res["reading"]["paired_growth_vs_rloo_M3"]["icepop_M3"]["n"] == 0
+
+
 def test_growth_is_the_least_squares_slope_times_the_horizon():
     assert v.growth([1, 2, 3, 4], [1.0, 1.5, 2.0, 2.5], horizon=100) == pytest.approx(50.0)
     assert v.start_level(list(range(20))) == pytest.approx(4.5)
@@ -104,6 +120,8 @@ def test_tables_render_the_verdict_not_a_copy_of_it(tmp_path):
     assert "| dvp_M3 | `full_kl_k1` |" in md and "removes the growth" in md
     assert "does not remove it" in md  # mis_dvp keeps RLOO's growth
     assert "| icepop_M3 | - | - | - |" in md  # no icepop record
+    g = result["reading"]["paired_growth_vs_rloo_M3"]["dvp_M3"]
+    assert f"| dvp_M3 | {g['mean']:.3g} [{g['lo']:.3g}, {g['hi']:.3g}] (n = 3) |" in md
 
 
 def test_run_record_keeps_earlier_segment_evaluations_and_one_row_per_step(tmp_path):
