@@ -147,9 +147,10 @@ def reading_table(reading: dict, seeds) -> str:
         "\n**Reading** (not pre-registered; added after the data, no outcome reads it): each "
         "method against RLOO M3, paired by seed: its growth minus RLOO M3's over m0 (the share of "
         "m0 it adds; negative = removes), and its held-out gain (step "
-        f"{rules.STEPS} minus step 0) minus RLOO M3's. The held-out prompts are sampled with each "
-        "arm's engine and min-p rule, so the arms start apart on the same weights (step 0 "
-        "below); the gain takes that offset out.\n"
+        f"{rules.STEPS} minus step 0) minus RLOO M3's. Every arm is evaluated on the fp32 "
+        "engine with its method's min-p rule (DVP and MIS+DVP sample inside the safe set), so "
+        "the pruning arms start apart from RLOO on the same weights (step 0 below); the gain "
+        "takes that offset out.\n"
     ]
     start = reading["start_acc"]
     rows = [

@@ -243,10 +243,14 @@ def run_segment(root: str, out: str, arm: str, seed: int, end: int, init_hf: str
     workdir = os.path.join(os.path.abspath(root), EXPERIMENT, run_name(arm, seed))
     prev = os.path.join(out, "units", f"{run_name(arm, seed)}.json")
     seconds, evals = [], []
-    if os.path.exists(prev) and reached(root, arm, seed):  # a rerun from step 0 starts clean
+    at = reached(root, arm, seed)  # 0: a rerun from step 0, which starts clean
+    if os.path.exists(prev) and at:
         with open(prev) as fh:
             before = json.load(fh)
-        seconds, evals = before.get("segment_seconds", []), before.get("evals", [])
+        # Only what the workdir being resumed holds: a record ahead of it (a rerun whose earlier
+        # segment died before rewriting the record) keeps its evaluations up to `at` and no times.
+        evals = [e for e in before.get("evals", []) if e[0] <= at]
+        seconds = before.get("segment_seconds", []) if before["steps"] <= at else []
     t0 = time.time()
     result = local.run_unit(exp, unit, workdir, None)
     rec = run_record(workdir, arm, seed, seconds + [round(time.time() - t0, 1)], evals)

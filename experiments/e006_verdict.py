@@ -205,43 +205,54 @@ def verdict_from_units(
     }
     out["premise"] = out["metrics"][PRIMARY]["premise"]
     out["methods"] = {a: out["metrics"][PRIMARY]["methods"][a]["status"] for a in METHOD_ARMS}
-    out["reading"] = reading(done, steps, seeds)
+    m0 = out["metrics"][PRIMARY]["start_level_rloo_M3"]
+    out["reading"] = reading(units, done, m0, steps, seeds)
     return out
 
 
-def reading(done: Mapping[tuple[str, int], dict], steps: int, seeds: Sequence[int]) -> dict:
+def reading(
+    units: Mapping[str, dict],
+    done: Mapping[tuple[str, int], dict],
+    m0: float | None,
+    steps: int,
+    seeds: Sequence[int],
+) -> dict:
     """Figures beside the rules, added after the data (not pre-registered; no outcome reads them).
 
-    * paired_growth_vs_rloo_M3: per method, (G(method, s) - G(RLOO M3, s)) / |m0(RLOO M3)| by
-      seed (primary metric): the growth a method removes, paired on the seed's data order and
-      start, where the rule's r compares each arm with fp32 separately.
+    * paired_growth_vs_rloo_M3: per method, (G(method, s) - G(RLOO M3, s)) / m0 by seed (primary
+      metric, m0 the rule's |m0(RLOO M3)|): the share of m0 the method adds to RLOO M3's growth
+      (negative: it removes some), paired on the seed's data order and start, where the rule's
+      r compares each arm with fp32 separately.
     * heldout_gain_vs_rloo_M3: per method, the held-out gain (step `steps` minus step 0) minus
-      RLOO M3's, by seed. Held-out prompts are sampled with each arm's engine and its min-p rule,
-      so DVP and MIS+DVP start from another figure than RLOO on the same weights
-      (`start_acc`); the rule's step-`steps` difference carries that offset, the gain does not.
+      RLOO M3's, by seed. Every arm is evaluated on the fp32 engine with its method's min-p rule
+      (DVP and MIS+DVP sample inside the safe set; RLOO and IcePop do not), so the pruning arms
+      start from another figure than RLOO on the same weights (`start_acc`, every run that has
+      one); the rule's step-`steps` difference (`heldout.gain_vs_rloo_M3`) carries that offset,
+      the gain does not. Both read complete runs only.
     """
+    start_acc = {(u["arm"], u["seed"]): dict(map(tuple, u["evals"])).get(0) for u in units.values()}
+    gain = {}
+    for k, u in done.items():
+        a, b = start_acc.get(k), final_acc(u, steps)
+        if a is not None and b is not None:
+            gain[k] = b - a
     fig = {k: run_figures(u, PRIMARY, steps) for k, u in done.items()}
-    starts = [fig["rloo_M3", s]["start"] for s in seeds if fig.get(("rloo_M3", s))]
-    m0 = abs(float(np.mean(starts))) if starts else None
-    start_acc = {k: dict(map(tuple, u["evals"])).get(0) for k, u in done.items()}
     growth_diff, gain_diff = {}, {}
     for arm in METHOD_ARMS:
-        growth_diff[arm], gain_diff[arm] = [], []
-        for s in seeds:
-            run, ref = (arm, s), ("rloo_M3", s)
-            if not (fig.get(run) and fig.get(ref)):
-                continue
-            if m0:
-                growth_diff[arm].append((fig[run]["growth"] - fig[ref]["growth"]) / m0)
-            accs = (start_acc[run], final_acc(done[run], steps))
-            accs += (start_acc[ref], final_acc(done[ref], steps))
-            if None not in accs:
-                gain_diff[arm].append((accs[1] - accs[0]) - (accs[3] - accs[2]))
+        pairs = [((arm, s), ("rloo_M3", s)) for s in seeds]
+        growth_diff[arm] = [
+            (fig[run]["growth"] - fig[ref]["growth"]) / m0
+            for run, ref in pairs
+            if m0 and fig.get(run) and fig.get(ref)
+        ]
+        gain_diff[arm] = [
+            gain[run] - gain[ref] for run, ref in pairs if run in gain and ref in gain
+        ]
     return {
         "note": "not pre-registered: figures beside the rules, added after the data",
         "paired_growth_vs_rloo_M3": {a: _interval(growth_diff[a]) for a in METHOD_ARMS},
         "heldout_gain_vs_rloo_M3": {a: _interval(gain_diff[a]) for a in METHOD_ARMS},
-        "start_acc": {f"{a}_s{s}": v for (a, s), v in start_acc.items()},
+        "start_acc": {f"{a}_s{s}": v for (a, s), v in sorted(start_acc.items())},
     }
 
 

@@ -71,17 +71,20 @@ def test_inconclusive_when_the_interval_straddles_the_threshold_and_incomplete_r
 
 def test_reading_pairs_each_method_with_rloo_by_seed_and_takes_out_the_start_offset():
     units = _units([2e-4, 3e-4, 4e-4], {"dvp_M3": 1e-4})
-    for s in v.SEEDS:  # DVP evaluates 0.01 lower from the start and gains 0.02 more than RLOO
-        units[f"dvp_M3_s{s}"]["evals"] = [[0, 0.14], [v.STEPS, 0.21]]
+    for s in v.SEEDS:  # per seed: DVP starts 0.01 below RLOO and gains 0.01 x (s + 1) more
+        start = 0.1 + 0.02 * s
+        units[f"rloo_M3_s{s}"]["evals"] = [[0, start], [v.STEPS, start + 0.05]]
+        units[f"dvp_M3_s{s}"]["evals"] = [[0, start - 0.01], [v.STEPS, start + 0.05 + 0.01 * s]]
     res = v.verdict_from_units(units)
     m0 = abs(res["metrics"][v.PRIMARY]["start_level_rloo_M3"])
     growth = res["reading"]["paired_growth_vs_rloo_M3"]["dvp_M3"]
     assert growth["values"] == pytest.approx([(1e-4 - g) / m0 for g in (2e-4, 3e-4, 4e-4)])
     gain = res["reading"]["heldout_gain_vs_rloo_M3"]["dvp_M3"]
-    assert gain["mean"] == pytest.approx(0.02) and gain["n"] == 3
+    assert gain["values"] == pytest.approx([0.01, 0.02, 0.03]) and gain["n"] == 3
     # The rule's step-100 difference carries the start offset the gain takes out.
-    assert res["heldout"]["gain_vs_rloo_M3"]["dvp_M3"]["mean"] == pytest.approx(0.01)
-    assert res["reading"]["start_acc"]["dvp_M3_s1"] == 0.14
+    step100 = res["heldout"]["gain_vs_rloo_M3"]["dvp_M3"]
+    assert step100["values"] == pytest.approx([0.0, 0.01, 0.02])
+    assert res["reading"]["start_acc"]["dvp_M3_s1"] == pytest.approx(0.11)
     assert res["reading"]["paired_growth_vs_rloo_M3"]["icepop_M3"]["n"] == 0
 
 
@@ -213,3 +216,51 @@ def test_a_complete_record_is_done_without_its_workdir_and_a_partial_one_starts_
         f"[e006] dvp_M3_s1: its record reaches step {3 * p.UNIT_STEPS} but its workdir under "
         f"{root} is gone; rerunning it from step 0"
     ]
+
+
+def test_a_rerun_from_step_0_keeps_nothing_of_the_old_record_and_a_resume_keeps_its_own(
+    tmp_path, monkeypatch
+):
+    """run_segment's bookkeeping, with the launcher replaced by a stand-in that writes what a
+    segment writes (summary.json, metrics.jsonl rows; the real launch is the smoke test's)."""
+    import os
+    from types import SimpleNamespace
+
+    from experiments import e006_premise as p
+
+    root, out = tmp_path / "root", tmp_path / "out"
+    old = {"steps": 75, "evals": [[0, 0.1], [25, 0.2], [50, 0.3], [75, 0.4]]}
+    old["segment_seconds"] = [1.0, 2.0, 3.0]
+    (out / "units").mkdir(parents=True)
+    record = out / "units" / "rloo_M3_s0.json"
+    record.write_text(json.dumps(old))
+
+    def run_unit(exp, unit, workdir, timeout):
+        os.makedirs(workdir, exist_ok=True)
+        start = p.reached(str(root), "rloo_M3", 0)
+        rows = [{"step": 0, "eval_accuracy": 0.5}] if start == 0 else []
+        rows += [{"step": t, "loss": 0.0, v.PRIMARY: 1e-4} for t in range(start + 1, exp.end + 1)]
+        rows += [{"step": exp.end, "eval_accuracy": 0.5 + exp.end / 1000}]
+        with open(os.path.join(workdir, "metrics.jsonl"), "a") as fh:
+            fh.write("".join(json.dumps(r) + "\n" for r in rows))
+        with open(os.path.join(workdir, "summary.json"), "w") as fh:
+            json.dump({"steps": exp.end}, fh)
+        return SimpleNamespace(ok=True)
+
+    def load_experiment(path, sweep):
+        return SimpleNamespace(end=sweep["steps"], units=[SimpleNamespace(name="0_rloo_M3_s0")])
+
+    monkeypatch.setattr(p.sweeps, "load_experiment", load_experiment)
+    monkeypatch.setattr(p.local, "run_unit", run_unit)
+    # The workdir is gone: the rerun from step 0 takes no time or evaluation from the old record.
+    _, rec = p.run_segment(str(root), str(out), "rloo_M3", 0, 25, "")
+    assert rec["evals"] == [[0, 0.5], [25, 0.525]] and len(rec["segment_seconds"]) == 1
+    # Resuming keeps the record's own earlier segments.
+    _, rec = p.run_segment(str(root), str(out), "rloo_M3", 0, 50, "")
+    assert rec["evals"] == [[0, 0.5], [25, 0.525], [50, 0.55]] and len(rec["segment_seconds"]) == 2
+    # A record ahead of the workdir it resumes (a segment died before rewriting the record) gives
+    # up its later evaluations and its times.
+    record.write_text(json.dumps(old))
+    _, rec = p.run_segment(str(root), str(out), "rloo_M3", 0, 75, "")
+    assert [s for s, _ in rec["evals"]] == [0, 25, 50, 75] and rec["evals"][-1] == [75, 0.575]
+    assert len(rec["segment_seconds"]) == 1 and rec["steps_logged"] == list(range(1, 76))
