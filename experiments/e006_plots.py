@@ -16,6 +16,7 @@ import sys
 
 import numpy as np
 
+from dvp_jax.workdir import write_atomic
 from experiments import e006_verdict as rules
 from experiments.analyze import markdown_table, pyplot
 
@@ -173,19 +174,20 @@ def reading_table(reading: dict, seeds) -> str:
     return "\n".join(md)
 
 
-def plot_all(out: str) -> None:
+def plot_all(out: str) -> str | None:
+    """The plot from the records and verdict.md from verdict.json (both written whole); returns
+    verdict.md's tables, or None before there is a verdict.json."""
     units = rules.load_units(out)
     if units:
         plot_mismatch(units, os.path.join(out, "e006_mismatch.png"))
     path = os.path.join(out, "verdict.json")
-    if os.path.exists(path):
-        with open(path) as fh:
-            text = tables(json.load(fh))
-        tmp = os.path.join(out, f"verdict.md.{os.getpid()}.tmp")
-        with open(tmp, "w") as fh:
-            fh.write("# e006 verdict (rendered from verdict.json by experiments/e006_plots.py)\n\n")
-            fh.write(text)
-        os.replace(tmp, os.path.join(out, "verdict.md"))
+    if not os.path.exists(path):
+        return None
+    with open(path) as fh:
+        text = tables(json.load(fh))
+    head = "# e006 verdict (rendered from verdict.json by experiments/e006_plots.py)\n\n"
+    write_atomic(os.path.join(out, "verdict.md"), head + text)
+    return text
 
 
 BEGIN, END = "<!-- e006 verdict.md: begin -->", "<!-- e006 verdict.md: end -->"
@@ -205,14 +207,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="experiments/results/e006")
     p.add_argument("--readme", default="", help="also copy verdict.md's tables into this README")
     args = p.parse_args(argv)
-    plot_all(args.out)
+    md = plot_all(args.out)
     if args.readme:
-        with open(os.path.join(args.out, "verdict.json")) as fh:
-            md = tables(json.load(fh))
+        if md is None:
+            raise SystemExit(f"--readme: no {args.out}/verdict.json to render (run e006_verdict)")
         with open(args.readme) as fh:
-            text = readme_block(fh.read(), md)
-        with open(args.readme, "w") as fh:
-            fh.write(text)
+            write_atomic(args.readme, readme_block(fh.read(), md))
     return 0
 
 

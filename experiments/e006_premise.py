@@ -39,6 +39,7 @@ import time
 
 from dvp_jax.launch import local
 from dvp_jax.launch import sweep as sweeps
+from dvp_jax.workdir import write_atomic
 from experiments import e005_setup
 from experiments import e006_verdict as rules
 
@@ -186,10 +187,7 @@ def run_record(
 
 def write_record(out: str, rec: dict) -> None:
     os.makedirs(os.path.join(out, "units"), exist_ok=True)
-    path = os.path.join(out, "units", f"{rec['run']}.json")
-    with open(path + ".tmp", "w") as fh:  # a kill mid-write leaves the old record
-        json.dump(rec, fh, indent=1)
-    os.replace(path + ".tmp", path)
+    write_atomic(os.path.join(out, "units", f"{rec['run']}.json"), json.dumps(rec, indent=1))
 
 
 def reached(root: str, arm: str, seed: int) -> int:

@@ -50,6 +50,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from dvp_jax.workdir import write_atomic
 from experiments.stats import t_interval
 
 # ------------------------------------------------------------------------------------------------
@@ -265,10 +266,8 @@ def main(argv=None) -> int:
     kw = dict(steps=2, seeds=(0,)) if args.smoke else {}
     result = verdict_from_units(units, **kw)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "verdict.json")
-    with open(f"{path}.{os.getpid()}.tmp", "w") as fh:  # whole or not at all, lanes side by side
-        json.dump(result, fh, indent=1)
-    os.replace(f"{path}.{os.getpid()}.tmp", path)
+    # Whole or not at all: lanes side by side rewrite it.
+    write_atomic(os.path.join(args.out, "verdict.json"), json.dumps(result, indent=1))
     print(json.dumps({"premise": result["premise"], "methods": result["methods"]}))
     return 0
 
