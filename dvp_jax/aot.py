@@ -152,7 +152,7 @@ def engine_specs(
     import jax.numpy as jnp
 
     from dvp_jax.rollout.decode import raw_key_shape
-    from dvp_jax.rollout.offline import STEPS_PER_SYNC
+    from dvp_jax.rollout.scheduler import MIN_STEPS
     from dvp_jax.train.build import build_rollout
 
     hosts = len({d.process_index for d in devices})
@@ -186,17 +186,20 @@ def engine_specs(
     prefix = engine.abstract_prefix(rows, ec.buckets[-1])
     slots = engine.replicated_structs(jax.ShapeDtypeStruct((b,), jnp.int32))
     spec("engine/insert_batch", programs.insert, prefix, state, slots, slots, slots)
-    k = STEPS_PER_SYNC
+    # The dispatch size is traced (one program for every size): priced at the scheduler's
+    # smallest sized dispatch.
+    k = MIN_STEPS
+    steps = engine.replicated_structs(jax.ShapeDtypeStruct((), jnp.int32))
     flag = engine.replicated_structs(jax.ShapeDtypeStruct((), jnp.bool_))
     if ec.paged:  # one program whatever the lengths (the kernel); the XLA path: a page bucket
         spans = ec.page_buckets if all_buckets and engine.paged_impl == "xla" else [None]
         for pages in spans:
             span = engine.page_bucket(pages)
             name = f"engine/decode_loop[k={k},{engine.paged_impl},pages={span or 'own'}]"
-            spec(name, programs.loop, params, state, k, span, flag, while_trips=k)
+            spec(name, programs.loop, params, state, steps, span, flag, while_trips=k)
     for kv in [] if ec.paged else ec.kv_buckets if all_buckets else ec.kv_buckets[-1:]:
         name = f"engine/decode_loop[k={k},kv={kv}]"
-        spec(name, programs.loop, params, state, k, kv, flag, while_trips=k)
+        spec(name, programs.loop, params, state, steps, kv, flag, while_trips=k)
     # Weight sync: the trainer's params (on the trainer mesh) cast to the rollout dtype, on the
     # devices into the rollout layout when the engine is a tensor row of the trainer's mesh,
     # else cast in place and copied through the host (`weights.WeightSync`, decided once).
@@ -343,15 +346,14 @@ def update_cost_report(cfg, opts, results: list[Program], mixes) -> list[dict]:
 
 
 def rollout_cost_report(cfg, opts, mixes) -> list[dict]:
-    """Prints the rollout's cost at each step's real lengths, dense and paged
-    (`rollout/cost.py`), with bytes per chip from one host's abstract engine (its weights' and
+    """Prints the rollout's cost at each step's real lengths, dense, paged kernel and paged
+    XLA (`rollout/cost.py`, replaying the engine's scheduler), with bytes per chip from one host's abstract engine (its weights' and
     its cache's shardings), and returns them for the JSON line."""
     import jax
 
     from dvp_jax.model.paged import PAGED_AXES, paged_cache_shape
     from dvp_jax.rollout import cost
     from dvp_jax.rollout.engine import RolloutEngine
-    from dvp_jax.rollout.offline import STEPS_PER_SYNC
     from dvp_jax.sharding import MeshConfig, make_mesh
     from dvp_jax.train.build import engine_config
 
@@ -380,10 +382,7 @@ def rollout_cost_report(cfg, opts, mixes) -> list[dict]:
             prompts,
             responses,
             hosts=hosts,
-            slots=ec.max_concurrent_decodes,
-            steps_per_sync=STEPS_PER_SYNC,
-            kv_buckets=ec.kv_buckets,
-            page_size=ec.page_size,
+            config=ec,
             weight_bytes=weights,
             kv_bytes_per_position=kv_per_position,
             hbm_bytes_per_s=bandwidth,
@@ -401,17 +400,27 @@ def rollout_cost_report(cfg, opts, mixes) -> list[dict]:
 
 
 def step_lower_bound(update: list[dict], rollout: list[dict]) -> list[dict]:
-    """Prints and returns the whole step's lower bound at each length mix: today's (padded
-    update + dense rollout) and now (packed update + paged rollout)."""
+    """Prints and returns the whole step's lower bound at each length mix: the padded update
+    with the dense rollout, and the packed update with each paged rollout (the kernel on TPU,
+    the ragged XLA path elsewhere)."""
     out = []
     if not update or not rollout:
         return out
     print("\nwhole step (update at peak FLOPs + rollout at HBM bandwidth; a lower bound):")
     for u, r in zip(update, rollout, strict=True):
         padded, packed = (c["seconds_at_peak"] for c in u["layouts"])
-        dense, paged = (c["seconds"] for c in r["decodes"])
-        row = {"lengths": u["lengths"], "today_s": padded + dense, "now_s": packed + paged}
-        print(f"  {row['lengths']:<26} today {row['today_s']:>8,.0f} s -> {row['now_s']:>8,.0f} s")
+        dense, kernel, xla = (c["seconds"] for c in r["decodes"])
+        row = {
+            "lengths": u["lengths"],
+            "padded_dense_s": padded + dense,
+            "packed_kernel_s": packed + kernel,
+            "packed_xla_s": packed + xla,
+        }
+        print(
+            f"  {row['lengths']:<26} padded + dense {row['padded_dense_s']:>8,.0f} s, packed + "
+            f"paged kernel {row['packed_kernel_s']:>8,.0f} s, packed + paged XLA "
+            f"{row['packed_xla_s']:>8,.0f} s"
+        )
         out.append(row)
     return out
 

@@ -47,19 +47,13 @@ def master():
 
 
 def _rollouts(master, **kw):
-    """The engine, its rollouts, and how many dispatches ended with a slot preempted."""
+    """The engine, its rollouts, and how many responses the scheduler evicted for want of
+    pages (the device's own guard must never fire)."""
     engine = RolloutEngine(CFG, _config(**kw), params=nnx.state(master))
-    steps, preempted = engine.generate_steps, []
-
-    def counted(params, state, *args, **kwargs):
-        running = ~np.asarray(state.done)  # before the call donates the state
-        state = steps(params, state, *args, **kwargs)
-        if state.pages is not None:
-            preempted.append(bool(np.any(np.asarray(state.pages.preempted) & running)))
-        return state
-
-    engine.generate_steps = counted
-    return engine, generate_rollouts(engine, PROMPTS, 3, jax.random.key(1)), sum(preempted)
+    stats = []
+    batch = generate_rollouts(engine, PROMPTS, 3, jax.random.key(1), stats=stats)
+    assert stats[0].device_preemptions == 0
+    return engine, batch, stats[0].evictions
 
 
 def test_engine_config_checks_paged_fields_in_one_line():
@@ -94,7 +88,7 @@ def test_paged_rollouts_equal_dense_in_float32_with_slots_refilled_and_pages_reu
         master, dtype="float32", decode_attention="paged", kv_pages=7
     )
     assert engine.paged_impl == "xla"  # "paged" on CPU runs the ragged XLA path
-    assert preempted > 0  # responses found the pool empty and were decoded again
+    assert preempted > 0  # responses yielded their pages and were decoded again
     lengths = dense.response_lengths
     assert len(set(lengths.tolist())) > 2 and lengths.min() < 24  # finishes at different steps
     pages_needed = int(np.sum(-(-(dense.prompt_lengths + lengths) // 8)))

@@ -249,14 +249,20 @@ def test_aot_command_on_the_tiny_config_on_two_hosts_with_every_axis_split():
     # Sequences of 4 + ~2 tokens pack several to a row: fewer rows than responses.
     assert short["layouts"][1]["rows"] < short["layouts"][0]["rows"]
     assert "packed / padded FLOPs" in out.stdout
-    # The rollout at the same lengths, dense and paged (at these few-token lengths a 64-position
-    # page reads more than dense's smallest 32-position bucket), and the whole step's bound.
+    # The rollout at the same lengths, dense, paged kernel and paged XLA (at these few-token
+    # lengths a 64-position page reads more than dense's smallest 32-position bucket), and the
+    # whole step's bound.
     for mix in result["rollout_at_real_lengths"]:
-        dense, paged = mix["decodes"]
-        assert (dense["decode"], paged["decode"]) == ("dense (today)", "paged")
-        assert dense["steps"] == paged["steps"] > 0 and paged["kv_over_live"] >= 1
+        dense, kernel, xla = mix["decodes"]
+        assert (dense["decode"], kernel["decode"], xla["decode"]) == (
+            "dense",
+            "paged kernel",
+            "paged XLA",
+        )
+        assert min(dense["steps"], kernel["steps"], xla["steps"]) > 0
+        assert kernel["kv_over_live"] >= 1 and xla["kv_gb"] >= kernel["kv_gb"]
     assert len(result["step_lower_bound"]) == 2
-    assert "paged / dense bytes read" in out.stdout
+    assert "bytes/dense" in out.stdout
 
 
 @pytest.mark.parametrize(

@@ -2,89 +2,78 @@
 the time that takes at the chip's HBM bandwidth (a memory-bound lower bound).
 
 At the paper's size a decode step is memory-bound: every step reads the engine's weights once
-(the whole batch of slots shares that read) and the KV of what its attention covers. The two
+(the whole batch of slots shares that read) and the KV of what its attention covers. The
 decodes differ in the second:
 
-* dense (today, `decode_attention="dense"`): a dispatch of k steps attends over one length
-  bucket for all B slots (`EngineConfig.kv_buckets`, the smallest above every occupied slot's
-  position + k), so each step reads B x bucket positions, finished slots included;
-* paged: a slot reads its own live pages, ceil((pos + 1) / page_size) x page_size positions, and
-  a finished slot reads none.
+* dense (`decode_attention="dense"`): a dispatch attends over one length bucket for all B slots
+  (`EngineConfig.kv_buckets`), so each step reads B x bucket positions, finished slots included;
+* paged, the Pallas kernel (TPU, 16- and 32-bit caches): a slot reads its own live pages,
+  ceil((pos + 1) / page_size) x page_size positions, and a finished slot reads none;
+* paged, the ragged XLA path (GPUs, CPUs, every fp8-KV rollout, `"paged_xla"`): each step
+  gathers a static `page_buckets` count of pages (the smallest above the dispatch's live pages),
+  padding entries included.
 
-`schedule` replays what `offline.generate_rollouts` does with a host's responses (continuous
-batching: a dispatch ends after the step in which a slot finishes while prompts wait, and the
-slot is refilled) and counts the positions each decode reads. Bytes per position and per chip
-come from the engine's cache shardings, the weights' bytes per chip from its parameter
-shardings (`dvp_jax.aot`); the KV bytes are this block arithmetic, not the compiler's cost
-analysis, which cannot see inside the Pallas kernel and counts a while loop's body once. The
-time ignores compute, collectives, prefill and the host's work between dispatches: a lower
-bound. Hosts decode in parallel; the step waits for the slowest.
+`schedule` runs the engine's own scheduler (`scheduler.py`: admission, pages, evictions and
+dispatch sizing) against `scheduler.simulate`, a replay of the device loop over the host's
+response lengths, and counts the positions each decode step reads, so its decode steps are the
+engine's (a test compares them). Bytes per position and per chip come from the engine's cache
+shardings, the weights' bytes per chip from its parameter shardings (`dvp_jax.aot`); the KV bytes
+are this block arithmetic, not the compiler's cost analysis, which cannot see inside the Pallas
+kernel and counts a while loop's body once. The time ignores compute, collectives, prefill and
+the host's work between dispatches: a lower bound. Hosts decode in parallel; the step waits for
+the slowest.
 """
 
 from __future__ import annotations
 
-import bisect
-import collections
 import dataclasses
 
 import numpy as np
 
+from dvp_jax.rollout.scheduler import Limits, Scheduler, simulate
+from dvp_jax.rollout.state import EngineConfig
+
+# The decodes priced: (name, EngineConfig.decode_attention, the paged path).
+DECODES = (
+    ("dense", "dense", None),
+    ("paged kernel", "paged", "kernel"),
+    ("paged XLA", "paged_xla", "xla"),
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """One host's rollout: decode steps, and positions read over all of them (per slot)."""
+    """One host's rollout by one decode: decode steps, positions read and attended over all of
+    them (per slot), and the scheduler's evictions."""
 
     steps: int
-    dense_positions: float  # B x the dispatch's bucket, every step
-    paged_positions: float  # each active slot's whole live pages
+    positions: float  # KV positions read
     live_positions: float  # each active slot's positions attended (pos + 1)
+    evictions: int = 0
 
 
-def schedule(
-    prompt_lengths,
-    response_lengths,
-    *,
-    slots: int,
-    steps_per_sync: int,
-    kv_buckets: tuple[int, ...],
-    page_size: int,
-) -> Schedule:
-    """Replays continuous batching over one host's responses (the module docstring).
+def schedule(prompt_lengths, response_lengths, lim: Limits) -> Schedule:
+    """Replays one host's rollout through the scheduler (the module docstring).
 
     Args:
       prompt_lengths, response_lengths: `[n]` the host's sequences in the order they are
-        admitted (prompt-major, as `generate_rollouts` queues them).
-      slots: B, `max_concurrent_decodes`.
-      steps_per_sync: k, decode steps per dispatch.
-      kv_buckets: the dense decode's length buckets (`EngineConfig.kv_buckets`).
-      page_size: positions per page.
+        queued (prompt-major, as `generate_rollouts` queues them).
+      lim: the engine's limits (`scheduler.Limits.of`).
     """
-    prompts, responses = np.asarray(prompt_lengths), np.asarray(response_lengths)
-    pending = collections.deque(range(len(responses)))
-    pos = np.zeros((slots,), np.int64)
-    left = np.zeros((slots,), np.int64)  # tokens the slot's response still generates
-    occupied = np.zeros((slots,), bool)
-    steps, dense, paged, live = 0, 0.0, 0.0, 0.0
-    while pending or occupied.any():
-        for s in np.flatnonzero(~occupied)[: len(pending)]:
-            i = pending.popleft()
-            occupied[s], pos[s], left[s] = True, prompts[i], responses[i]
-        top = int(pos[occupied].max()) + steps_per_sync
-        bucket = kv_buckets[min(bisect.bisect_left(kv_buckets, top), len(kv_buckets) - 1)]
-        for _ in range(steps_per_sync):
-            active = occupied & (left > 0)
-            attended = pos[active] + 1
-            dense += slots * bucket
-            paged += float(np.sum(-(-attended // page_size))) * page_size
-            live += float(np.sum(attended))
-            pos[active] += 1
-            left[active] -= 1
-            steps += 1
-            finished = active & (left == 0)
-            occupied &= ~finished
-            if not occupied.any() or (finished.any() and pending):
-                break
-    return Schedule(steps, dense, paged, live)
+    read = [0.0, 0.0]  # positions read, positions attended
+
+    def count(dispatch, active, pos):
+        attended = pos[active] + 1
+        if dispatch.span.kind == "positions":
+            read[0] += lim.slots * dispatch.span.size
+        elif dispatch.span.kind == "pages":
+            read[0] += dispatch.span.size * lim.page_size
+        else:
+            read[0] += float(np.sum(-(-attended // lim.page_size))) * lim.page_size
+        read[1] += float(np.sum(attended))
+
+    stats = simulate(Scheduler(lim, prompt_lengths), response_lengths, read_hook=count)
+    return Schedule(stats.steps, read[0], read[1], stats.evictions)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +81,7 @@ class RolloutCost:
     """One step's rollout by one decode, on the slowest host, per chip.
 
     Attributes:
-      decode: "dense (today)" or "paged".
+      decode: one of `DECODES`' names.
       steps: decode steps.
       weight_gb: weight bytes read (GB, 1e9), every step reading them once.
       kv_gb: KV bytes read (GB).
@@ -116,42 +105,32 @@ def rollout_costs(
     response_lengths,
     *,
     hosts: int,
-    slots: int,
-    steps_per_sync: int,
-    kv_buckets: tuple[int, ...],
-    page_size: int,
+    config: EngineConfig,
     weight_bytes: float,
     kv_bytes_per_position: float,
     hbm_bytes_per_s: float,
 ) -> list[RolloutCost]:
-    """The step's rollout, dense and paged (module docstring).
+    """The step's rollout by each of `DECODES` (module docstring).
 
     Args:
       prompt_lengths, response_lengths: `[prompts_per_step * group_size]`, prompt-major; host
         h decodes the h-th contiguous share (as the trainer splits prompts over hosts).
       hosts: hosts of the slice, each with its own engine.
-      slots, steps_per_sync, kv_buckets, page_size: the engine's (`schedule`).
+      config: the engine's settings (slots, lengths, page size and pool); each decode runs
+        them with its own `decode_attention`.
       weight_bytes: the engine's weights per chip.
       kv_bytes_per_position: k and v of one position, all layers, per chip.
       hbm_bytes_per_s: the chip's HBM bandwidth.
     """
     per_host = len(response_lengths) // hosts
-    runs = [
-        schedule(
-            prompt_lengths[h * per_host : (h + 1) * per_host],
-            response_lengths[h * per_host : (h + 1) * per_host],
-            slots=slots,
-            steps_per_sync=steps_per_sync,
-            kv_buckets=kv_buckets,
-            page_size=page_size,
-        )
-        for h in range(hosts)
-    ]
     out = []
-    for name, field in (("dense (today)", "dense_positions"), ("paged", "paged_positions")):
+    for name, attention, impl in DECODES:
+        lim = Limits.of(dataclasses.replace(config, decode_attention=attention), impl)
         cost = None
-        for run in runs:
-            kv = getattr(run, field) * kv_bytes_per_position
+        for h in range(hosts):
+            share = slice(h * per_host, (h + 1) * per_host)
+            run = schedule(prompt_lengths[share], response_lengths[share], lim)
+            kv = run.positions * kv_bytes_per_position
             weights = run.steps * weight_bytes
             seconds = (kv + weights) / hbm_bytes_per_s
             if cost is None or seconds > cost.seconds:
@@ -160,7 +139,7 @@ def rollout_costs(
                     steps=run.steps,
                     weight_gb=weights / 1e9,
                     kv_gb=kv / 1e9,
-                    kv_over_live=getattr(run, field) / max(run.live_positions, 1.0),
+                    kv_over_live=run.positions / max(run.live_positions, 1.0),
                     seconds=seconds,
                 )
         out.append(cost)
@@ -168,22 +147,21 @@ def rollout_costs(
 
 
 def table(costs: list[RolloutCost], hbm_bytes_per_s: float) -> str:
-    """The costs as lines of text, paged's bytes over today's."""
+    """The costs as lines of text, each decode's bytes over the dense decode's."""
     head = (
         f"{'rollout':<14} {'steps':>7} {'weights GB':>11} {'KV GB':>9} {'KV/live':>8} "
-        f"{'lower bound':>12}"
+        f"{'lower bound':>12} {'bytes/dense':>12}"
     )
     lines = [head, "-" * len(head)]
+    dense = costs[0].weight_gb + costs[0].kv_gb
     for c in costs:
         lines.append(
             f"{c.decode:<14} {c.steps:>7,} {c.weight_gb:>11,.0f} {c.kv_gb:>9,.0f} "
-            f"{c.kv_over_live:>7.1f}x {c.seconds:>11,.1f}s"
+            f"{c.kv_over_live:>7.1f}x {c.seconds:>11,.1f}s {(c.weight_gb + c.kv_gb) / dense:>12.3f}"
         )
-    dense, paged = costs
-    ratio = (paged.weight_gb + paged.kv_gb) / (dense.weight_gb + dense.kv_gb)
-    lines.append(f"paged / dense bytes read: {ratio:.3f}")
     lines.append(
         f"(per chip, slowest host; time = bytes at {hbm_bytes_per_s / 1e12:.2f} TB/s HBM: a "
-        "memory-bound lower bound, weights + KV only; KV from the block arithmetic)"
+        "memory-bound lower bound, weights + KV only; KV from the block arithmetic; the kernel "
+        "runs on TPU with a 16- or 32-bit cache, the XLA path elsewhere and with fp8 KV)"
     )
     return "\n".join(lines)

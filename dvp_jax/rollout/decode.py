@@ -242,19 +242,28 @@ def step(
     return new_state, jnp.stack([tokens, active.astype(jnp.int32), new_step], axis=-1)
 
 
+def evict(state: DecodeState, slots: jax.Array) -> DecodeState:
+    """Stops the slots where `slots` ([B] bool) is True and returns their pages to the pool:
+    the scheduler's preemption (`scheduler.py`); their records stay until the next insert."""
+    pages = state.pages if state.pages is None else paged.release(state.pages, slots)
+    return state.replace(done=state.done | slots, pages=pages)
+
+
 def loop(
     model: Transformer,
     state: DecodeState,
-    num_steps: int,
+    num_steps: jax.Array,
     kv_len: int,
     stop_at_finish: jax.Array,
     stop_tokens: tuple[int, ...],
     cache_length: int,
     paged_impl: str | None = None,
 ) -> DecodeState:
-    """Up to `num_steps` `step`s in one while loop: it ends once every slot is done and, with
-    `stop_at_finish` (a traced flag), after the step in which a slot active at the start
-    finishes (so the host refills it at once instead of letting it idle)."""
+    """Up to `num_steps` (traced: one program for every count) `step`s in one while loop: it
+    ends once every slot is done and, with `stop_at_finish` (a traced flag), after the step in
+    which a slot active at the start finishes (so the host refills it at once instead of
+    letting it idle). `kv_len` is the span's size (static): a dense length bucket or the
+    ragged path's page bucket (`scheduler.Span`)."""
     was_done = state.done
 
     def cond(carry):

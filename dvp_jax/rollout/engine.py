@@ -30,6 +30,7 @@ from dvp_jax.model.paged import PAGED_AXES, Pages, paged_cache_shape
 from dvp_jax.model.transformer import Transformer
 from dvp_jax.rollout import decode, sampling, weights
 from dvp_jax.rollout.quantize import quantize_leaves
+from dvp_jax.rollout.scheduler import Span
 from dvp_jax.rollout.state import RECORD_FIELDS, DecodeState, EngineConfig, Prefix
 from dvp_jax.sharding import (
     ROLLOUT_RULES,
@@ -54,8 +55,10 @@ class Programs:
       init_state: (SamplingParams) -> empty `DecodeState`.
       prefill: (params, tokens [rows, bucket], lengths [rows], raw keys [rows, 2]) -> `Prefix`.
       insert: (prefix, state (donated), slots [B], rows [B], sample indices [B]) -> state.
-      step: (params, state (donated), kv_len (static)) -> (state, [B, 3] token/valid/length).
-      loop: (params, state (donated), num_steps, kv_len (both static), stop_at_finish) -> state.
+      step: (params, state (donated), span size (static)) -> (state, [B, 3] token/valid/length).
+      loop: (params, state (donated), num_steps, span size (static), stop_at_finish) -> state;
+        num_steps and the flag are traced, so one program serves every dispatch size.
+      evict: (state (donated), slots [B] bool) -> state with those slots stopped, pages freed.
       cast: (trainer parameter leaves) -> rollout leaves, where the trainer's arrays live.
     """
 
@@ -64,6 +67,7 @@ class Programs:
     insert: Any
     step: Any
     loop: Any
+    evict: Any
     cast: Any
 
 
@@ -168,10 +172,11 @@ class RolloutEngine:
                 lambda p, state, k, kv_len, flag: decode.loop(
                     model(p), state, k, kv_len, flag, stop, s, impl
                 ),
-                static_argnums=(2, 3),
+                static_argnums=(3,),
                 donate_argnums=(1,),
                 out_shardings=state_sh,
             ),
+            evict=jax.jit(decode.evict, donate_argnums=(0,), out_shardings=state_sh),
             cast=jax.jit(cast),
         )
 
@@ -425,33 +430,42 @@ class RolloutEngine:
             return buckets[-1]
         return buckets[min(bisect.bisect_left(buckets, int(live_pages)), len(buckets) - 1)]
 
-    def _span(self, kv_len: int | None, live_pages: int | None) -> int:
-        """The decode programs' static read bound: a kv bucket (dense) or a page bucket."""
-        if self.config.paged:
-            return self.page_bucket(live_pages)
-        return self.config.cache_length if kv_len is None else self.kv_bucket(kv_len)
+    def full_span(self) -> Span:
+        """The span that reads everything: the whole cache (dense), the pool (ragged XLA
+        path), or each slot's own pages (the kernel)."""
+        if not self.config.paged:
+            return Span("positions", self.config.cache_length)
+        if self.paged_impl == "kernel":
+            return Span("own", 0)
+        return Span("pages", self.config.num_pages)
+
+    def _span_size(self, span: Span | None) -> int:
+        """The decode programs' static read bound, checked against this engine's cache."""
+        span = self.full_span() if span is None else span
+        want = self.full_span().kind
+        if span.kind != want:
+            raise ValueError(f"span of kind {span.kind!r} given to an engine that reads {want!r}")
+        if span.kind == "positions":
+            return self.kv_bucket(span.size)
+        if span.kind == "pages":
+            return self.page_bucket(span.size)
+        return 0
 
     def generate_step(
-        self,
-        params: nnx.State,
-        decode_state: DecodeState,
-        kv_len: int | None = None,
-        live_pages: int | None = None,
+        self, params: nnx.State, decode_state: DecodeState, span: Span | None = None
     ) -> tuple[DecodeState, jax.Array]:
-        """One decode step (`decode.step`, donating the state) attending over the first
-        `kv_bucket(kv_len)` cache positions (None: the whole cache), or on a paged cache over
-        each slot's own pages (`live_pages`: see `generate_steps`); returns the state and the
-        `[B, 3]` rows (token, valid, length)."""
-        return self.programs.step(params, decode_state, self._span(kv_len, live_pages))
+        """One decode step (`decode.step`, donating the state) reading `span` (None: the whole
+        cache or pool; see `generate_steps`); returns the state and the `[B, 3]` rows (token,
+        valid, length)."""
+        return self.programs.step(params, decode_state, self._span_size(span))
 
     def generate_steps(
         self,
         params: nnx.State,
         decode_state: DecodeState,
         num_steps: int,
-        kv_len: int | None = None,
+        span: Span | None = None,
         stop_at_finish: bool = False,
-        live_pages: int | None = None,
     ) -> DecodeState:
         """Up to `num_steps` decode steps in one compiled loop (`decode.loop`; donates the
         state): the tokens of that many `generate_step` calls (keys depend on the step, not
@@ -460,26 +474,32 @@ class RolloutEngine:
         Args:
           params: rollout params.
           decode_state: the state (donated).
-          num_steps: at most this many steps (static: one compiled loop per value). The loop
-            ends early once every slot is done.
-          kv_len: attention reads the first `kv_bucket(kv_len)` cache positions (at most
-            `len(kv_buckets)` compiled variants per `num_steps`). It must exceed the last
-            position any active slot writes in these steps: `max(pos) + num_steps` over active
-            slots (an upper bound is fine); a smaller value gives those slots wrong logits.
-            None: the whole cache.
+          num_steps: at most this many steps (traced: one compiled loop for every count). The
+            loop ends early once every slot is done.
+          span: what attention reads (`scheduler.Span`, one compiled loop per size): on a
+            dense cache the first `kv_bucket(size)` positions, which must exceed the last
+            position any active slot writes, `max(pos) + num_steps`; on the ragged XLA path
+            `page_bucket(size)` live pages, which must cover `sum ceil((pos + num_steps) /
+            page_size)` over active slots; a smaller span gives those slots wrong logits (the
+            scheduler sizes it). None: the whole cache or pool.
           stop_at_finish: end the loop after the step in which a slot active at the call
             finishes (a traced flag: both settings share one loop; read `pos`/`done`).
-          live_pages: paged cache only: a bound on the pages the slots hold together by the
-            end of these steps, `sum ceil((pos + num_steps) / page_size)` over active slots
-            (the ragged XLA path reads `page_bucket(live_pages)` entries; a smaller value gives
-            wrong logits). None: the whole pool. `kv_len` is unused on a paged cache.
         """
         if int(num_steps) == 1:
-            return self.generate_step(params, decode_state, kv_len, live_pages)[0]
-        span = self._span(kv_len, live_pages)
+            return self.generate_step(params, decode_state, span)[0]
         return self.programs.loop(
-            params, decode_state, int(num_steps), span, np.bool_(stop_at_finish)
+            params,
+            decode_state,
+            np.int32(num_steps),
+            self._span_size(span),
+            np.bool_(stop_at_finish),
         )
+
+    def evict(self, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
+        """Stops `slots` and returns their pages to the pool (donates the state)."""
+        mask = np.zeros((self.config.max_concurrent_decodes,), bool)
+        mask[list(slots)] = True
+        return self.programs.evict(decode_state, mask)
 
     def compile_cache_sizes(self) -> dict[str, int]:
         """Compiled-program counts of the rollout programs (tests assert they stay put); the

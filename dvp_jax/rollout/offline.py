@@ -4,8 +4,9 @@ JetStream's orchestrator returns no log-probs and cannot swap weights, so the RL
 `RolloutEngine` itself (docs/design.md section 3): each prompt is prefilled once (the prompts of
 a refill in one `prefill_batch` call per length bucket) and inserted into G slots with sample
 indices 0..G-1 (`insert_batch`); whenever a slot finishes its record is copied out and the next
-(prompt, sample) pair takes it (continuous batching); each dispatch of `generate_steps` attends
-over the smallest `kv_buckets` length above every occupied slot's position. The engine's
+(prompt, sample) pair takes it (continuous batching). Which pair takes which slot, which slots
+yield their pages when the pool runs short, and how many steps each dispatch of
+`generate_steps` runs over what span are the scheduler's decisions (`scheduler.py`). The engine's
 per-token records (`RECORD_FIELDS`, E4) are laid out under the same names as `[N, T]` arrays
 (row `p * G + g`). Keys depend on (prompt, sample, step) only, so a seed reproduces a batch.
 """
@@ -22,10 +23,7 @@ from flax import nnx
 
 from dvp_jax.rollout.engine import RECORD_FIELDS, RolloutEngine
 from dvp_jax.rollout.sampling import SamplingParams
-
-# Decode steps per dispatch of the RL loop (`generate_rollouts(steps_per_sync=)`): one compiled
-# loop of this many steps between host checks.
-STEPS_PER_SYNC = 8
+from dvp_jax.rollout.scheduler import Limits, Scheduler, Stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,9 +115,10 @@ def generate_rollouts(
     params: nnx.State | None = None,
     sampling: SamplingParams | None = None,
     prompt_len: int | None = None,
-    steps_per_sync: int = STEPS_PER_SYNC,
+    steps_per_sync: int | None = None,
     first_prompt_index: int = 0,
     should_stop: Callable[[], bool] | None = None,
+    stats: list[Stats] | None = None,
 ) -> RolloutBatch:
     """Samples `num_samples` responses for each prompt (E4) with continuous batching.
 
@@ -133,24 +132,26 @@ def generate_rollouts(
       sampling: sampling parameters; default the engine config's.
       prompt_len: prompt columns of the output; default `engine.max_prefill_length` (fixed
         shapes across batches for the jitted train step).
-      steps_per_sync: at most this many decode steps per dispatch and host check
-        (`engine.generate_steps`). A dispatch ends on the device after the step in which a slot
-        finishes while prompts wait, so a finished slot is refilled at once whatever k; k > 1
-        saves the per-step dispatch and sync latency, at the cost of attending over a length
-        bucket that covers k more positions. Tokens are the same for every value (log-probs to
-        float rounding).
+      steps_per_sync: None (the default) sizes each dispatch (`scheduler.py`: as many steps as
+        keep its read span and pages, at least `scheduler.MIN_STEPS`); k runs every dispatch up
+        to k steps. A dispatch ends on the device after the step in which a slot finishes
+        while requests wait, so a finished slot is refilled at once whatever its size; longer
+        dispatches save dispatch and sync latency. Tokens are the same for every value
+        (log-probs to float rounding).
       should_stop: asked between dispatches; True abandons the batch (`RolloutInterrupted`),
         so a preemption is honoured within one dispatch.
       first_prompt_index: the global index of `prompts[0]`: prompt p's key is
         `fold_in(rng, first_prompt_index + p)`, so a batch split over hosts (each passing the
         offset of its share) samples exactly what one host sampling the whole batch would.
+      stats: if given, the schedule's `scheduler.Stats` (decode steps, dispatches, evictions)
+        is appended to it.
     Returns:
       A `RolloutBatch` with N = P * G rows.
     """
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-    if steps_per_sync < 1:
-        raise ValueError(f"steps_per_sync must be >= 1, got {steps_per_sync}")
+    if steps_per_sync is not None and steps_per_sync < 1:
+        raise ValueError(f"steps_per_sync must be None or >= 1, got {steps_per_sync}")
     params = engine.load_params() if params is None else params
     prompt_len = engine.max_prefill_length if prompt_len is None else int(prompt_len)
     if not 1 <= prompt_len <= engine.max_prefill_length:
@@ -170,10 +171,9 @@ def generate_rollouts(
     response_lengths = np.zeros((n,), np.int32)
     finished = np.zeros((n,), bool)
     for p, ids in enumerate(token_lists):
-        rows = slice(p * g_size, (p + 1) * g_size)
-        tokens[rows, : ids.size] = ids
-        prompt_lengths[rows] = ids.size
+        tokens[p * g_size : (p + 1) * g_size, : ids.size] = ids
 
+    prompt_lengths[:] = np.repeat([ids.size for ids in token_lists], g_size)
     stop = np.asarray(engine.stop_tokens, np.int32)
     # Prompt p's key fold_in(rng, first_prompt_index + p), all at once (raw [P, 2] on the host).
     prompt_keys = np.asarray(
@@ -183,53 +183,26 @@ def generate_rollouts(
             )
         )
     )
-    pending = collections.deque((p, g) for p in range(n_prompts) for g in range(g_size))
-    waiting = collections.Counter(p for p, _ in pending)  # pairs of each prompt in `pending`
+    # Request i = p * G + g is row i; the scheduler decides admission, pages, evictions and
+    # each dispatch's size (`scheduler.py`), the loop below only carries its decisions out.
+    limits = Limits.from_engine(engine, steps_per_sync)
+    sched = Scheduler(limits, prompt_lengths)
     prefixes: dict[int, tuple] = {}  # p -> (batched Prefix, its row) while p has pairs waiting
-    owner: list[tuple[int, int] | None] = [None] * engine.max_concurrent_decodes
-    # Each occupied slot's position as of the last sync (the decode's length bucket).
-    slot_pos = np.zeros((engine.max_concurrent_decodes,), np.int64)
 
-    def harvest(state, slots):
+    def harvest(state, ended):
         host = jax.device_get({f: getattr(state, f) for f in RECORD_FIELDS + ("step",)})
-        for slot in slots:
-            p, g = owner[slot]
-            i, r = p * g_size + g, int(host["step"][slot])
+        for slot, i in ended:
+            r = int(host["step"][slot])
             cols = slice(prompt_lengths[i], prompt_lengths[i] + r)
             for f in RECORD_FIELDS:
                 records[f][i, cols] = host[f][slot, :r]
             response_lengths[i] = r
             finished[i] = r > 0 and bool(np.isin(host["tokens"][slot, r - 1], stop))
-            owner[slot] = None
 
-    cfg = engine.config
-    pages_of = lambda positions: -(-np.asarray(positions) // cfg.page_size)
-    free_pages = cfg.num_pages  # as of the last sync
-
-    def admitted(free):
-        """How many of the next pairs fit in the free slots `free` and, on a paged cache, in
-        the free pages (each needs its prompt and the next dispatch's pages; the occupied
-        slots keep room for theirs): the pool is never overcommitted at admission."""
-        count = min(len(free), len(pending))
-        if not cfg.paged or cfg.kv_pages is None:
-            return count
-        occupied = np.array([o is not None for o in owner])
-        spare = free_pages - int(
-            np.sum(pages_of(slot_pos[occupied] + steps_per_sync) - pages_of(slot_pos[occupied]))
-        )
-        for i in range(count):
-            spare -= int(pages_of(token_lists[pending[i][0]].size + steps_per_sync))
-            if spare < 0:
-                return i
-        return count
-
-    def refill(state):
-        """Fills free slots with the next (prompt, sample) pairs: new prompts prefilled in
-        one call per prompt bucket, then one insert per prefill batch."""
-        free = [s for s, o in enumerate(owner) if o is None]
-        free = free[: admitted(free)]
-        pairs = [pending.popleft() for _ in free]
-        new = sorted({p for p, _ in pairs if p not in prefixes})
+    def insert(state, admit):
+        """The admitted (slot, request) pairs: new prompts prefilled in one call per prompt
+        bucket, then one insert per prefill batch."""
+        new = sorted({i // g_size for _, i in admit} - set(prefixes))
         by_bucket = collections.defaultdict(list)
         for p in new:
             by_bucket[engine.bucket(token_lists[p].size)].append(p)
@@ -240,54 +213,39 @@ def generate_rollouts(
             for row, p in enumerate(group):
                 prefixes[p] = (prefix, row)
         inserts = {}  # id(prefix) -> (prefix, slots, rows, sample indices)
-        for slot, (p, g) in zip(free, pairs, strict=True):
-            prefix, row = prefixes[p]
+        for slot, i in admit:
+            prefix, row = prefixes[i // g_size]
             _, slots, rows, samples = inserts.setdefault(id(prefix), (prefix, [], [], []))
             slots.append(slot)
             rows.append(row)
-            samples.append(g)
-            waiting[p] -= 1
-            if waiting[p] == 0:
-                del prefixes[p]
-            owner[slot] = (p, g)
-            slot_pos[slot] = token_lists[p].size
+            samples.append(i % g_size)
         for prefix, slots, rows, samples in inserts.values():
             state = engine.insert_batch(prefix, state, slots, rows, samples)
+        # A prompt's prefix is kept while one of its pairs waits (an evicted pair included).
+        waiting = {i // g_size for i in sched.pending}
+        for p in [p for p in prefixes if p not in waiting]:
+            del prefixes[p]
         return state
 
-    while pending or any(o is not None for o in owner):
+    while not sched.done():
         if should_stop is not None and should_stop():
             raise RolloutInterrupted("rollouts abandoned: a stop was requested")
-        if pending and None in owner:
-            state = refill(state)
-        occupied = np.array([o is not None for o in owner])
-        # Attention reads the live prefix: every active slot writes below pos + steps_per_sync
-        # (dense: one length bucket for all; paged: the slots' pages together).
-        kv_len = int(slot_pos[occupied].max()) + steps_per_sync
-        live = int(np.sum(pages_of(slot_pos[occupied] + steps_per_sync)))
-        state = engine.generate_steps(
-            params,
-            state,
-            steps_per_sync,
-            kv_len=kv_len,
-            stop_at_finish=bool(pending),
-            live_pages=live,
-        )
-        # The one host sync per dispatch: which slots are done, and where each slot stands.
-        done, pos, pool = jax.device_get((state.done, state.pos, state.pages))
-        slot_pos[occupied] = pos[occupied]
-        if pool is not None:
-            free_pages = int(np.sum(~pool.used))
-            # A slot the pool could not serve gives its pair back: decoded again from its
-            # start, with the same keys, so the same tokens.
-            for s in np.flatnonzero(pool.preempted & occupied)[::-1]:
-                p, g = owner[s]
-                pending.appendleft((p, g))
-                waiting[p] += 1
-                owner[s] = None
-        ended = [s for s, o in enumerate(owner) if o is not None and done[s]]
+        dispatch = sched.plan()
+        if dispatch.evict:
+            state = engine.evict(state, dispatch.evict)
+        if dispatch.admit:
+            state = insert(state, dispatch.admit)
+        if dispatch.num_steps:
+            state = engine.generate_steps(
+                params, state, dispatch.num_steps, dispatch.span, dispatch.stop_at_finish
+            )
+        # The one host sync per dispatch: where each slot stands, which are done.
+        step, done, pool = jax.device_get((state.step, state.done, state.pages))
+        ended = sched.observe(step, done, None if pool is None else pool.preempted)
         if ended:
             harvest(state, ended)
+    if stats is not None:
+        stats.append(sched.stats)
 
     positions = np.arange(t)[None, :]
     prompt_mask = positions < prompt_lengths[:, None]
