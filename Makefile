@@ -83,8 +83,17 @@ lock: $(UV)
 	$(call compile_lock,cuda)
 	$(call compile_lock,tpu)
 
+# `make test`'s second pass: the tests that compare committed results (figures made on another
+# machine) with a recomputation (marked `committed_results`), run again as a CPU without AVX-512
+# computes them: numpy's AVX-512 dispatch groups off (numpy 2.4's names; it ignores a name it
+# does not know), OpenBLAS's Haswell (AVX2) kernels, XLA's code capped at AVX2. On an AVX2-only
+# CPU this changes nothing. tests/test_committed_results.py checks that each setting took effect.
+AVX2_CPU := NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_ICL AVX512_SPR" OPENBLAS_CORETYPE=Haswell \
+	XLA_FLAGS=--xla_cpu_max_isa=AVX2
+
 test: $(VENV)/.installed-$(ACCEL)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
+	$(AVX2_CPU) $(PY) -m pytest -q -n 0 -m committed_results tests
 
 demo: $(VENV)/.installed-$(ACCEL)
 	$(PY) -m dvp_jax.main --config configs/tiny_cpu.py --workdir $${WORKDIR:-/tmp/dvp_jax_demo}

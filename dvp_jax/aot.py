@@ -351,7 +351,7 @@ def rollout_cost_report(cfg, opts, mixes) -> list[dict]:
     its cache's shardings), and returns them for the JSON line."""
     import jax
 
-    from dvp_jax.model.paged import PAGED_AXES, paged_cache_shape
+    from dvp_jax.model.paged import paged_cache_shape, paged_cache_sharding
     from dvp_jax.rollout import cost
     from dvp_jax.rollout.engine import RolloutEngine
     from dvp_jax.sharding import MeshConfig, make_mesh
@@ -365,7 +365,9 @@ def rollout_cost_report(cfg, opts, mixes) -> list[dict]:
     ec = engine.config
     shape = paged_cache_shape(cfg.model, ec.num_pages, ec.page_size)
     pool = jax.ShapeDtypeStruct(
-        shape, engine.policy.cache_dtype, sharding=engine.sharder.sharding(PAGED_AXES, shape)
+        shape,
+        engine.policy.cache_dtype,
+        sharding=paged_cache_sharding(engine.sharder, shape, cfg.model.n_kv_heads),
     )
     kv_per_position = 2 * per_chip_bytes(pool) / (ec.num_pages * ec.page_size)  # k and v
     weights = per_chip_bytes(engine.params)

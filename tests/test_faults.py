@@ -88,6 +88,82 @@ def test_a_workdir_with_another_config_is_refused_before_anything_is_written(tmp
     _assert_one_row_per_step(workdir, steps=7)
 
 
+def _written_before(workdir, *fields):
+    """Rewrites `workdir`'s config.json as a commit from before `fields` existed wrote it."""
+    path = workdir / "config.json"
+    saved = json.loads(path.read_text())
+    for field in fields:
+        del saved[field]
+    path.write_text(json.dumps(saved, indent=2))
+
+
+def test_a_workdir_from_before_a_field_existed_resumes_at_the_value_that_reproduces_it(
+    tmp_path, tiny_run
+):
+    """A workdir written by an earlier commit (emulated: fields deleted from its config.json)
+    resumes when the run sets each new field to the value the old run behaved as: its default
+    (rollout.kv_pages: None), or its `resume.LEGACY_VALUES` entry (train.packing: False, the
+    unpacked update). Another value is refused in one line naming the field as new and how to
+    continue, before anything is written."""
+    workdir = tiny_run.copy_to(tmp_path / "run")
+    _written_before(workdir, "rollout.kv_pages")
+    before = _mtimes(workdir)
+    with pytest.raises(WorkdirMismatchError) as e:
+        tiny_trainer(str(workdir), **{"rollout.kv_pages": 64})
+    assert "\n" not in str(e.value) and _mtimes(workdir) == before
+    assert (
+        "(rollout.kv_pages: new since the workdir was written, now 64 "
+        "(leave config.rollout.kv_pages unset (None) to resume it))"
+    ) in str(e.value)
+    # At its default: resumed, and config.json now names the field.
+    _run(workdir, **NO_TRACKERS, **{"train.steps": 7})
+    _assert_one_row_per_step(workdir, steps=7)
+    assert json.loads((workdir / "config.json").read_text())["rollout.kv_pages"] is None
+
+    _written_before(workdir, "train.packing")
+    with pytest.raises(WorkdirMismatchError) as e:
+        tiny_trainer(str(workdir), **{"train.steps": 7})  # packing's default, True
+    assert (
+        "(train.packing: new since the workdir was written, now True "
+        "(pass --config.train.packing=False to resume it))"
+    ) in str(e.value)
+    tiny_trainer(str(workdir), **{"train.steps": 7, "train.packing": False}).close()
+
+
+def test_new_fields_compare_at_their_legacy_values():
+    """`resume_mismatch` on a saved config without some fields: each compares equal at its
+    legacy value (the default, None included, or `LEGACY_VALUES`'), and is named as new with the
+    flag that continues otherwise; a field present in both still reads "workdir X, now Y"."""
+    from dvp_jax.train import resume
+    from dvp_jax.train.config import ExperimentConfig
+    from tests.train_utils import tiny_config_dict
+
+    vocab = CharTokenizer().vocab_size
+    cfg = lambda **o: ExperimentConfig.from_config_dict(tiny_config_dict(**o), vocab)
+    new = ("rollout.kv_pages", "rollout.decode_attention", "train.packing", "loss.k3_max")
+    saved = {k: v for k, v in resume.flat_fields(cfg()).items() if k not in new}
+    legacy = {"train.packing": False, "rollout.decode_attention": "dense"}
+    assert resume.LEGACY_VALUES == legacy
+    # Each entry names a real field and differs from its default (else it would be no entry).
+    defaults = resume.flat_fields(cfg())
+    assert all(defaults[k] != v for k, v in resume.LEGACY_VALUES.items())
+    assert resume.resume_mismatch(saved, cfg(**legacy)) == []
+    assert resume.resume_mismatch(saved, cfg()) == [
+        "rollout.decode_attention: new since the workdir was written, now 'paged' "
+        "(pass --config.rollout.decode_attention=dense to resume it)",
+        "train.packing: new since the workdir was written, now True "
+        "(pass --config.train.packing=False to resume it)",
+    ]
+    assert resume.resume_mismatch(saved, cfg(**legacy, **{"loss.k3_max": 0.01})) == [
+        "loss.k3_max: new since the workdir was written, now 0.01 "
+        "(pass --config.loss.k3_max=0.005 to resume it)"
+    ]
+    saved["train.packing"] = False
+    assert resume.resume_mismatch(saved, cfg(**{"rollout.decode_attention": "dense"})) == [
+        "train.packing: workdir False, now True"
+    ]
+
+
 def _wait_for(path, needle, proc, timeout=300):
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:

@@ -16,12 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from dvp_jax.model import TRAIN_POLICY, ModelConfig, Transformer, decode_kernels, paged
 from dvp_jax.model.attention import from_storage, to_storage
 from dvp_jax.model.config import DTypePolicy
 from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
 from dvp_jax.rollout.offline import generate_rollouts
+from dvp_jax.sharding import ROLLOUT_RULES, MeshConfig, Sharder, make_mesh
 
 CFG = ModelConfig.preset("tiny", init_std=0.5)
 # 1 = BOS of the char tokenizer; prompts in both prefill buckets (8 and 16).
@@ -118,12 +120,10 @@ def test_paged_rollouts_in_bfloat16_agree_with_dense_but_for_counted_near_ties(m
         )
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_tpu_kernel_in_interpret_mode_equals_the_ragged_xla_path(dtype):
+def _kernel_inputs(heads: int, h: int, g: int, dtype: str):
     """Three slots: 19 positions over 3 scattered pages, a finished slot (length 0), and a full
-    one; layer 1 of a 2-layer cache. float32 agrees to float32 rounding (1e-5); bfloat16 to one
-    bf16 ulp of O(1) outputs (both round p.v's inputs to bf16, in another order)."""
-    layers, heads, pool, size, h, g = 2, 2, 12, 8, 16, 2
+    one (32 positions); a 2-layer pool of 12 pages of 8. Returns (q, k, v, table, lengths)."""
+    layers, pool, size = 2, 12, 8
     rng = np.random.default_rng(0)
     cache = [
         to_storage(
@@ -134,10 +134,87 @@ def test_tpu_kernel_in_interpret_mode_equals_the_ragged_xla_path(dtype):
     table = jnp.asarray([[3, 7, 1, -1], [0, -1, -1, -1], [5, 2, 9, 11]], jnp.int32)
     lengths = jnp.asarray([19, 0, 32], jnp.int32)
     q = jnp.asarray(rng.normal(size=(3, heads, g, h)), dtype)
+    return q, *cache, table, lengths
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_tpu_kernel_in_interpret_mode_equals_the_ragged_xla_path(dtype):
+    """Layer 1 of the pool of `_kernel_inputs`. float32 agrees to float32 rounding (1e-5);
+    bfloat16 to one bf16 ulp of O(1) outputs (8e-3): the kernel rounds the unnormalised
+    probabilities to bf16 before p.v, the XLA path the normalised ones."""
+    q, k, v, table, lengths = _kernel_inputs(heads=2, h=16, g=2, dtype=dtype)
     policy = DTypePolicy.named(dtype)
     load = lambda a: from_storage(a, dtype)
-    ref = paged.ragged_attention(q, *cache, 1, table, lengths, 8, load, policy)
-    out = decode_kernels.paged_decode_attention(q, *cache, jnp.int32(1), table, lengths, dtype)
+    ref = paged.ragged_attention(q, k, v, 1, table, lengths, 8, load, policy)
+    out = decode_kernels.paged_decode_attention(q, k, v, jnp.int32(1), table, lengths, dtype)
     atol = 1e-5 if dtype == "float32" else 8e-3
     np.testing.assert_allclose(np.float32(out), np.float32(ref), atol=atol)
     assert np.all(np.float32(out)[1] == 0)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_tpu_kernel_on_tensor_parallel_4_with_kv_heads_below_or_equal_to_it(kv_heads):
+    """Tensor parallelism 4 over 4 fake CPU devices, 8 query heads. kv 4: the pool's merged
+    `[k h]` axis splits into whole heads (one per shard). kv 2: 4 does not divide k, so the
+    pool is whole on every shard, as the dense cache's kv-head axis is; split by k h (32 lanes
+    over 4) it was cut mid-head and the kernel's per-head slices failed. The kernel (Pallas
+    interpret mode, under shard_map) equals the ragged XLA path on the same mesh and the XLA
+    path without one to float32 rounding (1e-5)."""
+    mesh = make_mesh(MeshConfig(1, 1, 4), jax.devices()[:4])
+    sharder = Sharder(mesh, ROLLOUT_RULES)
+    q, k, v, table, lengths = _kernel_inputs(heads=kv_heads, h=16, g=8 // kv_heads, dtype="float32")
+    spec = paged.paged_cache_spec(sharder, k.shape, kv_heads)
+    assert spec == PartitionSpec(None, None, None, "tensor" if kv_heads == 4 else None)
+    cache = paged.paged_cache_sharding(sharder, k.shape, kv_heads)
+    # q as the model leaves it: its 8 query heads split over the tensor axis.
+    q = jax.device_put(q, sharder.sharding(("act_batch", None, "act_heads", None), q.shape))
+    k, v = jax.device_put(k, cache), jax.device_put(v, cache)
+    policy = DTypePolicy.named("float32")
+    load = lambda a: a
+
+    @jax.jit
+    def both(q, k, v, table, lengths):
+        layer = jnp.int32(1)
+        kernel = decode_kernels.paged_decode_attention(
+            q, k, v, layer, table, lengths, "float32", sharder
+        )
+        return kernel, paged.ragged_attention(q, k, v, layer, table, lengths, 8, load, policy)
+
+    kernel, ragged = both(q, k, v, table, lengths)
+    host = [np.asarray(x) for x in (q, k, v, table, lengths)]
+    ref = paged.ragged_attention(*host[:3], 1, *host[3:], 8, load, policy)
+    np.testing.assert_allclose(np.asarray(kernel), np.asarray(ref), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ragged), np.asarray(ref), atol=1e-5)
+    assert np.all(np.asarray(kernel)[1] == 0)
+
+
+def test_decode_step_on_tensor_parallel_4_with_2_kv_heads_runs_the_kernel_as_the_xla_path():
+    """A whole decode step of the tiny model (4 query, 2 KV heads of 8) on a tensor-parallel-4
+    mesh, the pool and the page table of `_kernel_inputs`: the kernel's logits equal the ragged
+    XLA path's on the same mesh and the XLA path's on one device to float32 rounding of O(1)
+    logits (1e-5; the new keys written, float32 sums in another order on 4 shards, too), and the
+    step leaves the pool whole on every shard (`paged_cache_spec`)."""
+    mesh = make_mesh(MeshConfig(1, 1, 4), jax.devices()[:4])
+    policy = DTypePolicy.named("float32")
+    _, k, v, table, lengths = _kernel_inputs(heads=2, h=8, g=2, dtype="float32")
+    tokens = jnp.asarray([3, 5, 7], jnp.int32)
+    positions = jnp.maximum(lengths - 1, 0)
+
+    def step(sharder, impl):
+        model = Transformer(CFG, policy, sharder, rngs=nnx.Rngs(0))
+        graphdef, state = nnx.split(model)
+
+        @jax.jit
+        def run(state, k, v):
+            view = paged.PageView(table, lengths, 8, impl)
+            return nnx.merge(graphdef, state).decode(tokens, positions, (k, v), pages=view)
+
+        return run(state, k, v)
+
+    sharder = Sharder(mesh, ROLLOUT_RULES)
+    (kernel, cache), (xla, _) = step(sharder, "kernel"), step(sharder, "xla")
+    ref, ref_cache = step(Sharder(None, ROLLOUT_RULES), "xla")
+    assert cache.k.sharding.is_fully_replicated
+    np.testing.assert_allclose(np.asarray(kernel), np.asarray(ref), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(xla), np.asarray(ref), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(cache.k), np.asarray(ref_cache.k), atol=1e-5)

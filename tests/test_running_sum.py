@@ -244,7 +244,8 @@ def test_resume_ignores_new_fields_at_their_default():
     knobs = {**cfg.data.running_sum, "max_operands": 6}
     changed = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, running_sum=knobs))
     assert resume.resume_mismatch(saved, changed) == [
-        "data.running_sum.max_operands: workdir '<absent>', now 6"
+        "data.running_sum.max_operands: new since the workdir was written, now 6 "
+        "(pass --config.data.running_sum.max_operands=8 to resume it)"
     ]
     saved["data.running_sum.max_operands"] = 8
     assert resume.resume_mismatch(saved, changed) == [

@@ -145,6 +145,20 @@ def test_float32_on_an_fsdp_mesh_compiles_without_a_kernel_and_decode_does_not_c
     assert decode.temp < 0.5 * state, (decode.temp, state)
 
 
+def test_paged_decode_kernel_compiles_with_tensor_parallelism_above_the_kv_heads():
+    """A bf16 engine at tensor parallel 4 on v5p:2x2x1 with 2 KV heads of 128 (4 query heads):
+    4 does not divide 2, so the pool's merged `[k h]` axis is whole on every chip
+    (`paged.paged_cache_spec`) and each chip's kernel reads every kv head. Split by k h (64
+    lanes per chip, mid-head) while q's kv-head axis stayed whole, Mosaic refused the kernel
+    ("DMA source and target shape mismatch"). Its values against the XLA path:
+    `test_paged_attention.py`, on the same mesh in interpret mode."""
+    cfg = _config(precision="float32", mesh=(1, 1, 4), tensor_parallel=4, rollout_dtype="bfloat16")
+    assert (cfg.model.n_kv_heads, cfg.rollout.tensor_parallel) == (2, 4)
+    programs = _compile(cfg, "v5p:2x2x1", programs=("engine/decode_loop",))
+    decode = _one(programs, "engine/decode_loop")
+    assert "kernel" in decode.name and decode.mosaic_kernels == 1
+
+
 def test_float32_at_long_sequences_compiles_with_blockwise_attention():
     """At T = 2,048 (1,024 prompt + 1,024 response tokens) `auto` gives the float32 update the
     blockwise path on TPU too: it compiles on a (1, 2, 2) mesh and the compiled program holds

@@ -7,7 +7,8 @@ softmax per kv head (max m, sum l, accumulator) over them, so a decode step read
 response's own tokens and no page past them. The layer index, the lengths and the page table
 are scalar-prefetched: the kernel reads the stacked `[L, P, ps, k h]` cache in place, inside
 the layer scan, without slicing a layer out first. Its dots run in float32 on values rounded to
-the compute dtype. It computes what `paged.ragged_attention` (XLA) computes; tests run it in
+the compute dtype (the probabilities unnormalised: `_kernel`). It computes what
+`paged.ragged_attention` (XLA) computes, to one ulp of the compute dtype; tests run it in
 Pallas's TPU interpret mode on CPU and compare, and `dvp_jax.aot` compiles it for v5p. The GPU
 has no kernel here yet: paged decode runs the ragged XLA path there (JAX's
 `pallas.ops.gpu.paged_attention` is the candidate; it needs a GPU to test).
@@ -23,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec
 
-from dvp_jax.model.paged import PAGED_AXES
+from dvp_jax.model.paged import paged_cache_spec
 
 _LOWEST = float(jnp.finfo(jnp.float32).min)
 
@@ -84,8 +85,11 @@ def _kernel(
             m_new = jnp.maximum(m, jnp.max(scores, axis=1, keepdims=True))
             probs = jnp.exp(scores - m_new)
             alpha = jnp.exp(m - m_new)
-            # [g, s] x [s, h] -> [g, h], probabilities rounded to the compute dtype as the XLA
-            # paths'.
+            # [g, s] x [s, h] -> [g, h] on the probabilities rounded to the compute dtype before
+            # normalising (exp(score - running max), in (0, 1]); the sum `total` and the final
+            # division stay float32. The XLA paths round the normalised probabilities instead
+            # (they divide by the slot's sum first), so in bfloat16 the two agree to one bf16
+            # ulp of the output, not bit for bit; in float32 the rounding is the identity.
             rounded = probs.astype(q_ref.dtype).astype(jnp.float32)
             pv = jnp.dot(rounded, values, preferred_element_type=jnp.float32)
             total = alpha * total + jnp.sum(probs, axis=1, keepdims=True)
@@ -142,8 +146,8 @@ def paged_decode_attention(q, k_all, v_all, layer, table, lengths, dtype, sharde
       lengths: `[B]` int32 positions each slot attends to (0: the slot's output is 0).
       dtype: the cache dtype.
       sharder: the mesh and rules; the kernel runs per shard under `shard_map` (kv heads split
-        like the cache's, slots like the activations' batch). On a CPU mesh it runs in Pallas's
-        TPU interpret mode (tests).
+        like the cache's, `paged.paged_cache_spec`; slots like the activations' batch). On a
+        CPU mesh it runs in Pallas's TPU interpret mode (tests).
     Returns:
       `[B, k, g, h]` in q's dtype.
     """
@@ -153,15 +157,20 @@ def paged_decode_attention(q, k_all, v_all, layer, table, lengths, dtype, sharde
     # TPU topology from a CPU host, Pallas asks this host's devices for the TPU kind.
     if sharder is None or sharder.mesh is None:
         return local(q, k_all, v_all, layer, table, lengths)
+    # q's kv-head axis and the cache's merged one split by the same rule on k
+    # (`paged.paged_cache_spec`): over whole kv heads where the tensor axis divides k, else
+    # whole on every shard, where each shard then runs every kv head (the same bytes per chip
+    # as giving each shard its own q heads would read: a page's copy is its whole `[ps, k h]`
+    # tile either way; only the dots are repeated).
     q_spec = sharder.spec(("act_batch", "act_kv_heads", None, None), q.shape)
-    cache_spec = sharder.spec(PAGED_AXES, k_all.shape)
+    kv_spec = paged_cache_spec(sharder, k_all.shape, q.shape[1])
     return jax.shard_map(
         local,
         mesh=sharder.mesh,
         in_specs=(
             q_spec,
-            cache_spec,
-            cache_spec,
+            kv_spec,
+            kv_spec,
             PartitionSpec(),
             PartitionSpec(q_spec[0], None),
             PartitionSpec(q_spec[0]),

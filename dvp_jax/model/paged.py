@@ -33,11 +33,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec
 
 from dvp_jax.model.config import ModelConfig
+from dvp_jax.sharding import Sharder
 
-# The logical axes of a paged cache `[L, k, P, ps, h]`: pages are not sharded (any slot may own
-# any page); kv heads split like the dense cache's.
+# The logical axes of a paged cache `[L, P, ps, k h]`: pages are not sharded (any slot may own
+# any page); kv heads split like the dense cache's, whole heads only (`paged_cache_spec`).
 PAGED_AXES = ("cache_layers", None, None, "act_kv_heads")
 # How decode attention reads the pages: the Pallas kernel or the ragged XLA path.
 PAGED_IMPLS = ("kernel", "xla")
@@ -95,6 +97,36 @@ class Pages:
 def paged_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
     """The shape of k (and v) of a paged cache."""
     return (cfg.n_layers, num_pages, page_size, cfg.n_kv_heads * cfg.head_dim)
+
+
+def paged_cache_spec(sharder: Sharder, shape: tuple[int, ...], n_kv_heads: int) -> PartitionSpec:
+    """The partition of a paged cache of `shape` `[L, P, ps, k h]` holding `n_kv_heads` (k).
+
+    The dense cache's rule for its kv-head axis, applied to whole heads: the merged `[k h]` axis
+    is split over the mesh axes of `act_kv_heads` where they divide k, and is replicated where
+    they do not (tensor parallelism above, or not dividing, the kv-head count: each shard then
+    holds every kv head, as the dense cache's `[.., k, .., h]` does by `Sharder.spec`'s rule).
+    Checked against k h instead, the axis would be cut mid-head (kv 2, head dim 32 over 4:
+    16 lanes of a head per shard) while q's kv-head axis stays whole, which the kernel's
+    per-head slices cannot read.
+    """
+    return sharder.spec(PAGED_AXES, (*shape[:-1], n_kv_heads))
+
+
+def paged_cache_sharding(sharder: Sharder, shape: tuple[int, ...], n_kv_heads: int):
+    """`paged_cache_spec` as a NamedSharding on the sharder's mesh (None without one)."""
+    if sharder.mesh is None:
+        return None
+    return NamedSharding(sharder.mesh, paged_cache_spec(sharder, shape, n_kv_heads))
+
+
+def constrain_paged_cache(sharder: Sharder, cache: jax.Array, n_kv_heads: int) -> jax.Array:
+    """`with_sharding_constraint` to `paged_cache_spec`; the identity without a mesh."""
+    if sharder.mesh is None:
+        return cache
+    return jax.lax.with_sharding_constraint(
+        cache, paged_cache_sharding(sharder, cache.shape, n_kv_heads)
+    )
 
 
 def release(pages: Pages, slots: jax.Array) -> Pages:

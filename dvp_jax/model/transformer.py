@@ -35,7 +35,6 @@ from dvp_jax.model.attention import (
 )
 from dvp_jax.model.config import REMAT_POLICIES, TRAIN_POLICY, DTypePolicy, ModelConfig
 from dvp_jax.model.layers import MLP, RMSNorm, matmul, param
-from dvp_jax.model.paged import PAGED_AXES
 from dvp_jax.sharding import Sharder
 
 ACT = ("act_batch", "act_seq", "act_embed")
@@ -300,6 +299,10 @@ class Transformer(nnx.Module):
             c if a.dtype == storage else from_storage(c, dtype)
             for c, a in zip((k_all, v_all), cache, strict=True)
         ]
-        axes = cache_axes(cache_layout(self.sharder.platform)) if pages is None else PAGED_AXES
-        cache = KVCache(*(self.sharder.constrain(c, axes) for c in out))
+        if pages is None:
+            axes = cache_axes(cache_layout(self.sharder.platform))
+            cache = KVCache(*(self.sharder.constrain(c, axes) for c in out))
+        else:
+            kv = self.cfg.n_kv_heads
+            cache = KVCache(*(paged.constrain_paged_cache(self.sharder, c, kv) for c in out))
         return self.logits(self.final_norm(x)[:, 0]), cache

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 
 from dvp_jax.model.attention import KVCache, cache_axes, cache_layout, cache_shape
 from dvp_jax.model.config import DTypePolicy, ModelConfig
-from dvp_jax.model.paged import PAGED_AXES, Pages, paged_cache_shape
+from dvp_jax.model.paged import Pages, paged_cache_shape, paged_cache_sharding
 from dvp_jax.model.transformer import Transformer
 from dvp_jax.rollout import decode, sampling, weights
 from dvp_jax.rollout.quantize import quantize_leaves
@@ -251,7 +251,7 @@ class RolloutEngine:
         pages = None
         if cfg.paged:
             shape = paged_cache_shape(self.model_cfg, cfg.num_pages, cfg.page_size)
-            cache = self.sharder.sharding(PAGED_AXES, shape)
+            cache = paged_cache_sharding(self.sharder, shape, self.model_cfg.n_kv_heads)
             pages = Pages(rep, rep, rep)
         else:
             cache = self.cache_sharding(cfg.max_concurrent_decodes, cfg.cache_length)

@@ -3,14 +3,17 @@ fields in which it differs from the config.json a workdir was started with, and 
 refuses it (`check_workdir`).
 
 `check_workdir` refuses a rerun whose results-deciding fields differ; how long it runs,
-how often it evaluates, saves and logs, and where it runs may change (`RESUMABLE_FIELDS`). Not
-here: the config's validation (`config`).
+how often it evaluates, saves and logs, and where it runs may change (`RESUMABLE_FIELDS`). A
+workdir written before a field existed resumes where the run sets that field to the value that
+reproduces the old run: its default, or its entry in `LEGACY_VALUES`. Not here: the config's
+validation (`config`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 from typing import Any
 
 from dvp_jax.errors import UserError
@@ -36,6 +39,17 @@ RESUMABLE_FIELDS = (
     "init_hf_path",
 )
 
+# A field added after a workdir may have been written is absent from that workdir's config.json;
+# the run before it behaved as the field's default does, except for the fields here, whose value
+# that reproduces the old behaviour is not their default. The one home of such values: a field
+# added with a default that changes what an older run did gets its entry here.
+LEGACY_VALUES = {
+    # Before packed rows, the update took one sequence per row, padded to the longest.
+    "train.packing": False,
+    # Before paged decode, the engine kept one dense [B, S] KV cache.
+    "rollout.decode_attention": "dense",
+}
+
 
 def flat_fields(cfg: ExperimentConfig) -> dict[str, Any]:
     """{"section.field": value} of every field of a validated config (JSON-serialisable); a
@@ -53,31 +67,49 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _flat_defaults() -> dict[str, Any]:
-    """{"section.field": dataclass default} for every section field and task knob that has one."""
+def legacy_values() -> dict[str, Any]:
+    """{"section.field": the value that reproduces a run made before the field existed} for every
+    section field and task knob with a default: `LEGACY_VALUES`' entry, else the default (None
+    included). Fields without a default (the model's shape, from a preset) have none."""
+    missing = dataclasses.MISSING
+    has_default = lambda f: not (f.default is missing and f.default_factory is missing)
     out = {
-        s: {f.name: field_default(f) for f in dataclasses.fields(c)} for s, c in _SECTIONS.items()
+        s: {f.name: field_default(f) for f in dataclasses.fields(c) if has_default(f)}
+        for s, c in _SECTIONS.items()
     }
     out["data"] |= {name: task_knobs(cls) for name, cls in GENERATED_TASKS.items()}
-    return {k: v for k, v in _flatten(out).items() if v is not None}
+    return _flatten(out) | LEGACY_VALUES
+
+
+def _continue_with(key: str, value: Any) -> str:
+    """How a run sets `key` to `value` on the command line (None: a placeholder left unset,
+    since `--config.<key>=None` does not parse for a typed placeholder)."""
+    if value is None:
+        return f"leave config.{key} unset (None)"
+    text = value if isinstance(value, str) else repr(value)
+    return f"pass --config.{key}={shlex.quote(text)}"
 
 
 def resume_mismatch(saved: dict[str, Any], current: ExperimentConfig) -> list[str]:
     """The fields (other than `RESUMABLE_FIELDS`) whose value differs from a saved config.
 
     A field missing from `saved` (added to the config after the workdir was made) counts only
-    when its value is not its default. Returns lines like "model.d_ff: workdir 64, now 128",
-    sorted by field.
+    when its value is not the one that reproduces the old run (`legacy_values`). Returns lines
+    like "model.d_ff: workdir 64, now 128" or "train.packing: new since the workdir was written,
+    now True (pass --config.train.packing=False to resume it)", sorted by field.
     """
     now = flat_fields(current)
-    defaults = _flat_defaults()
+    legacy = legacy_values()
     diff = []
     for key in sorted(set(saved) | set(now)):
         if key.startswith(RESUMABLE_FIELDS):
             continue
-        if key not in saved and key in defaults and now[key] == defaults[key]:
-            continue  # A field added after the workdir was made, at its default: no change.
-        if saved.get(key, "<absent>") != now.get(key, "<absent>"):
+        if key not in saved and key in now:
+            if key in legacy and now[key] == legacy[key]:
+                continue  # new since the workdir was made, at the value it ran with: no change
+            hint = f" ({_continue_with(key, legacy[key])} to resume it)" if key in legacy else ""
+            diff.append(f"{key}: new since the workdir was written, now {now[key]!r}{hint}")
+        elif saved.get(key, "<absent>") != now.get(key, "<absent>"):
             diff.append(
                 f"{key}: workdir {saved.get(key, '<absent>')!r}, now {now.get(key, '<absent>')!r}"
             )
