@@ -347,8 +347,9 @@ def update_cost_report(cfg, opts, results: list[Program], mixes) -> list[dict]:
 
 def rollout_cost_report(cfg, opts, mixes) -> list[dict]:
     """Prints the rollout's cost at each step's real lengths, dense, paged kernel and paged
-    XLA (`rollout/cost.py`, replaying the engine's scheduler), with bytes per chip from one host's abstract engine (its weights' and
-    its cache's shardings), and returns them for the JSON line."""
+    XLA (`rollout/cost.py`, replaying the engine's scheduler), with bytes per chip from one
+    host's abstract engine (its weights' and its cache's shardings), and returns them for the
+    JSON line."""
     import jax
 
     from dvp_jax.model.paged import paged_cache_shape, paged_cache_sharding

@@ -171,7 +171,7 @@ def main(argv):
     import jax
 
     from dvp_jax.errors import RunFailure, UserError, one_line
-    from dvp_jax.train.build import load_run_tokenizer
+    from dvp_jax.train.build import check_rollout_memory, load_run_tokenizer
     from dvp_jax.train.config import ExperimentConfig
     from dvp_jax.train.report import summary_line
     from dvp_jax.train.trainer import Trainer
@@ -186,6 +186,10 @@ def main(argv):
             config, load_run_tokenizer(config.data.tokenizer).vocab_size
         )
     except (UserError, ValueError) as e:  # the config's checks raise ValueErrors
+        fail(str(e), USAGE_EXIT_CODE, e)
+    try:  # a KV cache no chip can hold, refused before the workdir is touched
+        check_rollout_memory(cfg)
+    except ValueError as e:
         fail(str(e), USAGE_EXIT_CODE, e)
     try:
         trainer = Trainer(cfg, _WORKDIR.value)

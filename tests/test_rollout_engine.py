@@ -24,7 +24,8 @@ from dvp_jax.model import TRAIN_POLICY, ModelConfig, Transformer
 from dvp_jax.rollout import weights
 from dvp_jax.rollout.engine import EngineConfig, Prefix, RolloutEngine
 from dvp_jax.rollout.jetstream import JetStreamEngine
-from dvp_jax.rollout.offline import STEPS_PER_SYNC, RolloutBatch, generate_rollouts
+from dvp_jax.rollout.offline import RolloutBatch, generate_rollouts
+from dvp_jax.rollout.scheduler import MIN_STEPS
 from dvp_jax.sharding import TRAIN_RULES, MeshConfig, Sharder, init_sharded, make_mesh
 from tests import DEFAULT_CPU_CODEGEN
 
@@ -399,13 +400,13 @@ def test_fp32_rollout_matches_trainer_and_bf16_mismatch_is_measured(bf16, batch,
 
 
 def test_steps_per_sync_gives_the_same_rollouts(fp32, reference):
-    """Up to k = `STEPS_PER_SYNC` (8) decode steps per dispatch (one compiled loop, ending
-    early when a slot finishes while prompts wait) == single steps: same tokens and
-    statistics. The loop is compiled separately, so fusion may round differently: float32
-    statistics within 1e-6 (about one ulp of O(1) log-probs); observed bit-identical. 12 rows
-    over 4 slots refill slots mid-run. (Another k is the same loop with another static trip
-    bound; k = 2 dispatches run in the length-bucket test.)"""
-    assert STEPS_PER_SYNC == 8
+    """Sized dispatches (the default, `scheduler.py`: at least 8 steps, one compiled loop whose
+    step count is traced, ending early when a slot finishes while prompts wait) == single
+    steps: same tokens and statistics. The loop is compiled separately, so fusion may round
+    differently: float32 statistics within 1e-6 (about one ulp of O(1) log-probs); observed
+    bit-identical. 12 rows over 4 slots refill slots mid-run. (k = 2 dispatches run in the
+    length-bucket test.)"""
+    assert MIN_STEPS == 8
     a = generate_rollouts(fp32, PROMPTS, G_REF, jax.random.key(KEY_REF), steps_per_sync=1)
     b = reference
     np.testing.assert_array_equal(a.tokens, b.tokens)
@@ -600,7 +601,7 @@ def test_the_decode_loop_updates_the_cache_in_place(bf16):
     """The compiled k-step decode loop of the bf16 engine never passes over a whole cache
     array (no copy, no float32 convert of the bf16 cache around a scatter; the state carries
     the cache's bits): only parameters, loop plumbing and in-place scatters have its shape.
-    The loop is the one rollouts run (k = `STEPS_PER_SYNC`, the whole cache, the flag as
+    The loop is the one rollouts run (k = `MIN_STEPS`, the whole cache, the flag as
     `generate_steps` passes it), compiled as a user's process compiles it
     (`DEFAULT_CPU_CODEGEN`)."""
     from tests.test_model import _cache_passes
@@ -608,7 +609,8 @@ def test_the_decode_loop_updates_the_cache_in_place(bf16):
     state = bf16.init_decode_state()
     assert state.cache.k.dtype == jnp.uint16
     flag = np.bool_(True)
-    hlo = bf16.programs.loop.lower(bf16.params, state, STEPS_PER_SYNC, ENGINE.cache_length, flag)
+    steps = np.int32(MIN_STEPS)
+    hlo = bf16.programs.loop.lower(bf16.params, state, steps, ENGINE.cache_length, flag)
     hlo = hlo.compile(DEFAULT_CPU_CODEGEN).as_text()
     assert _cache_passes(hlo, state.cache.k.shape) == []
 

@@ -197,3 +197,63 @@ def test_limits_refuse_a_bad_dispatch_size():
     with pytest.raises(ValueError, match="Span.kind must be one of"):
         Span("bytes", 3)
     assert scheduler.MIN_STEPS <= scheduler.MAX_STEPS
+
+
+def test_page_settings_that_cannot_work_are_refused_in_one_line():
+    """A page larger than the cache, and a pool larger than the device's memory, are refused
+    before anything is allocated, naming the field and the bytes."""
+    with pytest.raises(ValueError, match=r"^EngineConfig.page_size must be <= the cache length S"):
+        EngineConfig(max_prefill_length=16, max_decode_length=6, page_size=1_000_000)
+    config = EngineConfig(max_prefill_length=16, max_decode_length=6, page_size=4, kv_pages=10**9)
+    # 10^9 pages x 4 positions x 2 (k, v) x 2 layers x kv heads x head dim x 2 bytes (bf16).
+    assert (
+        config.pool_bytes(CFG) == 10**9 * 4 * 2 * CFG.n_layers * CFG.n_kv_heads * CFG.head_dim * 2
+    )
+    with pytest.raises(ValueError, match=r"^cfg.kv_pages: the KV cache needs [\d,.]+ GiB per chip"):
+        config.check_pool_fits(CFG, 1, 2**30, "cfg")
+    config.check_pool_fits(CFG, 1, config.pool_bytes(CFG), "cfg")  # exactly fits
+    with pytest.raises(ValueError, match="KV cache needs"):
+        RolloutEngine(CFG, config)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_resumed_responses_keep_their_tokens_and_every_one_finishes(seed):
+    """The server's mode: an evicted response keeps what it generated (prefilled again when
+    readmitted) and its own slot; requests arrive while others run. Every response ends with
+    exactly its length, the oldest is never evicted, and a response never generates twice."""
+    rng = np.random.default_rng(100 + seed)
+    slots, ps, m = int(rng.integers(2, 6)), int(rng.choice([2, 4])), int(rng.integers(4, 25))
+    config = EngineConfig(
+        max_concurrent_decodes=slots, max_prefill_length=8, max_decode_length=m, page_size=ps
+    )
+    config = dataclasses.replace(config, kv_pages=config.pages_per_slot + int(rng.integers(0, 3)))
+    sched = Scheduler(Limits.of(config, "kernel", steps_per_sync=1), resume=True)
+    responses, generated = [], []
+    for slot in range(slots):
+        sched.add(int(rng.integers(1, 9)), home=slot)
+        responses.append(int(rng.integers(1, m + 1)))
+    step = np.zeros((slots,), np.int64)
+    done = np.ones((slots,), bool)
+    total = 0
+    for _ in range(10_000):
+        if sched.done():
+            break
+        dispatch = sched.plan()
+        for s in dispatch.evict:
+            done[s] = True
+        for s, r in dispatch.admit:
+            assert s == sched.home[r]
+            step[s], done[s] = sched.generated[r], False
+        active = ~done
+        step[active] += 1
+        total += int(active.sum())
+        for s in np.flatnonzero(active):
+            done[s] |= step[s] >= responses[sched.owner[s]]
+        for s, r in sched.observe(step, done):
+            generated.append((r, int(step[s])))
+            if len(responses) < 3 * slots:  # a new request takes the freed slot
+                sched.add(int(rng.integers(1, 9)), home=s)
+                responses.append(int(rng.integers(1, m + 1)))
+    assert sched.done()
+    assert sorted(generated) == [(r, n) for r, n in enumerate(responses)]
+    assert total == sum(responses)  # no token generated twice

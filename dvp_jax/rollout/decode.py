@@ -33,8 +33,9 @@ def key_data(key: jax.Array) -> jax.Array:
     return jnp.asarray(key, jnp.uint32)
 
 
-def _fold(raw_key: jax.Array, value: jax.Array) -> jax.Array:
-    """Raw key data of `fold_in(raw_key, value)`."""
+def fold_key(raw_key: jax.Array, value: jax.Array) -> jax.Array:
+    """Raw key data of `fold_in(raw_key, value)` (a slot's key: its request's, folded with the
+    sample index)."""
     return jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(raw_key), value))
 
 
@@ -82,7 +83,9 @@ def prefill(model: Transformer, tokens: jax.Array, lengths: jax.Array, keys: jax
     [rows, 2]); the prefix's cache holds `bucket` positions."""
     logits, cache = model.prefill(tokens, lengths, cache_len=tokens.shape[1])
     context = sampling.context_hash(tokens, lengths)  # fixes the logit noise (sampling.py)
-    return Prefix(cache=cache, logits=logits, length=lengths, key=keys, context=context)
+    return Prefix(
+        cache=cache, logits=logits, length=lengths, key=keys, context=context, tokens=tokens
+    )
 
 
 def insert(
@@ -93,26 +96,37 @@ def insert(
     sample_index: jax.Array,
     cache_dtype,
     layout: str,
+    resume_steps: jax.Array | None = None,
 ) -> DecodeState:
     """Puts prefix row `rows[i]` into slot `slots[i]` with the key `fold_in(prefix key,
     sample_index[i])`; a slot index past the last slot (padding) is dropped. On a paged cache
-    the slot's old pages return to the pool and it takes ceil(prompt length / page_size)."""
+    the slot's old pages return to the pool and it takes ceil(prompt length / page_size).
+
+    With `resume_steps` ([B] per insertion) the prefix is a preempted response's prompt and
+    its first `resume_steps[i]` generated tokens, prefilled again, and its key is the slot's
+    own (unfolded): the slot goes on at step `resume_steps[i]` with its records kept, so it
+    samples what it would have sampled without the preemption (keys depend on the step, the
+    logit noise on the context hash of the same tokens)."""
     if state.pages is not None:
         state = _insert_pages(prefix, state, slots, rows, cache_dtype, layout)
         cache = state.cache
     else:
         cache = _insert_rows(prefix, state.cache, slots, rows, cache_dtype, layout)
     set_rows = lambda a, v: a.at[slots].set(v, mode="drop")
-    keys = jax.vmap(_fold)(prefix.key[rows], sample_index)
+    if resume_steps is None:
+        keys, steps = jax.vmap(fold_key)(prefix.key[rows], sample_index), 0
+        records = {f: set_rows(getattr(state, f), 0) for f in RECORD_FIELDS}
+    else:
+        keys, steps, records = prefix.key[rows], resume_steps, {}
     return state.replace(
         cache=cache,
         logits=set_rows(state.logits, prefix.logits[rows]),
         pos=set_rows(state.pos, prefix.length[rows]),
-        step=set_rows(state.step, 0),
+        step=set_rows(state.step, steps),
         done=set_rows(state.done, False) | _preempted(state),
         key=set_rows(state.key, keys),
         context=set_rows(state.context, prefix.context[rows]),
-        **{f: set_rows(getattr(state, f), 0) for f in RECORD_FIELDS},
+        **records,
     )
 
 

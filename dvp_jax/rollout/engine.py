@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,6 +60,8 @@ class Programs:
       loop: (params, state (donated), num_steps, span size (static), stop_at_finish) -> state;
         num_steps and the flag are traced, so one program serves every dispatch size.
       evict: (state (donated), slots [B] bool) -> state with those slots stopped, pages freed.
+      resume: (prefix, state (donated), slots [B], rows [B], steps [B]) -> state: preempted
+        responses (prompt + generated prefix, prefilled again) back in their slots.
       cast: (trainer parameter leaves) -> rollout leaves, where the trainer's arrays live.
     """
 
@@ -68,7 +71,18 @@ class Programs:
     step: Any
     loop: Any
     evict: Any
+    resume: Any
     cast: Any
+
+
+def device_memory_bytes(device=None) -> int:
+    """Memory one device can hold: the accelerator's allocator limit, or on CPU (which
+    reports none) the host's physical memory."""
+    device = device or jax.local_devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class RolloutEngine:
@@ -97,6 +111,9 @@ class RolloutEngine:
         abstract: bool = False,
     ):
         self.model_cfg, self.config = model_cfg, config
+        if not abstract:  # before anything is allocated: a cache the chip cannot hold
+            tp = dict(mesh.shape).get("tensor", 1) if mesh is not None else 1
+            config.check_pool_fits(model_cfg, tp, device_memory_bytes(), "EngineConfig")
         self.max_concurrent_decodes = config.max_concurrent_decodes  # the static sizes
         self.max_prefill_length = config.max_prefill_length
         self.max_decode_length = config.max_decode_length
@@ -151,6 +168,9 @@ class RolloutEngine:
         def insert(prefix, state, slots, rows, sample_index):
             return decode.insert(prefix, state, slots, rows, sample_index, dtype, layout)
 
+        def resume(prefix, state, slots, rows, steps):
+            return decode.insert(prefix, state, slots, rows, steps, dtype, layout, steps)
+
         def cast(leaves):
             # The policy's weight quantization first (the mismatch ladder of e004; quantized
             # kernels come back in the param dtype), then the cast to the rollout dtype.
@@ -177,6 +197,7 @@ class RolloutEngine:
                 out_shardings=state_sh,
             ),
             evict=jax.jit(decode.evict, donate_argnums=(0,), out_shardings=state_sh),
+            resume=jax.jit(resume, donate_argnums=(1,), out_shardings=state_sh),
             cast=jax.jit(cast),
         )
 
@@ -493,6 +514,47 @@ class RolloutEngine:
             np.int32(num_steps),
             self._span_size(span),
             np.bool_(stop_at_finish),
+        )
+
+    def resume_batch(
+        self,
+        params: nnx.State,
+        decode_state: DecodeState,
+        slots: Sequence[int],
+        sequences: Sequence[np.ndarray],
+        steps: Sequence[int],
+        keys: np.ndarray | None = None,
+    ) -> DecodeState:
+        """Puts preempted responses back (donates the state): slot `slots[i]` held a response
+        whose prompt and first `steps[i]` generated tokens are `sequences[i]`; they are
+        prefilled again (padded to a `kv_buckets` length: up to the cache, longer than any
+        prompt) and the slot goes on from step `steps[i]` with its own key and records, as if
+        never stopped (`decode.insert(resume_steps=)`). `keys`: `[n, 2]` the slots' raw keys
+        (None: the ones they were stopped with, which `evict` keeps); records stay as they
+        were stopped with."""
+        n = len(slots)
+        lengths = [len(x) for x in sequences]
+        if not n or max(lengths) > self.config.cache_length - 1:
+            raise ValueError(
+                f"resume_batch: 1..{self.config.max_concurrent_decodes} sequences of at most "
+                f"{self.config.cache_length - 1} tokens, got lengths {lengths}"
+            )
+        bucket = self.kv_bucket(max(lengths))
+        rows = self.config.row_buckets[bisect.bisect_left(self.config.row_buckets, n)]
+        tokens = np.zeros((rows, bucket), np.int32)
+        all_lengths = np.ones((rows,), np.int32)
+        for i, ids in enumerate(sequences):
+            tokens[i, : lengths[i]] = ids
+            all_lengths[i] = lengths[i]
+        if keys is None:
+            keys = np.asarray(jax.device_get(decode_state.key))[list(slots)]
+        all_keys = np.zeros((rows,) + keys.shape[1:], np.uint32)
+        all_keys[:n] = keys
+        prefix = self.programs.prefill(params, tokens, all_lengths, all_keys)
+        b = self.config.max_concurrent_decodes
+        pad = lambda v, fill: np.asarray(list(v) + [fill] * (b - n), np.int32)
+        return self.programs.resume(
+            prefix, decode_state, pad(slots, b), pad(range(n), 0), pad(steps, 0)
         )
 
     def evict(self, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:

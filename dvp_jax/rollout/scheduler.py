@@ -183,14 +183,23 @@ class Scheduler:
 
     Args:
       limits: the engine's sizes.
-      prompt_lengths: `[n]` prompt length of each request (request i is index i).
-      order: the queue's initial order of request indices (default 0..n-1).
+      prompt_lengths: `[n]` prompt length of each request known at the start (request i is
+        index i); `add` queues more.
+      order: the queue's initial order of those request indices (default 0..n-1).
+      resume: what an evicted response keeps. False (the RL loop): nothing, it is decoded again
+        from its prompt with the same keys, and it counts as admitted anew (younger than every
+        response then running). True (the server): its tokens, prefilled again with the
+        prompt when it is readmitted (`RolloutEngine.resume_batch`), and its rank by arrival.
     """
 
-    def __init__(self, limits: Limits, prompt_lengths: Sequence[int], order=None):
-        self.limits = limits
-        self.prompt_lengths = np.asarray(prompt_lengths, np.int64)
+    def __init__(
+        self, limits: Limits, prompt_lengths: Sequence[int] = (), order=None, resume=False
+    ):
+        self.limits, self.resume = limits, resume
+        self.prompt_lengths = [int(x) for x in prompt_lengths]
         n = len(self.prompt_lengths)
+        self.generated = [0] * n  # tokens a request keeps while it waits (resume only)
+        self.home = [-1] * n  # the slot a request must use (-1: any)
         self.pending = collections.deque(range(n) if order is None else order)
         b = limits.slots
         self.owner = np.full((b,), -1, np.int64)  # request in each slot, -1 free
@@ -200,6 +209,24 @@ class Scheduler:
         self.stats = Stats()
         self._admitted = 0
         self._started = np.zeros((b,), np.int64)  # step count at the last plan
+
+    def add(self, prompt_length: int, home: int = -1) -> int:
+        """Queues a request (at the back); returns its index. `home`: the slot it must use."""
+        self.prompt_lengths.append(int(prompt_length))
+        self.generated.append(0)
+        self.home.append(int(home))
+        self.pending.append(len(self.prompt_lengths) - 1)
+        return len(self.prompt_lengths) - 1
+
+    def cancel(self, request: int) -> int:
+        """Forgets a request, waiting or running; returns the slot it ran in (the caller stops
+        it on the device), or -1."""
+        if request in self.pending:
+            self.pending.remove(request)
+        slots = np.flatnonzero(self.owner == request)
+        for s in slots:
+            self.owner[s] = -1
+        return int(slots[0]) if slots.size else -1
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -217,14 +244,28 @@ class Scheduler:
         return int(np.sum(lim.pages(self.pos[slots] + steps)))
 
     def _need_new(self, requests: Sequence[int], k: int) -> int:
+        """Pages queued `requests` hold once admitted and k steps on."""
         lim = self.limits
-        steps = min(k, lim.max_decode_length)
-        return int(np.sum(lim.pages(self.prompt_lengths[list(requests)] + steps)))
+        done = np.asarray([self.generated[r] for r in requests], np.int64)
+        prompts = np.asarray([self.prompt_lengths[r] for r in requests], np.int64)
+        steps = np.minimum(k, lim.max_decode_length - done)
+        return int(np.sum(lim.pages(prompts + done + steps)))
 
     def _evict(self, slot: int) -> None:
-        self.pending.appendleft(int(self.owner[slot]))
+        request = int(self.owner[slot])
+        if self.resume:
+            self.generated[request] = int(self.step[slot])
+        self.pending.appendleft(request)
         self.owner[slot] = -1
         self.stats.evictions += 1
+
+    def _slot_for(self, request: int, free: list[int]) -> int | None:
+        """The free slot `request` takes: its home, or the first free one no waiting request
+        calls home."""
+        if self.home[request] >= 0:
+            return self.home[request] if self.home[request] in free else None
+        homes = {self.home[r] for r in self.pending}
+        return next((s for s in free if s not in homes), None)
 
     def plan(self) -> Dispatch:
         """The next round (call `observe` after running it)."""
@@ -253,14 +294,17 @@ class Scheduler:
                 held += self._need_new([r for _, r in admit] + [request], horizon)
                 if held > lim.num_pages:
                     break
+            slot = self._slot_for(request, free)
+            if slot is None:
+                break
             self.pending.popleft()
-            slot = free.pop(0)
+            free.remove(slot)
             admit.append((slot, request))
             self.owner[slot] = request
-            self.age[slot] = self._admitted
+            self.age[slot] = request if self.resume else self._admitted
             self._admitted += 1
-            self.pos[slot] = self.prompt_lengths[request]
-            self.step[slot] = 0
+            self.step[slot] = self.generated[request]
+            self.pos[slot] = self.prompt_lengths[request] + self.step[slot]
         self.stats.admissions += len(admit)
         active = np.flatnonzero(self.occupied)
         self._started = self.step.copy()
@@ -339,8 +383,9 @@ class Scheduler:
                 self.owner[s] = -1
                 self.stats.device_preemptions += 1
         ended = [(int(s), int(self.owner[s])) for s in np.flatnonzero(self.occupied & done)]
-        for s, _ in ended:
+        for s, r in ended:
             self.owner[s] = -1
+            self.home[r] = -1
         return ended
 
 
@@ -364,8 +409,8 @@ def simulate(scheduler: Scheduler, response_lengths, *, read_hook=None) -> Stats
         dispatch = scheduler.plan()
         for s in dispatch.evict:
             done[s] = True
-        for s, r in dispatch.admit:
-            step[s], done[s], pos[s] = 0, False, scheduler.prompt_lengths[r]
+        for s, _ in dispatch.admit:  # a resumed response goes on from its kept tokens
+            step[s], done[s], pos[s] = scheduler.step[s], False, scheduler.pos[s]
         owner = scheduler.owner.copy()
         was_done = done.copy()
         for _ in range(dispatch.num_steps):

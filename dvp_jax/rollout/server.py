@@ -48,6 +48,7 @@ from dvp_jax.model.config import PRECISIONS, DTypePolicy, ModelConfig
 from dvp_jax.rollout import loading
 from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
 from dvp_jax.rollout.jetstream import JetStreamEngine
+from dvp_jax.rollout.state import DECODE_ATTENTION
 from dvp_jax.sharding import (
     ROLLOUT_RULES,
     MeshConfig,
@@ -103,6 +104,19 @@ flags.DEFINE_float("temperature", _ENGINE.temperature, "Sampling temperature.")
 flags.DEFINE_float("log_rho", _ENGINE.log_rho, "log min-p threshold; -inf: no pruning.")
 flags.DEFINE_bool("greedy", _ENGINE.greedy, "Greedy decoding.")
 flags.DEFINE_integer("seed", _ENGINE.seed, "Base seed of the per-request keys.")
+flags.DEFINE_enum(
+    "decode_attention",
+    _ENGINE.decode_attention,
+    list(DECODE_ATTENTION),
+    "Decode attention: paged (kernel on TPU, ragged XLA elsewhere), paged_xla or dense.",
+)
+flags.DEFINE_integer("page_size", _ENGINE.page_size, "Positions per KV page (paged decode).")
+flags.DEFINE_integer(
+    "kv_pages",
+    _ENGINE.kv_pages,
+    "Pages in the KV pool (paged decode); unset: every slot at full length. Fewer admit more "
+    "requests than full-length slots: a request waits for pages when the pool is short.",
+)
 # The flags above that are `EngineConfig` fields, under the fields' names.
 _ENGINE_FLAGS = (
     "dtype",
@@ -114,6 +128,9 @@ _ENGINE_FLAGS = (
     "log_rho",
     "greedy",
     "seed",
+    "decode_attention",
+    "page_size",
+    "kv_pages",
 )
 flags.DEFINE_integer("tensor_parallel", 1, "Devices on the mesh's tensor axis.")
 flags.DEFINE_bool(

@@ -13,7 +13,7 @@ from flax import struct
 
 from dvp_jax.dvp import pruning
 from dvp_jax.model.attention import KVCache
-from dvp_jax.model.config import PRECISIONS
+from dvp_jax.model.config import PRECISIONS, DTypePolicy
 from dvp_jax.model.paged import Pages
 from dvp_jax.rollout import sampling
 
@@ -119,13 +119,48 @@ class EngineConfig:
 
     @staticmethod
     def check_kv_pages(kv_pages: int | None, cache_length: int, page_size: int, where: str):
-        """A page pool must hold one slot at full length: None, or at least
-        ceil(cache_length / page_size) pages. Raises ValueError naming `where.kv_pages`."""
+        """A page holds at most the cache (a bigger one only wastes memory: `page_size` <=
+        S), and a pool holds one slot at full length: None, or at least ceil(S / page_size)
+        pages. Raises ValueError naming `where.page_size` or `where.kv_pages`."""
+        if page_size > cache_length:
+            raise ValueError(
+                f"{where}.page_size must be <= the cache length S = {cache_length} (prompt + "
+                f"response positions; a larger page is memory no slot can use), got {page_size}"
+            )
         least = -(-cache_length // page_size)
         if kv_pages is not None and kv_pages < least:
             raise ValueError(
                 f"{where}.kv_pages must be None or an int >= {least} (one slot at full length: "
                 f"ceil({cache_length} / page_size {page_size})), got {kv_pages!r}"
+            )
+
+    def pool_bytes(self, model_cfg, tensor_parallel: int = 1) -> int:
+        """Bytes of the KV cache per chip: the paged pool (k and v, every layer) or the dense
+        `[B, S]` cache; kv heads split over `tensor_parallel` chips when it divides them."""
+        positions = (
+            self.num_pages * self.page_size
+            if self.paged
+            else (self.max_concurrent_decodes * self.cache_length)
+        )
+        itemsize = jax.numpy.dtype(DTypePolicy.named(self.dtype).cache_dtype).itemsize
+        per_position = 2 * model_cfg.n_layers * model_cfg.n_kv_heads * model_cfg.head_dim
+        split = tensor_parallel if model_cfg.n_kv_heads % tensor_parallel == 0 else 1
+        return positions * per_position * itemsize // split
+
+    def check_pool_fits(self, model_cfg, tensor_parallel: int, device_bytes: int, where: str):
+        """Refuses a KV cache larger than a chip's memory (`device_bytes`) before anything is
+        allocated, in one line naming the fields and the bytes."""
+        need = self.pool_bytes(model_cfg, tensor_parallel)
+        if need > device_bytes:
+            if self.paged:
+                field, shape = "kv_pages", f"{self.num_pages} pages of {self.page_size} positions"
+            else:
+                field = "max_concurrent_decodes"
+                shape = f"{self.max_concurrent_decodes} slots of {self.cache_length} positions"
+            raise ValueError(
+                f"{where}.{field}: the KV cache needs {need / 2**30:,.1f} GiB per chip ({shape}), "
+                f"more than the device's {device_bytes / 2**30:,.1f} GiB; lower "
+                f"{where}.kv_pages, page_size or max_concurrent_decodes"
             )
 
     @property
@@ -202,6 +237,8 @@ class Prefix:
       length: `[rows]` int32 true prompt lengths (BOS included).
       key: `[rows, 2]` uint32 raw PRNG keys of the requests.
       context: `[rows]` uint32 `sampling.context_hash` of each prompt (its logit noise).
+      tokens: `[rows, bucket]` int32 the prompts themselves (a server that preempts a request
+        prefills them again with what it generated: `jetstream.JetStreamEngine`).
     """
 
     cache: KVCache
@@ -209,6 +246,7 @@ class Prefix:
     length: jax.Array
     key: jax.Array
     context: jax.Array
+    tokens: jax.Array | None = None
 
 
 @struct.dataclass

@@ -27,7 +27,7 @@ from dvp_jax.data.tasks import GeneratedTask
 from dvp_jax.errors import ConfigError, DataError, UserError
 from dvp_jax.model import DTypePolicy, Transformer
 from dvp_jax.model.hf_import import load_hf
-from dvp_jax.rollout.engine import EngineConfig
+from dvp_jax.rollout.engine import EngineConfig, device_memory_bytes
 from dvp_jax.rollout.rollout import Rollout
 from dvp_jax.sharding import TRAIN_RULES, Sharder, init_sharded, make_mesh
 from dvp_jax.train import evaluation
@@ -106,6 +106,14 @@ def engine_config(cfg: ExperimentConfig, dtype: str = "") -> EngineConfig:
         max_prefill_length=cfg.data.max_prompt_len,
         log_rho=cfg.loss.effective_log_rho,
         seed=cfg.train.seed,
+    )
+
+
+def check_rollout_memory(cfg: ExperimentConfig) -> None:
+    """Refuses, in one line, a rollout KV cache larger than one of this host's devices can hold
+    (`EngineConfig.check_pool_fits`): run before the workdir or any model is touched."""
+    engine_config(cfg).check_pool_fits(
+        cfg.model, cfg.rollout.tensor_parallel, device_memory_bytes(), "config.rollout"
     )
 
 
