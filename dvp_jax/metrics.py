@@ -81,6 +81,11 @@ METRICS: dict[str, str] = {
     "safe_size_rollout_mean": "mean rollout safe-set size |V_S| (E1, E4)",
     "safe_size_rollout_max": "max rollout safe-set size |V_S| (E1, E4)",
     "frac_tokens_outside_train_safe": "sampled response tokens outside the trainer safe set (E5)",
+    # ----- top-k / top-p truncation (E13, dvp.diagnostics.truncation_metrics; only when on)
+    "truncated_mass_rollout_mean": "mean rollout mass removed by top-k / top-p (E13)",
+    "truncated_mass_rollout_max": "max rollout mass removed by top-k / top-p (E13)",
+    "frac_positions_truncated": "response positions where top-k / top-p removed mass (E13)",
+    "kept_size_rollout_mean": "mean size |K| of the rollout's kept set where it truncated (E13)",
     # ----- entropy, tail and sequence log-ratio (dvp.diagnostics.tail_metrics). "The
     # trainer safe set" here is V_S at LossConfig.log_rho (E1) also when the objective does not
     # prune; l_t = log pi(y_t) - log mu(y_t) unpruned, L = sum_t l_t per response (E6).

@@ -327,3 +327,42 @@ def log_softmax(z) -> np.ndarray:
     z = np.asarray(z, np.float64)
     m = z.max(axis=-1, keepdims=True)
     return z - m - np.log(np.exp(z - m).sum(axis=-1, keepdims=True))
+
+
+# ----------------------------------------------------------------------------- E13
+
+
+def truncation_set(z_row, top_k=0, top_p=1.0, max_kept=None, tau=1.0) -> list[int]:
+    """E13's kept set K of one position, in decreasing z (ties to the lower id): the max_kept
+    highest, the first top_k of them (0: all), then the ranks whose higher ranks' probability is
+    below top_p (renormalised over the top-k set when top_k > 0). Neither on: every id."""
+    z = np.asarray(z_row, np.float64) / tau
+    if top_k == 0 and top_p >= 1.0:
+        return list(range(len(z)))
+    order = sorted(range(len(z)), key=lambda a: (-z[a], a))[: max_kept or len(z)]
+    if top_k > 0:
+        order = order[:top_k]
+    probs = np.exp(z - _logsumexp(z if top_k == 0 else [z[a] for a in order]))
+    kept, before = [], 0.0
+    for a in order:
+        if top_p < 1.0 and before >= top_p:
+            break
+        kept.append(a)
+        before += probs[a]
+    return kept
+
+
+def truncated_token_logprob(z_row, y, kept, log_rho, tau=1.0) -> dict:
+    """E13 for one position: log pi_T(y) over V_T = {a in K : z_a >= max_K z + log_rho}
+    (-inf outside), in V_T, delta_T = 1 - pi(V_T), |V_T|, and pi's mass outside K."""
+    z = np.asarray(z_row, np.float64) / tau
+    top = max(z[a] for a in kept)
+    v_t = sorted(a for a in kept if z[a] >= top + log_rho)
+    probs = np.exp(z - _logsumexp(z))
+    return {
+        "logp": z[y] - _logsumexp([z[a] for a in v_t]) if y in v_t else -math.inf,
+        "in_safe": y in v_t,
+        "pruned_mass": 1.0 - sum(probs[a] for a in v_t),
+        "safe_size": len(v_t),
+        "truncated_mass": 1.0 - sum(probs[a] for a in kept),
+    }

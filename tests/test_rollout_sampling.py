@@ -29,7 +29,7 @@ def _np_reference(logits, tokens, temperature, log_rho):
 
 
 # One jitted sampler for all tests (eager op-by-op dispatch is slower than compiling).
-_sample = jax.jit(sampling.sample)
+_sample = jax.jit(lambda *a: sampling.sample(*a)[:2])  # (tokens, TokenLogprobs)
 
 
 def _keys(seed, n):
@@ -210,17 +210,17 @@ def test_sampler_calls_the_pruning_core(monkeypatch):
     """The sampler's E1-E3 numbers come from `pruning`: a change there reaches the sampler."""
     core = pruning.safe_set_sums
 
-    def doubled_outside(z, log_rho):
-        sums = core(z, log_rho)
+    def doubled_outside(z, log_rho, kept=None):
+        sums = core(z, log_rho, kept)
         return sums._replace(sum_out=2.0 * sums.sum_out)
 
     logits = jnp.asarray(3.0 * np.random.default_rng(7).standard_normal((8, 16)), jnp.float32)
     params = sampling.SamplingParams.create(log_rho=-2.0)
     keys = _keys(7, 8)
     # A fresh jit per call (distinct lambdas), so the second one traces the patched core.
-    _, base = jax.jit(lambda *a: sampling.sample(*a))(keys, logits, params)
+    _, base = jax.jit(lambda *a: sampling.sample(*a)[:2])(keys, logits, params)
     monkeypatch.setattr(pruning, "safe_set_sums", doubled_outside)
-    _, changed = jax.jit(lambda *a: sampling.sample(*a))(keys, logits, params)
+    _, changed = jax.jit(lambda *a: sampling.sample(*a)[:2])(keys, logits, params)
     mass = np.asarray(base.pruned_mass)
     assert (mass > 0).all()
     # delta' = 2 O / (S + 2 O) = 2 delta / (1 + delta); float32 rounding of a ratio of sums.
@@ -253,7 +253,7 @@ def test_tail_noise_off_by_default_is_bit_identical():
         default.temperature, default.log_rho, default.noise_std, default.greedy
     )
     tokens, st = _sample(keys, logits, default, context)
-    old_tokens, old = jax.jit(sampling.sample)(keys, logits, legacy, context)
+    old_tokens, old = _sample(keys, logits, legacy, context)
     np.testing.assert_array_equal(tokens, old_tokens)
     noise = jax.vmap(
         lambda c: jax.random.normal(

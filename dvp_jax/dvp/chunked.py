@@ -88,9 +88,21 @@ def _chunk_logits(h, w, i, chunk, inv_tau, precision, col0):
     return z * inv_tau, col0 + local, local >= first_new, start, w_c
 
 
-def _forward(h, w, y, log_rho, temperature, chunk_size, precision, axes, with_h):
+def _kept_chunk(kept, cols):
+    """`[N, C]` bool: column `cols` (`[C]` consecutive global ids) in each row's kept set K
+    (E13; `kept` `[N, W]` ids, -1 padded; a row of -1 only keeps everything). A scatter of the
+    W ids into the chunk, N W writes, instead of an `[N, C, W]` comparison."""
+    n, c = kept.shape[0], cols.shape[0]
+    local = kept - cols[0]
+    local = jnp.where((kept >= 0) & (local >= 0) & (local < c), local, c)  # c: dump column
+    mask = jnp.zeros((n, c + 1), bool).at[jnp.arange(n)[:, None], local].set(True)[:, :c]
+    return mask | jnp.all(kept < 0, axis=-1, keepdims=True)
+
+
+def _forward(h, w, y, kept, log_rho, temperature, chunk_size, precision, axes, with_h):
     """Both passes on the local vocabulary shard, combined across shards. Returns
-    `((TokenLogprobs, PositionStats), residuals)`; `with_h` adds `policy_entropy`."""
+    `((TokenLogprobs, PositionStats), residuals)`; `with_h` adds `policy_entropy`; `kept`
+    `[N, W]` the rollout's truncation sets (E13; W = 0: none)."""
     w_local = w
     w = gather_w(w, axes)
     chunk, n_chunks = _chunk_geometry(w.shape[1], chunk_size)
@@ -106,14 +118,26 @@ def _forward(h, w, y, log_rho, temperature, chunk_size, precision, axes, with_h)
         hit = valid & (cols[None, :] == y[:, None])
         return jnp.sum(jnp.where(hit, z, 0.0), axis=-1)
 
-    if pruning_enabled(log_rho):
-        # Pass 1: row max m over all valid columns (local max, then across vocabulary shards).
-        def max_body(m, i):
-            z, _, valid, _, _ = logits(i)
-            return jnp.maximum(m, jnp.max(jnp.where(valid, z, -jnp.inf), axis=-1)), None
+    truncated = kept.shape[-1] > 0  # static
+    in_kept = lambda valid, cols: valid & _kept_chunk(kept, cols) if truncated else valid
+    if pruning_enabled(log_rho) or truncated:
+        # Pass 1: row max m over all valid columns (local max, then across vocabulary shards);
+        # with truncation also the max m_K over the kept set K, E1's reference there (E13).
+        def max_body(carry, i):
+            z, cols, valid, _, _ = logits(i)
+            top = lambda mask: jnp.max(jnp.where(mask, z, -jnp.inf), axis=-1)
+            if not truncated:
+                return jnp.maximum(carry, top(valid)), None
+            m, m_kept = carry
+            return (
+                jnp.maximum(m, top(valid)),
+                jnp.maximum(m_kept, top(in_kept(valid, cols))),
+            ), None
 
-        m = vocab_max(jax.lax.scan(max_body, neg_inf, idx)[0], axes)
-        thr = m + log_rho
+        init = (neg_inf, neg_inf) if truncated else neg_inf
+        m = vocab_max(jax.lax.scan(max_body, init, idx)[0], axes)
+        m, m_kept = m if truncated else (m, m)
+        thr = m_kept + (log_rho if pruning_enabled(log_rho) else -jnp.inf)
 
         # Pass 2: sums of exp(z - m) (each term <= 1) inside and outside V_S, |V_S| and the
         # target logit. The outside sum gives delta_S without 1 - S/F cancellation. u is the
@@ -121,7 +145,7 @@ def _forward(h, w, y, log_rho, temperature, chunk_size, precision, axes, with_h)
         def sum_body(carry, i):
             s_safe, s_out, size, z_y, u, *u_safe = carry
             z, cols, valid, _, _ = logits(i)
-            safe = valid & (z >= thr[:, None])
+            safe = in_kept(valid, cols) & (z >= thr[:, None])
             shifted = z - m[:, None]
             e = jnp.exp(shifted)
             out = (
@@ -142,6 +166,9 @@ def _forward(h, w, y, log_rho, temperature, chunk_size, precision, axes, with_h)
         s_full = s_safe + s_out
         pruned_mass = s_out / s_full
         in_safe = z_y >= thr
+        if truncated:  # y in K; s_safe >= exp(m_K - m) > 0 unless K lies ~87 nats under m
+            in_safe = in_safe & (jnp.any(kept == y[:, None], -1) | jnp.all(kept < 0, -1))
+            s_safe = jnp.maximum(s_safe, jnp.finfo(jnp.float32).tiny)
     else:
         # No pruning: one pass with an online (rescaled) logsumexp per shard, then the shards'
         # (max, sum) pairs are rescaled to the global max and added. The entropy sum
@@ -162,11 +189,12 @@ def _forward(h, w, y, log_rho, temperature, chunk_size, precision, axes, with_h)
         u_local = _rescale_u(u_local, s_local, m_local, m)
         s_full, z_y, u = vocab_sum((s_local * jnp.exp(m_local - m), z_y, u_local), axes)
         s_safe, u_safe = s_full, [u]
+        thr = neg_inf
         pruned_mass = jnp.zeros_like(s_full)
         size = jnp.full((n,), w.shape[1] * axes.n_vocab, jnp.int32)
         in_safe = jnp.ones((n,), bool)
 
-    lse_safe = m + jnp.log(s_safe)  # s_safe >= 1: the argmax is always safe
+    lse_safe = m + jnp.log(s_safe)  # s_safe >= 1: the argmax is always safe (E13: > 0)
     lse_full = m + jnp.log(s_full)
     # H = -sum p (z - lse) = log s - u / s with p = exp(z - m) / s (s >= 1, u <= 0).
     stats = PositionStats(entropy=jnp.log(s_full) - u / s_full, log_rel=z_y - m)
@@ -180,8 +208,8 @@ def _forward(h, w, y, log_rho, temperature, chunk_size, precision, axes, with_h)
         logp_full=z_y - lse_full,
     )
     # The local (un-gathered) W shard is kept; the backward pass gathers it again.
-    residuals = (h, w_local, y, m, lse_safe, lse_full, in_safe, pruned_mass, stats.policy_entropy)
-    return (out, stats), residuals
+    residuals = (h, w_local, y, kept, m, thr, lse_safe, lse_full, in_safe, pruned_mass)
+    return (out, stats), residuals + (stats.policy_entropy,)
 
 
 def _rescale_u(u, s, m, m_new):
@@ -191,13 +219,13 @@ def _rescale_u(u, s, m, m_new):
     return jnp.exp(m - m_new) * (u + s * gap)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
-def _chunked(h, w, y, log_rho, temperature, chunk_size, precision, axes, with_h):
-    return _forward(h, w, y, log_rho, temperature, chunk_size, precision, axes, with_h)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _chunked(h, w, y, kept, log_rho, temperature, chunk_size, precision, axes, with_h):
+    return _forward(h, w, y, kept, log_rho, temperature, chunk_size, precision, axes, with_h)[0]
 
 
-def _chunked_fwd(h, w, y, log_rho, temperature, chunk_size, precision, axes, with_h):
-    return _forward(h, w, y, log_rho, temperature, chunk_size, precision, axes, with_h)
+def _chunked_fwd(h, w, y, kept, log_rho, temperature, chunk_size, precision, axes, with_h):
+    return _forward(h, w, y, kept, log_rho, temperature, chunk_size, precision, axes, with_h)
 
 
 def _chunked_bwd(log_rho, temperature, chunk_size, precision, axes, with_h, residuals, all_cts):
@@ -208,19 +236,21 @@ def _chunked_bwd(log_rho, temperature, chunk_size, precision, axes, with_h, resi
       d logp_full / dz_b   = 1[b = y] - p_b
       d pruned_mass / dz_b = p_b ((1 - delta_S) - S_b)
       d policy_entropy / dz_b = -q_b (log q_b + H(q))   (with_h; q = p without pruning)
-    and dz/d(h W) = 1/tau. Every factor is per column given the global (m, lse_safe, lse_full)
+    and dz/d(h W) = 1/tau. With a truncation set K (E13) V_S is V_T = K cap {z >= m_K + log rho}
+    and q is computed as exp(z - lse_safe) directly (lse_safe may lie far below lse_full).
+    Every factor is per column given the global (m, lse_safe, lse_full)
     of the forward pass, so each vocabulary shard computes its own columns' dz: dW stays on its
     shard (summed over the row shards) and dh is summed over the vocabulary shards. The
     `PositionStats` diagnostics' cotangents are ignored (the public functions return them under
     stop-gradient, so theirs are always zero); `policy_entropy`'s is used.
     """
     cts = all_cts[0]
-    h, w_local, y, m, lse_safe, lse_full, in_safe, pruned_mass, h_policy = residuals
+    h, w_local, y, kept, m, thr, lse_safe, lse_full, in_safe, pruned_mass, h_policy = residuals
+    truncated = kept.shape[-1] > 0
     w = gather_w(w_local, axes)
     chunk, n_chunks = _chunk_geometry(w.shape[1], chunk_size)
     inv_tau = 1.0 / temperature
     col0 = first_column(w, axes)
-    thr = m + (log_rho if pruning_enabled(log_rho) else -jnp.inf)
     g_logp = jnp.where(in_safe, cts.logp.astype(jnp.float32), 0.0)
     g_full = cts.logp_full.astype(jnp.float32)
     g_mass = cts.pruned_mass.astype(jnp.float32)
@@ -230,9 +260,15 @@ def _chunked_bwd(log_rho, temperature, chunk_size, precision, axes, with_h, resi
     def body(carry, i):
         dh, dw = carry
         z, cols, valid, start, w_c = _chunk_logits(h, w, i, chunk, inv_tau, precision, col0)
-        safe = valid & (z >= thr[:, None])
+        if truncated:
+            safe = valid & _kept_chunk(kept, cols) & (z >= thr[:, None])
+        else:
+            safe = valid & (z >= thr[:, None])
         p = jnp.where(valid, jnp.exp(z - lse_full[:, None]), 0.0)
-        q = jnp.where(safe, p * full_over_safe[:, None], 0.0)  # softmax over V_S, one exp
+        if truncated:
+            q = jnp.where(safe, jnp.exp(z - lse_safe[:, None]), 0.0)
+        else:
+            q = jnp.where(safe, p * full_over_safe[:, None], 0.0)  # softmax over V_S, one exp
         onehot = (valid & (cols[None, :] == y[:, None])).astype(jnp.float32)
         dz = (
             g_logp[:, None] * (onehot - q)
@@ -259,7 +295,7 @@ def _chunked_bwd(log_rho, temperature, chunk_size, precision, axes, with_h, resi
     (dh, dw), _ = jax.lax.scan(body, init, jnp.arange(n_chunks))
     dh = vocab_sum(dh, axes)
     dw = reduce_dw(dw, axes)
-    return dh.astype(h.dtype), dw.astype(w_local.dtype), None
+    return dh.astype(h.dtype), dw.astype(w_local.dtype), None, None
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
@@ -282,6 +318,7 @@ def chunked_token_stats(
     precision: jax.lax.Precision | str | None = None,
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
     policy_entropy: bool = False,
+    kept_ids: jax.Array | None = None,
 ) -> tuple[TokenLogprobs, PositionStats]:
     """Pruned token log-probabilities (E1-E3) of targets y and per-position diagnostics, in
     vocabulary chunks.
@@ -338,6 +375,10 @@ def chunked_token_stats(
       mesh: the device mesh to partition over (see above); None looks it up from the arrays'
         types or the context.
       policy_entropy: static; also return `PositionStats.policy_entropy` (differentiable).
+      kept_ids: `[..., W]` int the rollout's truncation set K of each position (E13: ids, -1
+        padded, a row of -1 only = no truncation); None or W = 0: none. With K, V_S becomes
+        V_T = {a in K : z_a >= max_{b in K} z_b + log_rho}: pass 1 also takes max over K, each
+        chunk marks K's columns by a scatter of the W ids, and the backward pass does the same.
 
     Returns:
       `(TokenLogprobs, PositionStats)` whose fields have the leading shape of `h` (`[N]`):
@@ -355,12 +396,21 @@ def chunked_token_stats(
     n = math.prod(h.shape[:-1])
     mesh = find_mesh(h, w, mesh)
     axes = LOCAL if mesh is None else mesh_axes(mesh, n, *w.shape)
+    if kept_ids is None:
+        kept_ids = jnp.zeros(h.shape[:-1] + (0,), jnp.int32)
+    if kept_ids.shape[:-1] != h.shape[:-1]:
+        raise ValueError(
+            f"kept_ids must have shape h.shape[:-1] + (W,) = {h.shape[:-1]} + (W,), "
+            f"got {kept_ids.shape}."
+        )
+    width = kept_ids.shape[-1]
 
-    def run(h, w, y):
+    def run(h, w, y, kept):
         args = (log_rho, float(temperature), int(chunk_size), precision, axes, policy_entropy)
-        return _chunked(h, w, y, *args)
+        return _chunked(h, w, y, kept, *args)
 
     lead, y = h.shape[:-1], y.astype(jnp.int32)
+    kept_ids = kept_ids.astype(jnp.int32)
     if mesh is None:
         if jax.sharding.AxisType.Manual in jax.sharding.get_abstract_mesh().axis_types:
             # Inside the caller's shard_map: h and W are made to vary over every axis that h, W
@@ -368,7 +418,7 @@ def chunked_token_stats(
             # then sums dh / dW over the axes added here.
             tag = _zeros((), h, w, y)
             h, w = h + tag.astype(h.dtype), w + tag.astype(w.dtype)
-        out = run(h.reshape(n, h.shape[-1]), w, y.reshape(n))
+        out = run(h.reshape(n, h.shape[-1]), w, y.reshape(n), kept_ids.reshape(n, width))
         return _outputs(out, lambda x: x.reshape(lead))
     row = axes.rows or None
     h_spec, w_spec, y_spec = P(row, None), P(axes.embed, axes.vocab), P(row)
@@ -391,10 +441,12 @@ def chunked_token_stats(
     with jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh)):
         h = reshape_to(h, (n, h.shape[-1]), placed(h_spec))
         y = reshape_to(y, (n,), placed(y_spec))
+        kept_spec = P(row, None)
+        kept_ids = reshape_to(kept_ids, (n, width), placed(kept_spec))
         w = jax.sharding.reshard(w, placed(w_spec)) if explicit else w
-        out = jax.shard_map(run, mesh=mesh, in_specs=(h_spec, w_spec, y_spec), out_specs=y_spec)(
-            h, w, y
-        )
+        out = jax.shard_map(
+            run, mesh=mesh, in_specs=(h_spec, w_spec, y_spec, kept_spec), out_specs=y_spec
+        )(h, w, y, kept_ids)
         return _outputs(out, lambda x: reshape_to(x, lead, placed(lead_spec)))
 
 

@@ -154,6 +154,31 @@ def pruning_metrics(
     return out
 
 
+def truncation_metrics(
+    behaviour_truncated_mass: jax.Array, behaviour_kept_ids: jax.Array, response_mask: jax.Array
+) -> dict[str, jax.Array]:
+    """What the rollout's top-k / top-p truncation removed (E13), over response tokens.
+
+    Keys: truncated_mass_rollout_mean / _max (mu's mass outside the kept set K),
+    frac_positions_truncated (positions where K removed any mass), kept_size_rollout_mean (|K|
+    over the truncated positions; 0 if none).
+
+    Args:
+      behaviour_truncated_mass: `[B, T]` mass outside K recorded by the rollout.
+      behaviour_kept_ids: `[B, T, W]` K's ids (-1 padded; all -1: untruncated).
+      response_mask: `[B, T]` response tokens.
+    """
+    mask = response_mask.astype(bool)
+    size = jnp.sum(behaviour_kept_ids >= 0, axis=-1)
+    truncated = mask & (size > 0)
+    return {
+        "truncated_mass_rollout_mean": masked_mean(behaviour_truncated_mass, mask),
+        "truncated_mass_rollout_max": _masked_max(behaviour_truncated_mass, mask),
+        "frac_positions_truncated": masked_mean(behaviour_truncated_mass > 0, mask),
+        "kept_size_rollout_mean": masked_mean(size, truncated),
+    }
+
+
 def exclusion_metrics(
     response_mask: jax.Array,
     excluded: jax.Array,

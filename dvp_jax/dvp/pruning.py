@@ -134,20 +134,33 @@ class SafeSetSums(NamedTuple):
         return jnp.sum(self.safe, axis=-1, dtype=jnp.int32)
 
 
-def safe_set_sums(z: jax.Array, log_rho: float | jax.Array | None) -> SafeSetSums:
+def safe_set_sums(
+    z: jax.Array, log_rho: float | jax.Array | None, kept: jax.Array | None = None
+) -> SafeSetSums:
     """The core of E1-E3 on already-scaled float32 logits z `[..., V]` (z = logits / tau).
+
+    With a truncation set K (`kept`, E13) the support is V_T = {a in K : z_a >= max_{b in K} z_b
+    + log_rho}: E1 applied to z restricted to K, and `safe` / `sum_safe` / `pruned_mass` /
+    `safe_size` describe V_T (the shift stays the global max, so every exponential is <= 1).
 
     Args:
       z: `[..., V]` float32 scaled logits.
       log_rho: log min-p threshold (<= 0), a Python number or a (traced) float array broadcasting
         against `z[..., :1]`; None or -inf keeps the full vocabulary.
+      kept: `[..., V]` bool truncation set K (`kept_mask`); None: K is the whole vocabulary.
 
     Returns:
       `SafeSetSums`.
     """
     z_max = jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
     shifted = z - z_max
-    safe = z >= z_max + _as_log_rho(log_rho)  # E1
+    if kept is None:
+        safe = z >= z_max + _as_log_rho(log_rho)  # E1
+    else:  # E13: E1 relative to the kept set's max
+        kept_max = jax.lax.stop_gradient(
+            jnp.max(jnp.where(kept, z, -jnp.inf), axis=-1, keepdims=True)
+        )
+        safe = kept & (z >= kept_max + _as_log_rho(log_rho))
     e = jnp.exp(shifted)  # <= 1, never overflows
     return SafeSetSums(
         z_max=z_max,
@@ -185,7 +198,11 @@ def token_logprobs(sums: SafeSetSums, y: jax.Array) -> TokenLogprobs:
 
 
 def pruned_token_logprobs(
-    logits: jax.Array, y: jax.Array, log_rho: float | jax.Array | None, temperature=1.0
+    logits: jax.Array,
+    y: jax.Array,
+    log_rho: float | jax.Array | None,
+    temperature=1.0,
+    kept_ids: jax.Array | None = None,
 ) -> TokenLogprobs:
     """Log pi_S(y) (E2) and friends from full logits, by gather (the unchunked path).
 
@@ -194,11 +211,33 @@ def pruned_token_logprobs(
       y: `[...]` int token ids in [0, V).
       log_rho: log min-p threshold; None or -inf means no pruning.
       temperature: tau > 0.
+      kept_ids: `[..., W]` the rollout's kept set K of each position (E13, `kept_mask`); None
+        or W = 0: no truncation.
 
     Returns:
       `TokenLogprobs` with fields of shape `[...]`.
     """
-    return token_logprobs(safe_set_sums(_scaled_logits(logits, temperature), log_rho), y)
+    z = _scaled_logits(logits, temperature)
+    kept = None
+    if kept_ids is not None and kept_ids.shape[-1] > 0:
+        kept = kept_mask(kept_ids, z.shape[-1])
+    return token_logprobs(safe_set_sums(z, log_rho, kept), y)
+
+
+def kept_mask(kept_ids: jax.Array, vocab: int) -> jax.Array:
+    """`[..., V]` bool truncation set K (E13) from the rollout's kept ids `[..., W]`.
+
+    `kept_ids` lists K's token ids, padded with -1; a row of -1 only (a position sampled
+    without truncation, or no position at all) means K = the whole vocabulary.
+    """
+    lead, width = kept_ids.shape[:-1], kept_ids.shape[-1]
+    ids = kept_ids.reshape(-1, width)
+    rows = jnp.arange(ids.shape[0])[:, None]
+    # -1 goes to a dump column V, cut off after the scatter.
+    cols = jnp.where(ids >= 0, ids, vocab)
+    mask = jnp.zeros((ids.shape[0], vocab + 1), bool).at[rows, cols].set(True)[:, :vocab]
+    untruncated = jnp.all(ids < 0, axis=-1, keepdims=True)
+    return (mask | untruncated).reshape(*lead, vocab)
 
 
 __all__ = [
@@ -209,6 +248,7 @@ __all__ = [
     "TokenLogprobs",
     "check_log_rho",
     "check_temperature",
+    "kept_mask",
     "pruned_token_logprobs",
     "pruning_enabled",
     "safe_set_sums",

@@ -48,9 +48,11 @@ def empty_state(
     layout: str,
     params: sampling.SamplingParams,
     pool: tuple[int, int] | None = None,
+    kept_width: int = 0,
 ) -> DecodeState:
     """`slots` empty (done) slots with a zero cache of `cache_length` positions per slot, or,
-    with `pool` = (pages, page_size), a paged cache of that many pages, all free."""
+    with `pool` = (pages, page_size), a paged cache of that many pages, all free; `kept_width`
+    kept ids per token (E13, `EngineConfig.kept_width`)."""
     b, m = slots, max_decode_length
     storage = cache_storage(cache_dtype)
     if pool is None:
@@ -74,6 +76,8 @@ def empty_state(
         behaviour_logp_full=jnp.zeros((b, m), jnp.float32),
         behaviour_pruned_mass=jnp.zeros((b, m), jnp.float32),
         behaviour_safe_size=jnp.zeros((b, m), jnp.int32),
+        behaviour_kept_ids=jnp.zeros((b, m, kept_width), jnp.int32),
+        behaviour_truncated_mass=jnp.zeros((b, m), jnp.float32),
         sampling=params,
     )
 
@@ -222,12 +226,16 @@ def step(
         state.key, state.step
     )
     # tokens [B] and their pruning.TokenLogprobs (E2-E4) under the slot's mu_S.
-    tokens, sampled = sampling.sample(keys, state.logits, state.sampling, state.context)
+    width = state.behaviour_kept_ids.shape[-1]  # static: E13's kept set, 0 without truncation
+    tokens, sampled, truncated = sampling.sample(
+        keys, state.logits, state.sampling, state.context, kept_width=width
+    )
 
     rows, col = jnp.arange(b), jnp.minimum(state.step, m - 1)
 
     def record(buf, value):
-        return buf.at[rows, col].set(jnp.where(active, value, buf[rows, col]).astype(buf.dtype))
+        live = active.reshape(active.shape + (1,) * (value.ndim - 1))
+        return buf.at[rows, col].set(jnp.where(live, value, buf[rows, col]).astype(buf.dtype))
 
     new_step = state.step + active.astype(jnp.int32)
     stop = jnp.isin(tokens, jnp.asarray(stop_tokens, jnp.int32))
@@ -252,6 +260,8 @@ def step(
         behaviour_logp_full=record(state.behaviour_logp_full, sampled.logp_full),
         behaviour_pruned_mass=record(state.behaviour_pruned_mass, sampled.pruned_mass),
         behaviour_safe_size=record(state.behaviour_safe_size, sampled.safe_size),
+        behaviour_kept_ids=record(state.behaviour_kept_ids, truncated.kept_ids),
+        behaviour_truncated_mass=record(state.behaviour_truncated_mass, truncated.truncated_mass),
     )
     return new_state, jnp.stack([tokens, active.astype(jnp.int32), new_step], axis=-1)
 

@@ -163,7 +163,9 @@ class RolloutEngine:
 
         def init_state(params):
             b, m = cfg.max_concurrent_decodes, cfg.max_decode_length
-            return decode.empty_state(self.model_cfg, b, m, s, dtype, layout, params, pool)
+            return decode.empty_state(
+                self.model_cfg, b, m, s, dtype, layout, params, pool, cfg.kept_width
+            )
 
         def insert(prefix, state, slots, rows, sample_index):
             return decode.insert(prefix, state, slots, rows, sample_index, dtype, layout)
@@ -279,7 +281,7 @@ class RolloutEngine:
         return DecodeState(
             cache=KVCache(cache, cache),
             **{f: rep for f in ("logits", "pos", "step", "done", "key", "context") + RECORD_FIELDS},
-            sampling=sampling.SamplingParams(rep, rep, rep, rep, rep),
+            sampling=jax.tree.map(lambda _: rep, self.config.sampling_params()),
             pages=pages,
         )
 
@@ -394,6 +396,11 @@ class RolloutEngine:
     ) -> DecodeState:
         """All slots empty (done). `sampling` overrides the config's sampling parameters."""
         del args, kwargs
+        if sampling is not None and sampling.truncates and not self.config.kept_width:
+            raise ValueError(
+                "sampling asks for top_k / top_p but the engine was built without truncation: "
+                "set EngineConfig.top_k or top_p (rollout.top_k / rollout.top_p)"
+            )
         return self.programs.init_state(sampling or self.config.sampling_params())
 
     def insert_batch(

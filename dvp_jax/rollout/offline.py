@@ -52,6 +52,9 @@ class RolloutBatch:
       response_lengths: [N] int32, R.
       finished: [N] bool, True if the response ended with a stop token (else it was cut at
         `max_decode_length`).
+      behaviour_kept_ids: [N, T, W] int32, the truncation set K of each token (E13; -1 padded,
+        all -1 where untruncated; W = 0 without top-k / top-p; None given: W = 0).
+      behaviour_truncated_mass: [N, T] float32, mu's mass outside K (E13; None given: 0).
     """
 
     tokens: np.ndarray
@@ -66,6 +69,16 @@ class RolloutBatch:
     prompt_lengths: np.ndarray
     response_lengths: np.ndarray
     finished: np.ndarray
+    behaviour_kept_ids: np.ndarray | None = None
+    behaviour_truncated_mass: np.ndarray | None = None
+
+    def __post_init__(self):
+        # Built without truncation records (no top-k / top-p): zero-width kept sets, no mass.
+        n, t = self.tokens.shape
+        if self.behaviour_kept_ids is None:
+            object.__setattr__(self, "behaviour_kept_ids", np.zeros((n, t, 0), np.int32))
+        if self.behaviour_truncated_mass is None:
+            object.__setattr__(self, "behaviour_truncated_mass", np.zeros((n, t), np.float32))
 
     @property
     def num_rows(self) -> int:
@@ -165,7 +178,10 @@ def generate_rollouts(
 
     state = engine.init_decode_state(sampling=sampling)
     # One [N, T] host array per engine record (`RECORD_FIELDS`), in the record's dtype.
-    records = {f: np.zeros((n, t), getattr(state, f).dtype) for f in RECORD_FIELDS}
+    records = {
+        f: np.zeros((n, t) + getattr(state, f).shape[2:], getattr(state, f).dtype)
+        for f in RECORD_FIELDS
+    }
     tokens = records["tokens"]
     prompt_lengths = np.zeros((n,), np.int32)
     response_lengths = np.zeros((n,), np.int32)

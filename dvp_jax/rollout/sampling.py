@@ -1,11 +1,17 @@
-"""Min-p sampling for rollouts: temperature, optional logit noise, safe-set pruning (E1, E4).
+"""Rollout sampling: temperature, optional logit noise, top-k / top-p, min-p pruning (E1, E4, E13).
 
-One step for a batch of rows, a pure function of arrays (`decode.step` calls it):
+One step for a batch of rows, a pure function of arrays (`decode.step` calls it), in this order:
 
   z  = (logits + sigma * s * n(c)) / tau   sigma = `noise_std` (default 0), c = the context,
                                            s = 1, or the tail ramp (`tail_ramp`)
-  V_S = { a : z_a >= max_b z_b + log_rho }  (E1; log_rho = -inf keeps the whole vocabulary)
+  K  = top-k, then top-p of softmax(z)     (E13, `truncation`; off by default: K = everything)
+  V_S = { a in K : z_a >= max_{b in K} z_b + log_rho }  (E1 on K; K holds the argmax, so this
+                                           is E1 unchanged; log_rho = -inf keeps all of K)
   y  ~ mu_S = softmax(z restricted to V_S)  (E4, `inverse_cdf_draw`), or argmax z when greedy
+
+Truncation before min-p (the order of Hugging Face's warpers; vLLM applies min-p first): K is a
+function of the model's own tempered distribution, so the trainer can intersect it with its
+own safe set (E13) and DVP's E1 is the same rule on both sides whatever K is.
 
 and records the sampled token's `pruning.TokenLogprobs` (E2-E4) from `pruning.safe_set_sums`
 and `pruning.token_logprobs`, the code the trainer's `pruning.pruned_token_logprobs` runs.
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +70,10 @@ class SamplingParams:
         token a's noise is scaled by clip((gap_a - G/2) / (G/2), 0, 1), gap_a its distance
         below the row max on the unperturbed tempered logits. 0 (the default): uniform noise.
         None behaves as 0.
+      top_k: int32 k >= 0: keep the k highest tokens (E13); 0 (the default): off.
+      top_p: float32 p in (0, 1]: keep the smallest set of the highest tokens (after top-k,
+        renormalised over it) whose probability reaches p (E13); 1 (the default): off. Both
+        act only in an engine compiled with a kept width (`sample(kept_width=)`); None: off.
     """
 
     temperature: jax.Array
@@ -70,6 +81,8 @@ class SamplingParams:
     noise_std: jax.Array
     greedy: jax.Array
     noise_tail_gap: jax.Array | None = None
+    top_k: jax.Array | None = None
+    top_p: jax.Array | None = None
 
     @classmethod
     def create(
@@ -79,16 +92,29 @@ class SamplingParams:
         noise_std: float = 0.0,
         greedy: bool = False,
         noise_tail_gap: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
     ) -> SamplingParams:
         """Validated constructor from Python values (see `check_sampling_values`)."""
-        check_sampling_values(temperature, log_rho, noise_std, noise_tail_gap)
+        check_sampling_values(
+            temperature, log_rho, noise_std, noise_tail_gap, top_k=top_k, top_p=top_p
+        )
         return cls(
             temperature=jnp.asarray(temperature, jnp.float32),
             log_rho=jnp.asarray(log_rho, jnp.float32),
             noise_std=jnp.asarray(noise_std, jnp.float32),
             greedy=jnp.asarray(bool(greedy)),
             noise_tail_gap=jnp.asarray(noise_tail_gap, jnp.float32),
+            top_k=jnp.asarray(top_k, jnp.int32),
+            top_p=jnp.asarray(top_p, jnp.float32),
         )
+
+    @property
+    def truncates(self) -> bool:
+        """Whether these (concrete) parameters ask for top-k or top-p (host-side check)."""
+        k = 0 if self.top_k is None else int(self.top_k)
+        p = 1.0 if self.top_p is None else float(self.top_p)
+        return k > 0 or p < 1.0
 
 
 def check_sampling_values(
@@ -97,6 +123,9 @@ def check_sampling_values(
     noise_std: float | None,
     noise_tail_gap: float | None = 0.0,
     owner: str = "SamplingParams",
+    *,
+    top_k: int | None = 0,
+    top_p: float | None = 1.0,
 ) -> None:
     """The one validation of each sampling setting; None: not set where `owner` holds them
     (a run's `rollout` section has no log_rho: the loss's is the rule).
@@ -118,6 +147,16 @@ def check_sampling_values(
             raise ValueError(f"{owner}.{name} must be a finite number >= 0{note}, got {value!r}")
         if not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{owner}.{name} must be a finite number >= 0{note}, got {value}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral)):
+        raise ValueError(f"{owner}.top_k must be an int >= 0 (0: off), got {top_k!r}")
+    if top_k is not None and top_k < 0:
+        raise ValueError(f"{owner}.top_k must be an int >= 0 (0: off), got {top_k}")
+    if top_p is not None and (
+        isinstance(top_p, bool)
+        or not isinstance(top_p, numbers.Real)
+        or not (0.0 < top_p <= 1.0)  # False for NaN
+    ):
+        raise ValueError(f"{owner}.top_p must be a number in (0, 1] (1: off), got {top_p!r}")
 
 
 def tail_ramp(logits: jax.Array, params: SamplingParams) -> jax.Array:
@@ -174,9 +213,55 @@ def scaled_logits(
     return z / tau
 
 
+class Truncation(NamedTuple):
+    """The truncation set K of each row (E13), as the rollout records it.
+
+    Attributes:
+      kept_ids: `[b, W]` int32 ids of K in decreasing z, padded with -1; all -1 where the row
+        was not truncated (K = the whole vocabulary). W = 0 when the engine has no truncation.
+      truncated_mass: `[b]` float32 softmax(z) mass outside K (the truncation alone, before
+        min-p), from the removed terms themselves.
+    """
+
+    kept_ids: jax.Array
+    truncated_mass: jax.Array
+
+
+def truncation(z: jax.Array, params: SamplingParams, kept_width: int) -> jax.Array:
+    """`[b, W]` int32 kept ids of top-k then top-p on scaled logits z `[b, v]` (E13).
+
+    Candidates are the W = min(`kept_width`, v) highest entries (`jax.lax.top_k`, ties to the
+    lower id): K is the first r of them, r = min(k, W) with top-k (k = 0: W), then cut to the
+    smallest prefix whose probability reaches p: rank j stays iff the mass of the ranks before
+    it is below p times the denominator, which is the top-k set's sum with top-k on (the
+    renormalised distribution) and the whole row's without. The argmax (rank 0) always stays. A
+    top-p set larger than W is capped at W (documented with `max_kept`). Rows with top-k and
+    top-p off get -1 only (no truncation). Cost per row: one top-W selection over v, then
+    O(W) work; no sort of the vocabulary.
+    """
+    width = min(kept_width, z.shape[-1])
+    vals, ids = jax.lax.top_k(z, width)  # [b, W], decreasing
+    k = jnp.int32(0) if params.top_k is None else params.top_k
+    p = jnp.float32(1.0) if params.top_p is None else params.top_p
+    rank = jnp.arange(width)
+    keep = (k <= 0) | (rank[None, :] < k)  # top-k
+    e = jnp.where(keep, jnp.exp(vals - vals[:, :1]), 0.0)  # exp(z - max z) of the candidates
+    full = jnp.sum(jnp.exp(z - vals[:, :1]), axis=-1, keepdims=True)
+    denominator = jnp.where(k > 0, jnp.sum(e, axis=-1, keepdims=True), full)
+    before = jnp.cumsum(e, axis=-1) - e  # mass of the higher ranks
+    keep = keep & ((p >= 1.0) | (before < p * denominator))
+    keep = keep & ((k > 0) | (p < 1.0))  # neither on: no truncation
+    kept = jnp.where(keep, ids, -1).astype(jnp.int32)
+    return jnp.pad(kept, ((0, 0), (0, kept_width - width)), constant_values=-1)  # W > v
+
+
 def sample(
-    key: jax.Array, logits: jax.Array, params: SamplingParams, context: jax.Array | None = None
-) -> tuple[jax.Array, pruning.TokenLogprobs]:
+    key: jax.Array,
+    logits: jax.Array,
+    params: SamplingParams,
+    context: jax.Array | None = None,
+    kept_width: int = 0,
+) -> tuple[jax.Array, pruning.TokenLogprobs, Truncation]:
     """Draws one token per row from the pruned distribution mu_S (E4) and records its stats.
 
     The draw inverts the cumulative distribution of w_a = exp(z_a - max z) on V_S (0
@@ -186,27 +271,44 @@ def sample(
     exactly, from two uniforms per row. (A Gumbel-max or exponential race needs a random number
     per vocabulary entry: B x V threefry draws per decode step, 152k per row for Qwen3.)
 
+    With `kept_width` W > 0, V_S is taken inside the truncation set K of top-k / top-p
+    (`truncation`, E13) and the recorded `TokenLogprobs` (logp, pruned_mass, safe_size) are
+    those of the distribution actually sampled from, mu_T over V_T = K cap V_S.
+
     Args:
       key: [b] PRNG keys, one per row (a row's draw depends only on its own key).
       logits: [b, v] raw next-token logits (float32 from the model).
       params: sampling parameters.
       context: [b] uint32 `context_hash` of each row's context, which fixes its logit noise;
         None: no noise whatever `params.noise_std` says.
+      kept_width: static W, the most tokens a truncated row keeps (0: no top-k / top-p is
+        compiled and the parameters' top_k / top_p are not read).
     Returns:
       (tokens [b] int32, `pruning.TokenLogprobs` with fields [b] of the sampled tokens under
-      mu_S; `in_safe` is always True, so `logp` never holds `pruning.LOGP_FLOOR`).
+      mu_S; `in_safe` is always True, so `logp` never holds `pruning.LOGP_FLOOR`; `Truncation`).
     """
     noise_keys = None
     if context is not None:
         base = jax.random.key(NOISE_SEED)
         noise_keys = jax.vmap(lambda c: jax.random.fold_in(base, c))(context)
     z = scaled_logits(logits, params, noise_keys)
-    sums = pruning.safe_set_sums(z, params.log_rho)  # E1-E3 core, log_rho traced
+    b = z.shape[0]
+    if kept_width > 0:
+        kept_ids = truncation(z, params, kept_width)
+        kept = pruning.kept_mask(kept_ids, z.shape[-1])
+    else:
+        kept_ids, kept = jnp.zeros((b, 0), jnp.int32), None
+    sums = pruning.safe_set_sums(z, params.log_rho, kept)  # E1-E3 core (E13 on K), traced
     w_safe = jnp.where(sums.safe, sums.exp_shifted, 0.0)  # in [0, 1], exactly 1 at the argmax
     u = jax.vmap(lambda k: jax.random.uniform(k, (2,)))(key)  # [b, 2]
     sampled = inverse_cdf_draw(w_safe, u)
     tokens = jnp.where(params.greedy, first_argmax(z, sums.z_max), sampled)
-    return tokens, pruning.token_logprobs(sums, tokens)
+    if kept is None:
+        truncated_mass = jnp.zeros((b,), jnp.float32)
+    else:  # from the removed terms, as E3 (no 1 - kept cancellation)
+        removed = jnp.sum(jnp.where(kept, 0.0, sums.exp_shifted), axis=-1)
+        truncated_mass = removed / (sums.sum_safe + sums.sum_out)[:, 0]
+    return tokens, pruning.token_logprobs(sums, tokens), Truncation(kept_ids, truncated_mass)
 
 
 # Vocabulary entries per chunk of the two-level draw: the second level's cumulative sum runs

@@ -132,6 +132,11 @@ _ENGINE_FLAGS = (
     "page_size",
     "kv_pages",
 )
+# Top-k / top-p truncation before min-p (E13, rollout/sampling.py); off by default.
+flags.DEFINE_integer("top_k", _ENGINE.top_k, "Keep the top_k highest tokens (0: off).")
+flags.DEFINE_float("top_p", _ENGINE.top_p, "Keep the smallest top set of mass >= top_p (1: off).")
+flags.DEFINE_integer("max_kept", _ENGINE.max_kept, "Most tokens a top-k / top-p set keeps.")
+_ENGINE_FLAGS += ("top_k", "top_p", "max_kept")
 flags.DEFINE_integer("tensor_parallel", 1, "Devices on the mesh's tensor axis.")
 flags.DEFINE_bool(
     "verbose", False, "JetStream's per-step DEBUG logging; tracebacks for every error."

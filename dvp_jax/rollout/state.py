@@ -55,6 +55,12 @@ class EngineConfig:
         (`B * ceil(S / page_size)`, never short). Fewer spends HBM on live tokens only: a
         response that finds the pool empty is preempted and decoded again later (its key fixes
         its tokens, so the result is the same). At least one slot's full length.
+      top_k, top_p: default truncation (E13, `sampling.truncation`): keep the top_k highest
+        tokens (0: off), then the smallest top set of probability >= top_p (1: off); off by
+        default (the paper samples with min-p only). Either one on compiles the truncation in,
+        with the kept set of every token recorded (`behaviour_kept_ids`, `kept_width` ids).
+      max_kept: the most tokens a truncated position keeps (>= top_k): top-p chooses among the
+        max_kept highest, and the trainer receives max_kept int32 ids per token.
     """
 
     dtype: str = "bfloat16"
@@ -72,6 +78,9 @@ class EngineConfig:
     decode_attention: str = "paged"
     page_size: int = 64
     kv_pages: int | None = None
+    top_k: int = 0
+    top_p: float = 1.0
+    max_kept: int = 64
 
     def __post_init__(self):
         self.check_fields(self, "EngineConfig")
@@ -109,13 +118,25 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 none = "None or " if allow_none else ""
                 raise ValueError(f"{where}.{name} must be {none}an int >= 1, got {value!r}")
-        numbers = ("temperature", "log_rho", "noise_std", "noise_tail_gap")
+        numbers = ("temperature", "log_rho", "noise_std", "noise_tail_gap", "top_k", "top_p")
         for name in numbers:
             if get(name) is None:  # the sampler's check reads None as "not held here"
                 raise ValueError(f"{where}.{name} must be a number, got None")
+        value = lambda n: None if get(n) is missing else get(n)
         sampling.check_sampling_values(
-            *[None if get(n) is missing else get(n) for n in numbers], owner=where
+            *[value(n) for n in numbers[:4]],
+            owner=where,
+            top_k=value("top_k"),
+            top_p=value("top_p"),
         )
+        max_kept = get("max_kept")
+        if max_kept is not missing and (
+            isinstance(max_kept, bool) or not isinstance(max_kept, int) or max_kept < 1
+        ):
+            raise ValueError(f"{where}.max_kept must be an int >= 1, got {max_kept!r}")
+        top_k = value("top_k")
+        if max_kept is not missing and top_k is not None and top_k > max_kept:
+            raise ValueError(f"{where}.top_k must be <= {where}.max_kept ({max_kept}), got {top_k}")
 
     @staticmethod
     def check_kv_pages(kv_pages: int | None, cache_length: int, page_size: int, where: str):
@@ -162,6 +183,18 @@ class EngineConfig:
                 f"more than the device's {device_bytes / 2**30:,.1f} GiB; lower "
                 f"{where}.kv_pages, page_size or max_concurrent_decodes"
             )
+
+    @property
+    def kept_width(self) -> int:
+        """W, the kept ids recorded per token (`truncation_width` of this config)."""
+        return self.truncation_width(self)
+
+    @staticmethod
+    def truncation_width(settings: Any) -> int:
+        """W for `settings` (this config or a run's `rollout` section): `max_kept` when top-k
+        or top-p is on, else 0 (no truncation compiled, zero-width records)."""
+        on = settings.top_k > 0 or settings.top_p < 1.0
+        return settings.max_kept if on else 0
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -221,6 +254,8 @@ class EngineConfig:
             noise_std=self.noise_std,
             greedy=self.greedy,
             noise_tail_gap=self.noise_tail_gap,
+            top_k=self.top_k,
+            top_p=self.top_p,
         )
         kwargs.update(overrides)
         return sampling.SamplingParams.create(**kwargs)
@@ -271,6 +306,9 @@ class DecodeState:
       behaviour_logp_full: `[B, M]` float32 unpruned log mu.
       behaviour_pruned_mass: `[B, M]` float32 delta_S of the rollout safe set (E3).
       behaviour_safe_size: `[B, M]` int32 |V_S| of the rollout safe set (E1).
+      behaviour_kept_ids: `[B, M, W]` int32 the truncation set K of each generated token (E13,
+        `sampling.Truncation`; W = `EngineConfig.kept_width`, 0 without truncation).
+      behaviour_truncated_mass: `[B, M]` float32 mass of mu outside K (0 without truncation).
       sampling: the sampling parameters (arrays, so changing them never recompiles).
       pages: the page pool of a paged cache (`paged.Pages`; None for dense decode): cache k, v
         are then `[L, P, page_size, k h]` pages (`model/paged.py`).
@@ -288,6 +326,8 @@ class DecodeState:
     behaviour_logp_full: jax.Array
     behaviour_pruned_mass: jax.Array
     behaviour_safe_size: jax.Array
+    behaviour_kept_ids: jax.Array
+    behaviour_truncated_mass: jax.Array
     sampling: sampling.SamplingParams
     pages: Pages | None = None
 
@@ -299,4 +339,6 @@ RECORD_FIELDS = (
     "behaviour_logp_full",
     "behaviour_pruned_mass",
     "behaviour_safe_size",
+    "behaviour_kept_ids",
+    "behaviour_truncated_mass",
 )

@@ -41,6 +41,9 @@ class RLBatch:
         decoupled PPO clip (E9; zeros / True when unused).
       ref_logp, ref_in_safe: [B, T-1] log pi_ref_S and "inside the reference's safe set" for the
         KL term (E11), set by the trainer before the update; None (absent) without it.
+      behaviour_kept_ids: [B, T-1, W] int32 the rollout's truncation set K of each target (E13,
+        -1 padded, all -1 off the responses); behaviour_truncated_mass: [B, T-1] mu's mass
+        outside K. None (absent) when the rollout does not truncate (no top-k / top-p).
     """
 
     tokens: jax.Array
@@ -56,6 +59,8 @@ class RLBatch:
     old_in_safe: jax.Array
     ref_logp: jax.Array | None = None
     ref_in_safe: jax.Array | None = None
+    behaviour_kept_ids: jax.Array | None = None
+    behaviour_truncated_mass: jax.Array | None = None
 
     @property
     def valid(self):
@@ -72,6 +77,13 @@ def from_rollouts(batch: RolloutBatch, advantages: np.ndarray) -> RLBatch:
     """
     n, t = batch.tokens.shape
     shift = lambda x, dtype: np.ascontiguousarray(x[:, 1:]).astype(dtype)
+    truncation = {}
+    if batch.behaviour_kept_ids.shape[-1] > 0:
+        kept = np.where(batch.response_mask[..., None], batch.behaviour_kept_ids, -1)
+        truncation = dict(
+            behaviour_kept_ids=shift(kept, np.int32),
+            behaviour_truncated_mass=shift(batch.behaviour_truncated_mass, np.float32),
+        )
     return RLBatch(
         tokens=batch.tokens.astype(np.int32),
         positions=np.broadcast_to(np.arange(t, dtype=np.int32), (n, t)).copy(),
@@ -84,27 +96,33 @@ def from_rollouts(batch: RolloutBatch, advantages: np.ndarray) -> RLBatch:
         advantages=advantages.astype(np.float32),
         old_logp=np.zeros((n, t - 1), np.float32),
         old_in_safe=np.ones((n, t - 1), bool),
+        **truncation,
     )
 
 
-def abstract_batch(rows: int, length: int, reference: bool = False) -> RLBatch:
+def abstract_batch(rows: int, length: int, reference: bool = False, kept_width: int = 0) -> RLBatch:
     """The `jax.ShapeDtypeStruct`s of a `rows` x `length` batch as the packer makes it (per-token
-    advantages), with the reference fields when `reference` (`LossConfig.uses_reference`, E11)."""
+    advantages), with the reference fields when `reference` (`LossConfig.uses_reference`, E11)
+    and the truncation fields when `kept_width` > 0 (`EngineConfig.kept_width`, E13)."""
 
     def struct(name: str) -> jax.ShapeDtypeStruct:
         t = length if name in _FULL_LENGTH else length - 1
         dtype = jnp.int32 if name in _INT else jnp.bool_ if name in _BOOL else jnp.float32
-        return jax.ShapeDtypeStruct((rows, t), dtype)
+        width = (kept_width,) if name == "behaviour_kept_ids" else ()
+        return jax.ShapeDtypeStruct((rows, t) + width, dtype)
 
     names = [f.name for f in dataclasses.fields(RLBatch)]
-    return RLBatch(**{n: struct(n) for n in names if reference or n not in _REFERENCE})
+    names = [n for n in names if reference or n not in _REFERENCE]
+    names = [n for n in names if kept_width or n not in _TRUNCATION]
+    return RLBatch(**{n: struct(n) for n in names})
 
 
 # [B, T]; the rest are targets-aligned [B, T-1]
 _FULL_LENGTH = ("tokens", "positions", "segment_ids")
-_INT = ("tokens", "positions", "segment_ids")
+_INT = ("tokens", "positions", "segment_ids", "behaviour_kept_ids")
 _BOOL = ("response_mask", "old_in_safe", "ref_in_safe")
 _REFERENCE = ("ref_logp", "ref_in_safe")  # only with the KL term
+_TRUNCATION = ("behaviour_kept_ids", "behaviour_truncated_mass")  # only with top-k / top-p
 
 
 def batch_shardings(batch: RLBatch, sharder: Sharder):

@@ -160,7 +160,7 @@ def pack(rollouts: RolloutBatch, advantages: np.ndarray, layout: Layout, indices
             f"{len(indices)} sequences need {len(bins)} rows, the layout has {layout.rows}"
         )
     rows, t = layout.rows, layout.row_length
-    out = _empty(rows, t)
+    out = _empty(rows, t, rollouts.behaviour_kept_ids.shape[-1])
     for row, members in zip(row_order(len(bins), layout), bins, strict=True):
         start = 0
         for segment, j in enumerate(members, 1):
@@ -170,10 +170,17 @@ def pack(rollouts: RolloutBatch, advantages: np.ndarray, layout: Layout, indices
     return RLBatch(**out)
 
 
-def _empty(rows: int, t: int) -> dict[str, np.ndarray]:
+def _empty(rows: int, t: int, kept_width: int = 0) -> dict[str, np.ndarray]:
     full = lambda dtype: np.zeros((rows, t), dtype)
     target = lambda dtype: np.zeros((rows, t - 1), dtype)
+    truncation = {}
+    if kept_width:  # E13: -1 (untruncated) off the responses
+        truncation = dict(
+            behaviour_kept_ids=np.full((rows, t - 1, kept_width), -1, np.int32),
+            behaviour_truncated_mass=target(np.float32),
+        )
     return dict(
+        **truncation,
         tokens=full(np.int32),
         positions=full(np.int32),
         segment_ids=full(np.int32),
@@ -199,4 +206,10 @@ def _place(out, rollouts: RolloutBatch, advantage, i, row, start, n, segment) ->
     for name in ("behaviour_logp", "behaviour_logp_full", "behaviour_pruned_mass"):
         out[name][row, targets] = getattr(rollouts, name)[i, 1:n]
     out["behaviour_safe_size"][row, targets] = rollouts.behaviour_safe_size[i, 1:n]
+    if "behaviour_kept_ids" in out:  # the response's kept sets (E13); prompt targets keep -1
+        response = rollouts.response_mask[i, 1:n]
+        out["behaviour_kept_ids"][row, targets] = np.where(
+            response[:, None], rollouts.behaviour_kept_ids[i, 1:n], -1
+        )
+        out["behaviour_truncated_mass"][row, targets] = rollouts.behaviour_truncated_mass[i, 1:n]
     out["advantages"][row, targets] = advantage

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import optax
 
+from dvp_jax.rollout.state import EngineConfig
 from dvp_jax.sharding import Sharder
 from dvp_jax.train import batch as batch_lib
 from dvp_jax.train import sft
@@ -90,7 +91,10 @@ def trainer_programs(
     t = cfg.train
     layout = update_layout(cfg, hosts)
     batch = batch_lib.abstract_batch(
-        layout.rows * hosts, layout.row_length, cfg.loss.uses_reference
+        layout.rows * hosts,
+        layout.row_length,
+        cfg.loss.uses_reference,
+        EngineConfig.truncation_width(cfg.rollout),  # E13's kept ids per token (0: none)
     )
     batch_sh = batch_lib.batch_shardings(batch, sharder)
     if batch_sh is not None:

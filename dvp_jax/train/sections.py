@@ -95,6 +95,12 @@ class RolloutConfig:
     decode_attention: str = _ENGINE.decode_attention
     page_size: int = _ENGINE.page_size
     kv_pages: int | None = _ENGINE.kv_pages
+    # Truncation (E13, rollout/sampling.py; off by default, the paper samples with min-p only):
+    # keep the top_k highest tokens (0: off), then the smallest top set of probability >= top_p
+    # (1: off), among at most max_kept tokens, whose ids the trainer receives per token.
+    top_k: int = _ENGINE.top_k
+    top_p: float = _ENGINE.top_p
+    max_kept: int = _ENGINE.max_kept
     tensor_parallel: int = 1
 
     def __post_init__(self):

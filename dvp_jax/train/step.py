@@ -50,10 +50,12 @@ def token_stats(
     temperature: float,
     chunk_size: int,
     policy_entropy: bool = False,
+    kept_ids=None,
 ) -> tuple[TokenLogprobs, PositionStats]:
     """`token_logprobs` and the per-position entropy / log_rel of the same pass, each [B, T-1]
     (with `policy_entropy`, also the differentiable H(pi_S) of the entropy bonus, E12).
-    `segment_ids`: the model's (int32 packed segments, or bool valid)."""
+    `segment_ids`: the model's (int32 packed segments, or bool valid). `kept_ids` [B, T-1, W]:
+    the rollout's truncation sets (E13, `RLBatch.behaviour_kept_ids`); None: no truncation."""
     model = nnx.merge(graphdef, params)
     hidden = model(tokens, positions, segment_ids, return_hidden=True)[:, :-1]  # [B, T-1, d]
     b, t, d = hidden.shape
@@ -70,6 +72,7 @@ def token_stats(
         mesh=model.sharder.mesh,
         precision=model.policy.precision,  # `highest` for the fp32 trainer (TRAIN_POLICY)
         policy_entropy=policy_entropy,
+        kept_ids=None if kept_ids is None else kept_ids.reshape(b * t, kept_ids.shape[-1]),
     )
     return jax.tree.map(lambda x: x.reshape(b, t), out)
 
@@ -166,7 +169,11 @@ def rl_update(
     def micro_sum(params, mb: RLBatch):
         segment_ids = _model_segments(mb, sequences_per_row)
         tl, stats = stats_fn(
-            params, tokens=mb.tokens, positions=mb.positions, segment_ids=segment_ids
+            params,
+            tokens=mb.tokens,
+            positions=mb.positions,
+            segment_ids=segment_ids,
+            kept_ids=mb.behaviour_kept_ids,  # E13: the support the rollout sampled from
         )
         loss, metrics = loss_of(tl, stats, mb)
         z = jax.lax.stop_gradient(_normaliser(metrics, loss_cfg))
@@ -215,6 +222,10 @@ def rl_update(
         entropy=stats.entropy,
         segments=segments,
     )
+    if batch.behaviour_truncated_mass is not None:  # E13: what top-k / top-p removed
+        metrics |= diagnostics.truncation_metrics(
+            batch.behaviour_truncated_mass, batch.behaviour_kept_ids, batch.response_mask
+        )
     new_state, step_metrics = apply_gradients(state, grads, optimizer)
     metrics |= step_metrics
     metrics["loss"] = loss
@@ -237,12 +248,13 @@ def batch_logprobs(
     KL reference (E11), computed before the first update on a batch.
 
     Args:
-      inputs: `logprob_inputs(batch)`: (tokens, positions, segment_ids, response_mask).
+      inputs: `logprob_inputs(batch)`: (tokens, positions, segment_ids, response_mask), and the
+        kept ids when the rollout truncates (E13).
     """
-    tokens, positions, segment_ids, response_mask = inputs
+    tokens, positions, segment_ids, response_mask, *kept = inputs
 
     def forward(carry, mb):
-        tok, pos, seg = mb
+        tok, pos, seg, *kept_ids = mb
         seg = seg if sequences_per_row is not None else seg > 0
         out = token_logprobs(
             params,
@@ -253,16 +265,18 @@ def batch_logprobs(
             log_rho=log_rho,
             temperature=temperature,
             chunk_size=chunk_size,
+            kept_ids=kept_ids[0] if kept_ids else None,
         )
         return carry, out
 
-    mbs = (tokens, positions, segment_ids)
+    mbs = (tokens, positions, segment_ids, *kept)
     return _over_micro_batches(forward, mbs, response_mask, micro_batches, ())[1]
 
 
 def logprob_inputs(batch: RLBatch) -> tuple:
-    """What `batch_logprobs` reads of a batch."""
-    return batch.tokens, batch.positions, batch.segment_ids, batch.response_mask
+    """What `batch_logprobs` reads of a batch (the kept ids only when it has them, E13)."""
+    kept = () if batch.behaviour_kept_ids is None else (batch.behaviour_kept_ids,)
+    return batch.tokens, batch.positions, batch.segment_ids, batch.response_mask, *kept
 
 
 def apply_gradients(state: TrainState, grads, optimizer):
