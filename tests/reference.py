@@ -367,6 +367,44 @@ def mismatch_metrics(logp, behaviour_logp, mask) -> dict[str, float]:
     }
 
 
+def peer_metrics(logp, behaviour_logp, mask) -> dict[str, float]:
+    """The peers' mismatch metrics by loops, from their definitions (see
+    diagnostics.peer_metrics): verl's mismatch_* (token means and means over responses),
+    NeMo-RL's token_mult_prob_error = mean_t exp(|log pi - log mu|), slime's
+    train_rollout_logprob_abs_diff = mean over responses of mean_t |log pi - log mu|."""
+    tokens, mt, mr = [], [], []
+    for i in range(len(mask)):
+        ts = [t for t in range(len(mask[i])) if mask[i][t]]
+        if not ts:
+            continue
+        pairs = [(float(logp[i][t]), float(behaviour_logp[i][t])) for t in ts]
+        tokens += pairs
+        mt.append(sum(a for a, _ in pairs) / len(ts))
+        mr.append(sum(b for _, b in pairs) / len(ts))
+    d = [b - a for a, b in zip(mt, mr, strict=True)]
+    per_seq_abs, start = [], 0
+    for i in range(len(mask)):
+        n = int(np.sum(mask[i]))
+        if n:
+            per_seq_abs.append(sum(abs(a - b) for a, b in tokens[start : start + n]) / n)
+            start += n
+    return {
+        "mismatch_kl": np.mean([b - a for a, b in tokens]),
+        "mismatch_k3_kl": np.mean([math.exp(a - b) - (a - b) - 1 for a, b in tokens]),
+        "mismatch_training_ppl": np.mean([math.exp(-m) for m in mt]),
+        "mismatch_training_log_ppl": np.mean([-m for m in mt]),
+        "mismatch_rollout_ppl": np.mean([math.exp(-m) for m in mr]),
+        "mismatch_rollout_log_ppl": np.mean([-m for m in mr]),
+        "mismatch_log_ppl_diff": np.mean(d),
+        "mismatch_log_ppl_abs_diff": np.mean(np.abs(d)),
+        "mismatch_log_ppl_diff_max": max(d),
+        "mismatch_log_ppl_diff_min": min(d),
+        "mismatch_ppl_ratio": np.mean([math.exp(x) for x in d]),
+        "token_mult_prob_error": np.mean([math.exp(abs(a - b)) for a, b in tokens]),
+        "train_rollout_logprob_abs_diff": np.mean(per_seq_abs),
+    }
+
+
 def lt_by_p_bins(log_ratio, p, mask, num_bins) -> dict[str, float]:
     """Mean signed / mean |l_t| / count per bin of 1 - p in [k/K, (k+1)/K)."""
     bins = [[] for _ in range(num_bins)]
