@@ -4,6 +4,8 @@
 to whatever produced `logp` (normally `chunked.chunked_pruned_logprobs`). Every weight
 (E6, E7) and the advantage are stop-gradient constants, so the gradient is
   -(1/Z) sum_i sum_t w_it A_i grad log pi_S(y_it | s_it)                                    (E9)
+The weights, the rejection rules, OPSM and batch normalisation (E7, E7b, E14-E17) are
+`corrections`'; this module owns the config, E5, E6, E9 and the KL and entropy terms.
 """
 
 from __future__ import annotations
