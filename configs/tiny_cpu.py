@@ -2,7 +2,8 @@
 
 Command:
   python -m dvp_jax.main --config configs/tiny_cpu.py --workdir /tmp/dvp_tiny
-  (or `make demo`). Method: `--config.method=rloo|tis|mis|dvp|mis_dvp|icepop|geo_rs|k3_rs`,
+  (or `make demo`). Method: `--config.method=rloo|tis|mis|dvp|mis_dvp|icepop|geo_rs|k3_rs|
+  skyrl_geo_tis|verl_seq_is_rs|opsm`,
   or the config argument `--config configs/tiny_cpu.py:mis_dvp`.
 Hardware: 2 CPU cores, no accelerator.
 Expected: the 600-step supervised warm-up takes the random model to 10-51% held-out avg@4 on

@@ -45,6 +45,25 @@ _MISMATCH = {
     "chi2_seq": "mean over responses of exp(2 L) - 1",
 }
 
+# The same mismatch under the peers' metric names, computed as each peer computes it
+# (`diagnostics.peer_metrics`; r_t = log pi - log mu, unpruned, over all response tokens;
+# mt_i, mr_i the response's mean log pi, log mu; d_i = mr_i - mt_i).
+_PEER = {
+    "mismatch_kl": "verl: mean_t (log mu - log pi), = full_kl_k1",
+    "mismatch_k3_kl": "verl: mean_t (exp r_t - r_t - 1), unclamped, = full_kl_k3 below +-20",
+    "mismatch_training_ppl": "verl: mean over responses of exp(-mt_i), = full_training_ppl",
+    "mismatch_training_log_ppl": "verl: mean over responses of -mt_i",
+    "mismatch_rollout_ppl": "verl: mean over responses of exp(-mr_i), = full_rollout_ppl",
+    "mismatch_rollout_log_ppl": "verl: mean over responses of -mr_i",
+    "mismatch_log_ppl_diff": "verl: mean over responses of d_i, = full_log_ppl_diff",
+    "mismatch_log_ppl_abs_diff": "verl: mean over responses of |d_i|",
+    "mismatch_log_ppl_diff_max": "verl: max over responses of d_i",
+    "mismatch_log_ppl_diff_min": "verl: min over responses of d_i",
+    "mismatch_ppl_ratio": "verl: mean over responses of exp(d_i) (training over rollout PPL)",
+    "token_mult_prob_error": "NeMo-RL: mean_t exp(|r_t|) (1 = no mismatch)",
+    "train_rollout_logprob_abs_diff": "slime: mean over responses of mean_t |r_t|",
+}
+
 METRICS: dict[str, str] = {
     # ----- loss (E5-E9, dvp.losses.dvp_loss)
     "loss": "the DVP-RLOO objective of the batch (E9)",
@@ -55,9 +74,13 @@ METRICS: dict[str, str] = {
         "outside the old policy's (E5)"
     ),
     "frac_responses_masked": (
-        "responses masked by seq_mis (E7) or rejected by seq_geo_rs / seq_k3_rs (E7b)"
+        "responses masked by seq_mis (E7), rejected by seq_geo_rs / seq_k3_rs (E7b) or by a "
+        "sequence rule of loss.rejection (E15, E16)"
     ),
-    "frac_tokens_masked": "tokens masked by token_mis (E7) or token_icepop (E7b)",
+    "frac_tokens_masked": (
+        "tokens masked by token_mis (E7), token_icepop (E7b) or a token rule of loss.rejection "
+        "(E15)"
+    ),
     "is_weight_mean": "mean applied importance weight (E7)",
     "is_weight_max": "max applied importance weight (E7)",
     "is_weight_ess": "normalised effective sample size of the weights, in (0, 1]",
@@ -72,6 +95,7 @@ METRICS: dict[str, str] = {
     # ----- mismatch diagnostics (dvp.diagnostics.mismatch_diagnostics)
     **_MISMATCH,
     **{"full_" + k: v + ", unpruned" for k, v in _MISMATCH.items()},
+    **_PEER,
     "pruned_mass_train_mean": "mean trainer pruned mass delta_S (E3)",
     "pruned_mass_train_max": "max trainer pruned mass delta_S (E3)",
     "safe_size_train_mean": "mean trainer safe-set size |V_S| (E1)",
@@ -133,6 +157,10 @@ METRICS: dict[str, str] = {
 _FAMILIES = (
     # (1 - p)-binned token log-ratios (`diagnostics.lt_by_p_bins`): lt_bin{k}_{mean_signed,...}.
     re.compile(r"lt_bin\d+_(mean_signed|mean_abs|count)"),
+    # Per rejection rule (`corrections.rejection`, E14-E16; seq_geo_rs / seq_k3_rs as
+    # seq_mean_k1 / seq_mean_k3): rejected/<rule> the share of response tokens that rule alone
+    # removes (a sequence rule: the tokens of the responses it rejects).
+    re.compile(r"rejected/(token_k[123]|seq_(sum|mean)_k[123]|seq_max_k[23]|opsm)"),
     # Per reward term (`evaluation.reward_metrics`; <name> a built-in or "module.function"):
     # reward/<name> its unweighted mean over the rollout batch, reward_failures/<name> the
     # responses on which it raised or returned a non-finite value (scored 0).

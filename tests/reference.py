@@ -121,6 +121,29 @@ def grpo(rewards_pg, eps=1e-6) -> np.ndarray:
 # ----------------------------------------------------------------------------- E5-E9
 
 
+def _rule_statistic(kind, r):
+    """E14's per-token statistic of the log-ratio r (k2, k3 with r clipped to +-20)."""
+    if kind.endswith("_k1"):
+        return r
+    r = min(max(r, -20.0), 20.0)
+    return 0.5 * r * r if kind.endswith("_k2") else math.exp(r) - 1.0 - r
+
+
+def _rule_rejects(kind, lo, hi, values):
+    """E15: whether one rule rejects, given its statistic's values (one token, or a response)."""
+    if kind.startswith("token_"):
+        agg = values[0]
+    elif kind.startswith("seq_sum_"):
+        agg = sum(values)
+    elif kind.startswith("seq_mean_"):
+        agg = sum(values) / len(values)
+    else:  # seq_max_
+        agg = max(values)
+    if kind.endswith("_k1"):
+        return not (lo <= math.exp(agg) <= hi)
+    return agg > hi
+
+
 def dvp_loss(
     logp_obj,
     behaviour_logp,
@@ -147,9 +170,12 @@ def dvp_loss(
     geo_lo=0.999,
     geo_hi=1.001,
     k3_max=0.005,
+    rules=(),
+    batch_normalise=False,
 ) -> dict:
-    """E5-E9 by loops. `logp_obj` enters the objective; weights use `logp_weights` (default
-    `logp_obj`; the stop-gradient of E6), so finite differences in `logp_obj` give the gradient.
+    """E5-E9, E14-E17 by loops. `logp_obj` enters the objective; weights use `logp_weights`
+    (default `logp_obj`; the stop-gradient of E6), so finite differences in `logp_obj` give the
+    gradient.
 
     With `ppo_eps`, returns the decoupled PPO-clip surrogate
     -(1/Z) sum w min(r A, clip(r, 1-eps, 1+eps) A), r = exp(logp_obj - old_logp), with weights
@@ -167,18 +193,32 @@ def dvp_loss(
     geo_lo <= exp(mean_t l_t) <= geo_hi; seq_k3_rs keeps it when mean_t (exp(l_t) - 1 - l_t)
     <= k3_max (l_t clipped to +-20), means over the response's tokens.
 
-    Returns the loss, the counts, `kl_ref` (the mean k over the KL's tokens), and `weights`: the
-    applied E7 weights, one per kept token (none, token_*) or one per kept response (seq_*).
+    Rules (E14-E16), `rules` a sequence of (kind, lo, hi): a token is kept only if no rule
+    rejects it or its response. k1 rules reject outside lo <= exp(aggregate of l_t) <= hi,
+    k2 / k3 rules when the aggregate of l_t^2 / 2 or exp(l_t) - 1 - l_t exceeds hi (token itself,
+    sum, mean or max over the response's tokens); opsm rejects a response with A < 0 and
+    mean_t (log mu - log pi) > hi, pi the current policy (`logp_weights` before the PPO
+    override). With `batch_normalise` (E17) every applied weight is divided by the mean of the
+    applied weights over the kept tokens (per response for seq_tis / seq_mis).
+
+    Returns the loss, the counts, `kl_ref` (the mean k over the KL's tokens), `weights`: the
+    applied E7 weights (after E17), one per kept token (none, token_*) or one per kept response
+    (seq_*), and `rejected`: per rule the count of response tokens it alone removes.
     """
     logp_obj = np.asarray(logp_obj, np.float64)
     lp_w = logp_obj if logp_weights is None else np.asarray(logp_weights, np.float64)
+    lp_now = lp_w  # OPSM's current policy (E16)
     if ppo_eps is not None:
         lp_w = np.asarray(old_logp, np.float64)
+    rules = list(rules)
+    if correction == "seq_geo_rs":
+        rules.insert(0, ("seq_mean_k1", geo_lo, geo_hi))
+    elif correction == "seq_k3_rs":
+        rules.insert(0, ("seq_mean_k3", 0.0, k3_max))
     b_count, t_count = logp_obj.shape
-    total, z_tokens, z_seqs = 0.0, 0, 0
-    kl_values, entropy_total = [], 0.0
     excluded = masked_seqs = masked_tokens = 0
-    applied = []
+    rejected = {kind: 0 for kind, _, _ in rules}
+    kept = []  # (response i, token t, weight) entering E9
     for i in range(b_count):
         tokens = [t for t in range(t_count) if response_mask[i][t]]
         outside = [t for t in tokens if not in_safe[i][t]]
@@ -187,69 +227,88 @@ def dvp_loss(
         if prune and outside:
             excluded += 1  # E5: token ratio 0 -> whole response contributes nothing
             continue
+        if not tokens:
+            continue
         ratio = {t: lp_w[i, t] - behaviour_logp[i][t] for t in tokens}  # E6
         big_l = sum(ratio.values())
-        n_tok = max(len(tokens), 1)
-        if correction == "seq_geo_rs":
-            geo = math.exp(big_l / n_tok)  # the geometric mean of the token ratios
-            reject = not (geo_lo <= geo <= geo_hi)
-        elif correction == "seq_k3_rs":
-            k3 = [
-                math.exp(min(max(r, -20.0), 20.0)) - 1.0 - min(max(r, -20.0), 20.0)
-                for r in ratio.values()
-            ]
-            reject = sum(k3) / n_tok > k3_max
-        else:
-            reject = False
-        if reject and tokens:
+        reject = False  # the response, by a sequence rule
+        token_rejected = set()
+        for kind, lo, hi in rules:  # E14-E16
+            if kind == "opsm":
+                kl = sum(behaviour_logp[i][t] - lp_now[i, t] for t in tokens) / len(tokens)
+                out = float(advantages[i]) < 0 and kl > hi
+            elif kind.startswith("token_"):
+                hits = {
+                    t
+                    for t in tokens
+                    if _rule_rejects(kind, lo, hi, [_rule_statistic(kind, ratio[t])])
+                }
+                token_rejected |= hits
+                rejected[kind] += len(hits)
+                continue
+            else:
+                stats = [_rule_statistic(kind, ratio[t]) for t in tokens]
+                out = _rule_rejects(kind, lo, hi, stats)
+            reject = reject or out
+            rejected[kind] += len(tokens) if out else 0
+        seq_mis_out = correction == "seq_mis" and math.exp(big_l) > cap
+        if reject or seq_mis_out:
             masked_seqs += 1
+        token_masked = set(token_rejected)
         weights = {}
         for t in tokens:  # E7
-            if correction == "none":
-                weights[t] = 1.0
+            if correction in ("none", "seq_geo_rs", "seq_k3_rs"):
+                w = 1.0
             elif correction == "token_tis":
-                weights[t] = min(math.exp(ratio[t]), cap)
+                w = min(math.exp(ratio[t]), cap)
             elif correction == "token_mis":
-                if math.exp(ratio[t]) <= cap:
-                    weights[t] = math.exp(ratio[t])
-                else:
-                    masked_tokens += 1
+                w = math.exp(ratio[t]) if math.exp(ratio[t]) <= cap else None
             elif correction == "seq_tis":
-                weights[t] = min(math.exp(big_l), cap)
+                w = min(math.exp(big_l), cap)
             elif correction == "seq_mis":
-                if math.exp(big_l) <= cap:
-                    weights[t] = math.exp(big_l)
+                w = None if seq_mis_out else math.exp(big_l)
             elif correction == "token_icepop":
-                if icepop_lo <= math.exp(ratio[t]) <= icepop_hi:
-                    weights[t] = math.exp(ratio[t])
-                else:
-                    masked_tokens += 1
-            elif correction in ("seq_geo_rs", "seq_k3_rs"):
-                if not reject:
-                    weights[t] = 1.0
+                inside = icepop_lo <= math.exp(ratio[t]) <= icepop_hi
+                w = math.exp(ratio[t]) if inside else None
             else:
                 raise ValueError(correction)
-        if correction == "seq_mis" and tokens and math.exp(big_l) > cap:
-            masked_seqs += 1
-        if correction.startswith("seq"):
-            applied += list(weights.values())[:1]
+            if w is None and correction != "seq_mis":
+                token_masked.add(t)
+            if w is not None and t not in token_rejected and not reject:
+                weights[t] = w
+        masked_tokens += len(token_masked)
+        kept += [(i, t, w) for t, w in weights.items()]
+
+    per_response = correction in ("seq_tis", "seq_mis")
+    if batch_normalise and kept:  # E17
+        if per_response:
+            first = {}
+            for i, _, w in kept:
+                first.setdefault(i, w)
+            w_bar = sum(first.values()) / len(first)
         else:
-            applied += list(weights.values())
+            w_bar = sum(w for _, _, w in kept) / len(kept)
+        kept = [(i, t, w / w_bar) for i, t, w in kept]
+
+    total, kl_values, entropy_total, applied = 0.0, [], 0.0, []
+    seen = set()
+    for i, t, w in kept:  # E9 numerator
+        if not per_response or i not in seen:
+            applied.append(w)
+        seen.add(i)
         a = float(advantages[i])
-        for t, w in weights.items():  # E9 numerator
-            if ppo_eps is None:
-                total += w * a * logp_obj[i, t]
-            else:
-                r = math.exp(logp_obj[i, t] - lp_w[i, t])
-                clipped = min(max(r, 1 - ppo_eps), 1 + ppo_eps)
-                total += w * min(r * a, clipped * a)
-            if kl_coef and (not prune or ref_in_safe[i][t]):  # E11
-                d = min(max(float(ref_logp[i][t]) - logp_obj[i, t], -20.0), 20.0)
-                kl_values.append(-d if kl_estimator == "k1" else math.exp(d) - d - 1.0)
-            if entropy_coef:  # E12
-                entropy_total += float(entropy[i][t])
-        z_tokens += len(weights)
-        z_seqs += 1 if weights else 0
+        if ppo_eps is None:
+            total += w * a * logp_obj[i, t]
+        else:
+            r = math.exp(logp_obj[i, t] - lp_w[i, t])
+            clipped = min(max(r, 1 - ppo_eps), 1 + ppo_eps)
+            total += w * min(r * a, clipped * a)
+        if kl_coef and (not prune or ref_in_safe[i][t]):  # E11
+            d = min(max(float(ref_logp[i][t]) - logp_obj[i, t], -20.0), 20.0)
+            kl_values.append(-d if kl_estimator == "k1" else math.exp(d) - d - 1.0)
+        if entropy_coef:  # E12
+            entropy_total += float(entropy[i][t])
+    z_tokens, z_seqs = len(kept), len(seen)
     z = z_tokens if normalisation == "token_mean" else z_seqs
     total -= kl_coef * sum(kl_values) - entropy_coef * entropy_total
     return {
@@ -261,6 +320,7 @@ def dvp_loss(
         "masked_seqs": masked_seqs,
         "masked_tokens": masked_tokens,
         "weights": applied,
+        "rejected": rejected,
     }
 
 
@@ -304,6 +364,44 @@ def mismatch_metrics(logp, behaviour_logp, mask) -> dict[str, float]:
         "kl_k3": np.mean([math.exp(r) - r - 1 for r in tokens]),
         "chi2_token": np.mean([math.exp(2 * clip(r)) for r in tokens]) - 1,
         "chi2_seq": np.mean([math.exp(2 * clip(s)) for _, _, s in seqs]) - 1,
+    }
+
+
+def peer_metrics(logp, behaviour_logp, mask) -> dict[str, float]:
+    """The peers' mismatch metrics by loops, from their definitions (see
+    diagnostics.peer_metrics): verl's mismatch_* (token means and means over responses),
+    NeMo-RL's token_mult_prob_error = mean_t exp(|log pi - log mu|), slime's
+    train_rollout_logprob_abs_diff = mean over responses of mean_t |log pi - log mu|."""
+    tokens, mt, mr = [], [], []
+    for i in range(len(mask)):
+        ts = [t for t in range(len(mask[i])) if mask[i][t]]
+        if not ts:
+            continue
+        pairs = [(float(logp[i][t]), float(behaviour_logp[i][t])) for t in ts]
+        tokens += pairs
+        mt.append(sum(a for a, _ in pairs) / len(ts))
+        mr.append(sum(b for _, b in pairs) / len(ts))
+    d = [b - a for a, b in zip(mt, mr, strict=True)]
+    per_seq_abs, start = [], 0
+    for i in range(len(mask)):
+        n = int(np.sum(mask[i]))
+        if n:
+            per_seq_abs.append(sum(abs(a - b) for a, b in tokens[start : start + n]) / n)
+            start += n
+    return {
+        "mismatch_kl": np.mean([b - a for a, b in tokens]),
+        "mismatch_k3_kl": np.mean([math.exp(a - b) - (a - b) - 1 for a, b in tokens]),
+        "mismatch_training_ppl": np.mean([math.exp(-m) for m in mt]),
+        "mismatch_training_log_ppl": np.mean([-m for m in mt]),
+        "mismatch_rollout_ppl": np.mean([math.exp(-m) for m in mr]),
+        "mismatch_rollout_log_ppl": np.mean([-m for m in mr]),
+        "mismatch_log_ppl_diff": np.mean(d),
+        "mismatch_log_ppl_abs_diff": np.mean(np.abs(d)),
+        "mismatch_log_ppl_diff_max": max(d),
+        "mismatch_log_ppl_diff_min": min(d),
+        "mismatch_ppl_ratio": np.mean([math.exp(x) for x in d]),
+        "token_mult_prob_error": np.mean([math.exp(abs(a - b)) for a, b in tokens]),
+        "train_rollout_logprob_abs_diff": np.mean(per_seq_abs),
     }
 
 

@@ -85,3 +85,25 @@ def test_rejection_baselines_are_methods_and_their_bands_are_validated():
         ExperimentConfig.from_config_dict(cd, 512)
     with pytest.raises(ValueError, match="method"):
         ExperimentConfig.from_config_dict(default_config("icepop_dvp"), 512)
+
+
+def test_correction_stacks_are_methods_and_loss_rejection_overrides_the_preset():
+    """config.method takes the peers' stacks (E14-E17); loss.rejection, a preset placeholder,
+    overrides the preset's rules from the command line; a bad rule is one line naming
+    config.loss.rejection."""
+    from dvp_jax.train.config import default_config
+
+    for method in ("skyrl_geo_tis", "verl_seq_is_rs", "opsm"):
+        cfg = ExperimentConfig.from_config_dict(default_config(method), 512)
+        assert cfg.method == method and cfg.loss.rules and not cfg.loss.prune
+    cd = default_config("skyrl_geo_tis")
+    assert cd.loss.rejection is None  # a placeholder: the preset's rules unless set
+    cd.loss.rejection = "seq_mean_k1=0.9:1.1,seq_max_k2=0.5"
+    cd.loss.batch_normalise_weights = True
+    cfg = ExperimentConfig.from_config_dict(cd, 512)
+    assert [r.kind for r in cfg.loss.rules] == ["seq_mean_k1", "seq_max_k2"]
+    assert cfg.loss.correction == "token_tis" and cfg.loss.batch_normalise_weights
+    cd = default_config("dvp")
+    cd.loss.rejection = "seq_max_k2"
+    with pytest.raises(ValueError, match="config.loss: LossConfig.rejection entry 'seq_max_k2'"):
+        ExperimentConfig.from_config_dict(cd, 512)

@@ -5,7 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dvp_jax import metrics
 from dvp_jax.dvp import bound, diagnostics, pruning
+from dvp_jax.dvp.segments import Segments
 from tests import reference as ref
 
 B, T, V = 6, 7, 40
@@ -28,6 +30,72 @@ def test_mismatch_metrics_match_reference():
     assert set(got) == set(expect)
     for k, v in expect.items():
         np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_peer_metrics_match_reference():
+    lt, lr, mask = _logprobs()
+    got = jax.jit(diagnostics.peer_metrics)(lt, lr, mask)
+    expect = ref.peer_metrics(lt, lr, mask)
+    assert set(got) == set(expect)
+    for k, v in expect.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+        metrics.declared(k)
+
+
+def test_peer_metrics_by_hand():
+    # Two responses; r = log pi - log mu per token:
+    #   response 0: log pi = (-1.0, -2.0), log mu = (-1.5, -2.0): r = (0.5, 0.0)
+    #   response 1: log pi = (-0.5,),      log mu = (-0.25,):     r = (-0.25,)
+    # verl: mismatch_kl = mean_t (-r) = (-0.5 + 0 + 0.25) / 3 = -0.0833333;
+    #   mismatch_k3_kl = (e^0.5 - 1.5 + 0 + e^-0.25 - 0.75) / 3 = (0.1487213 + 0.0288008) / 3
+    #   = 0.0591740; per response mt = (-1.5, -0.5), mr = (-1.75, -0.25), d = mr - mt =
+    #   (-0.25, 0.25): mismatch_log_ppl_diff = 0, _abs_diff = 0.25, _max 0.25, _min -0.25,
+    #   mismatch_ppl_ratio = (e^-0.25 + e^0.25) / 2 = 1.0314131,
+    #   mismatch_training_ppl = (e^1.5 + e^0.5) / 2 = 3.0652052, _log_ppl = 1.0;
+    # NeMo-RL: token_mult_prob_error = (e^0.5 + e^0 + e^0.25) / 3 = (1.6487213 + 1 + 1.2840254)
+    #   / 3 = 1.3109156;
+    # slime: train_rollout_logprob_abs_diff = ((0.5 + 0) / 2 + 0.25) / 2 = 0.25.
+    lt = jnp.array([[-1.0, -2.0], [-0.5, 0.0]])
+    lr = jnp.array([[-1.5, -2.0], [-0.25, 0.0]])
+    mask = jnp.array([[True, True], [True, False]])
+    got = diagnostics.peer_metrics(lt, lr, mask)
+    expect = {
+        "mismatch_kl": -0.0833333,
+        "mismatch_k3_kl": 0.0591740,
+        "mismatch_log_ppl_diff": 0.0,
+        "mismatch_log_ppl_abs_diff": 0.25,
+        "mismatch_log_ppl_diff_max": 0.25,
+        "mismatch_log_ppl_diff_min": -0.25,
+        "mismatch_ppl_ratio": 1.0314131,
+        "mismatch_training_ppl": 3.0652052,
+        "mismatch_training_log_ppl": 1.0,
+        "token_mult_prob_error": 1.3109156,
+        "train_rollout_logprob_abs_diff": 0.25,
+    }
+    for k, v in expect.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-6, atol=1e-7, err_msg=k)
+
+
+def test_peer_metrics_packed_equal_padded_and_come_with_the_diagnostics():
+    """Two responses per packed row give the padded rows' values; `mismatch_diagnostics`
+    reports them on the unpruned log-probs over all response tokens."""
+    lt, lr, mask = _logprobs(seed=3)
+    ids = np.where(mask, 1 + (np.arange(B) % 2)[:, None], 0).reshape(B // 2, 2 * T)
+    pack = lambda x: np.asarray(x).reshape(B // 2, 2 * T)
+    segments = Segments(jnp.asarray(ids, jnp.int32), 2)
+    padded = diagnostics.peer_metrics(lt, lr, mask)
+    packed = diagnostics.peer_metrics(pack(lt), pack(lr), pack(mask), segments)
+    for k in padded:
+        np.testing.assert_allclose(packed[k], padded[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    floor = np.full_like(lt, pruning.LOGP_FLOOR)  # pruned values are not what the peers compare
+    out = diagnostics.mismatch_diagnostics(
+        logp=floor, behaviour_logp=floor, response_mask=mask, logp_full=lt,
+        behaviour_logp_full=lr,
+    )  # fmt: skip
+    for k in padded:
+        np.testing.assert_allclose(out[k], padded[k], rtol=1e-6, err_msg=k)
+    np.testing.assert_allclose(out["mismatch_kl"], out["full_kl_k1"], rtol=1e-6)
+    np.testing.assert_allclose(out["mismatch_k3_kl"], out["full_kl_k3"], rtol=1e-5)
 
 
 def test_identical_logprobs_give_zero_mismatch():

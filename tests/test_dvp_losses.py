@@ -108,6 +108,8 @@ def _assert_weight_stats(metrics, weights):
         ("geo_lo", 1.5),
         ("geo_hi", math.inf),
         ("k3_max", 0.0),
+        ("rejection", "seq_max_k3=-1"),
+        ("batch_normalise_weights", "yes"),
     ],
 )
 def test_config_errors_name_the_field(field, value):
@@ -125,11 +127,15 @@ def test_presets():
         "icepop": (False, "token_icepop"),
         "geo_rs": (False, "seq_geo_rs"),
         "k3_rs": (False, "seq_k3_rs"),
+        "skyrl_geo_tis": (False, "token_tis", "seq_mean_k1=0.99:1.01"),
+        "verl_seq_is_rs": (False, "seq_tis", "seq_sum_k1=0.5:2"),
+        "opsm": (False, "none", "opsm=0.0001"),
     }
     assert set(expect) == set(losses.PRESETS)
-    for name, (prune, correction) in expect.items():
+    for name, (prune, correction, *rejection) in expect.items():
         cfg = LossConfig.preset(name)
         assert (cfg.prune, cfg.correction, cfg.cap) == (prune, correction, 2.0)
+        assert cfg.rejection == (rejection[0] if rejection else "")
         assert cfg.pruning == prune
         assert cfg.effective_log_rho == (-13.0 if prune else -math.inf)
     assert LossConfig.preset("dvp", log_rho=-10.0).effective_log_rho == -10.0

@@ -239,6 +239,19 @@ METHODS = {
     "icepop": LossConfig.preset("icepop", log_rho=LOG_RHO),
     "geo_rs": LossConfig.preset("geo_rs", log_rho=LOG_RHO, geo_lo=0.05, geo_hi=5.0),
     "k3_rs": LossConfig.preset("k3_rs", log_rho=LOG_RHO, k3_max=2.0),
+    # Combined rules, worst-token, OPSM (E14-E16) and batch-normalised weights (E17): the batch
+    # mean spans the micro-batches (the padded layout has one, the packed three).
+    "skyrl_geo_tis": LossConfig.preset(
+        "skyrl_geo_tis", log_rho=LOG_RHO, rejection="seq_mean_k1=0.05:5"
+    ),
+    "worst_k3": LossConfig.preset("rloo", log_rho=LOG_RHO, rejection="seq_max_k3=10"),
+    "tis_batch_norm": LossConfig.preset("tis", log_rho=LOG_RHO, batch_normalise_weights=True),
+    "verl_seq_is_rs_batch_norm": LossConfig.preset(
+        "verl_seq_is_rs",
+        log_rho=LOG_RHO,
+        rejection="seq_sum_k1=0.005:150",
+        batch_normalise_weights=True,
+    ),
 }
 
 
@@ -281,6 +294,10 @@ def test_packed_update_equals_the_padded_update(method):
         assert 0 < float(m["frac_responses_masked"]) < 1
     if cfg.correction == "token_icepop":
         assert 0 < float(m["frac_tokens_masked"]) < 1
+    for rule in cfg.rules:
+        assert 0 < float(m["rejected/" + rule.kind]) < 1, rule.kind
+    if cfg.batch_normalise_weights:  # the whole batch's weights average 1 (E17)
+        np.testing.assert_allclose(m["is_weight_mean"], 1.0, rtol=1e-6)
     if cfg.ppo_clip_eps is not None:
         assert 0 < float(m["ppo_clip_frac"]) < 1
     _assert_same(padded, packed, method + ": ")

@@ -5,6 +5,7 @@ masked positions may hold anything (-inf, NaN) and never reach arithmetic. A row
 unless `segments` (`dvp/segments.py`) says which packed sequence each token belongs to; every
 per-response quantity is then reduced per sequence, with the same values. Each function
 lists its keys: `mismatch_metrics` (verl's perplexity, KL and chi^2 definitions),
+`peer_metrics` (the same mismatch under verl's, NeMo-RL's and slime's metric names),
 `pruning_metrics` (the one home of frac_tokens_outside_train_safe), `exclusion_metrics` and
 `is_weight_stats` (called by `losses.dvp_loss`), `lt_by_p_bins` (the (1 - p) evidence),
 `mismatch_diagnostics` (all config-independent ones) and `tail_metrics` (entropy, tail tokens,
@@ -107,6 +108,65 @@ def mismatch_metrics(
         "chi2_seq": masked_mean(jnp.expm1(2.0 * r_seq), seq),
     }
     return {prefix + k: v for k, v in out.items()}
+
+
+def peer_metrics(
+    logp: jax.Array,
+    behaviour_logp: jax.Array,
+    mask: jax.Array,
+    segments: Segments | None = None,
+) -> dict[str, jax.Array]:
+    """The mismatch under the names verl, NeMo-RL and slime log it, computed as each computes it
+    (docs/design.md "Metrics under the peers' names"; no clamp, as theirs have none).
+
+    With r_t = log pi(y_t) - log mu(y_t) on the masked tokens and, per response with tokens,
+    mt_i = mean_t log pi, mr_i = mean_t log mu, d_i = mr_i - mt_i:
+      verl (`mismatch_helper.compute_mismatch_metrics`): mismatch_kl = mean_t (-r_t);
+        mismatch_k3_kl = mean_t (exp r_t - r_t - 1); mismatch_training_ppl = mean_i exp(-mt_i);
+        mismatch_training_log_ppl = mean_i (-mt_i); mismatch_rollout_ppl, _log_ppl the same of
+        mr_i; mismatch_log_ppl_diff = mean_i d_i; mismatch_log_ppl_abs_diff = mean_i |d_i|;
+        mismatch_log_ppl_diff_max / _min = max_i / min_i d_i; mismatch_ppl_ratio = mean_i
+        exp(d_i);
+      NeMo-RL (ClippedPGLossFn): token_mult_prob_error = mean_t exp(|r_t|);
+      slime (policy_loss_function, per-sample reduction): train_rollout_logprob_abs_diff =
+        mean_i mean_t |r_t|.
+    Token means are over all masked tokens of the batch; response means over responses with
+    at least one masked token.
+
+    Args:
+      logp, behaviour_logp: `[B, T]` trainer and rollout log-probs of the sampled tokens.
+      mask: `[B, T]` tokens to use.
+      segments: which response each token belongs to (None: one response per row).
+
+    Returns:
+      Dict of float32 scalars.
+    """
+    seqs = segments or Segments()
+    mask = mask.astype(bool)
+    lt = jnp.where(mask, _f32(logp), 0.0)
+    lr = jnp.where(mask, _f32(behaviour_logp), 0.0)
+    r = lt - lr  # 0 off the mask
+    count = seqs.sum(mask.astype(jnp.float32))  # per response
+    seq = count > 0
+    n = jnp.maximum(count, 1.0)
+    mt, mr = seqs.sum(lt) / n, seqs.sum(lr) / n
+    d = -seqs.sum(r) / n  # mr - mt as a mean of differences (no cancellation)
+    extreme = lambda x, sign: sign * _masked_max(sign * x, seq)
+    return {
+        "mismatch_kl": masked_mean(-r, mask),
+        "mismatch_k3_kl": masked_mean(jnp.exp(r) - r - 1.0, mask),
+        "mismatch_training_ppl": masked_mean(jnp.exp(-mt), seq),
+        "mismatch_training_log_ppl": masked_mean(-mt, seq),
+        "mismatch_rollout_ppl": masked_mean(jnp.exp(-mr), seq),
+        "mismatch_rollout_log_ppl": masked_mean(-mr, seq),
+        "mismatch_log_ppl_diff": masked_mean(d, seq),
+        "mismatch_log_ppl_abs_diff": masked_mean(jnp.abs(d), seq),
+        "mismatch_log_ppl_diff_max": extreme(d, 1.0),
+        "mismatch_log_ppl_diff_min": extreme(d, -1.0),
+        "mismatch_ppl_ratio": masked_mean(jnp.exp(d), seq),
+        "token_mult_prob_error": masked_mean(jnp.exp(jnp.abs(r)), mask),
+        "train_rollout_logprob_abs_diff": masked_mean(seqs.sum(jnp.abs(r)) / n, seq),
+    }
 
 
 def pruning_metrics(
@@ -289,6 +349,9 @@ def mismatch_diagnostics(
 
     * `mismatch_metrics` on the pruned log-probs (E2/E4, what the objective sees), over the
       responses kept by E5 (those with no sampled token outside the trainer safe set);
+    * `peer_metrics` (the peers' names) on the unpruned log-probs over all response tokens
+      when both full log-probs are given (what a trainer without pruning compares), else on
+      the pruned ones over the E5-kept responses;
     * the same with keys prefixed `full_` on the unpruned log-probs, over all response tokens,
       when both `logp_full` and `behaviour_logp_full` are given;
     * `pruning_metrics` (always including frac_tokens_outside_train_safe, 0 when `in_safe` is
@@ -318,6 +381,9 @@ def mismatch_diagnostics(
     have_full = logp_full is not None and behaviour_logp_full is not None
     if have_full:
         out |= mismatch_metrics(logp_full, behaviour_logp_full, mask, "full_", seqs)
+        out |= peer_metrics(logp_full, behaviour_logp_full, mask, seqs)
+    else:
+        out |= peer_metrics(logp, behaviour_logp, kept, seqs)
     out |= pruning_metrics(
         mask,
         pruned_mass=pruned_mass,

@@ -4,6 +4,8 @@
 to whatever produced `logp` (normally `chunked.chunked_pruned_logprobs`). Every weight
 (E6, E7) and the advantage are stop-gradient constants, so the gradient is
   -(1/Z) sum_i sum_t w_it A_i grad log pi_S(y_it | s_it)                                    (E9)
+The weights, the rejection rules, OPSM and batch normalisation (E7, E7b, E14-E17) are
+`corrections`'; this module owns the config, E5, E6, E9 and the KL and entropy terms.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dvp_jax.dvp import diagnostics, pruning
+from dvp_jax.dvp import corrections, diagnostics, pruning
 from dvp_jax.dvp.segments import Segments
 
 CORRECTIONS = (
@@ -56,6 +58,13 @@ class LossConfig:
       geo_lo, geo_hi: 0 < lo <= 1 <= hi, `seq_geo_rs`'s band on the response's geometric-mean
         ratio exp(mean_t l_t) (E7b; verl's example band 0.999..1.001).
       k3_max: > 0, `seq_k3_rs`'s bound on the response's mean k3 = exp l_t - 1 - l_t (E7b).
+      rejection: rejection rules applied on top of `correction`, each with its band, all of
+        which a token must pass (E14-E16): "" none, else `corrections.RULE_SYNTAX`, e.g.
+        "seq_mean_k1=0.999:1.001,seq_max_k3=0.5,opsm=0.0005".
+      batch_normalise_weights: divide the applied weights by their mean over the batch's kept
+        tokens (token corrections) or kept responses (sequence corrections) (E17); needs
+        kl_coef = entropy_coef = 0 (the mean scales the policy term only, and the update
+        applies it to the gradient accumulated over micro-batches).
     """
 
     prune: bool = True
@@ -74,6 +83,8 @@ class LossConfig:
     geo_lo: float = 0.999
     geo_hi: float = 1.001
     k3_max: float = 0.005
+    rejection: str = ""
+    batch_normalise_weights: bool = False
 
     def __post_init__(self):
         if not isinstance(self.prune, bool):
@@ -112,6 +123,24 @@ class LossConfig:
         k = self.k3_max
         if not (isinstance(k, int | float) and math.isfinite(k) and k > 0):
             raise ValueError(f"LossConfig.k3_max must be a finite float > 0, got {k!r}.")
+        rules = corrections.parse_rules(self.rejection, "LossConfig.rejection")
+        implied = _IMPLIED_RULE.get(self.correction)
+        if implied and any(r.kind == implied for r in rules):
+            raise ValueError(
+                f"LossConfig.rejection repeats {implied}, which LossConfig.correction="
+                f"{self.correction!r} already applies (E7b); drop one of them."
+            )
+        if not isinstance(self.batch_normalise_weights, bool):
+            raise ValueError(
+                "LossConfig.batch_normalise_weights must be a bool, "
+                f"got {self.batch_normalise_weights!r}."
+            )
+        if self.batch_normalise_weights and (self.kl_coef > 0 or self.entropy_coef > 0):
+            raise ValueError(
+                "LossConfig.batch_normalise_weights=True needs kl_coef = 0 and entropy_coef = 0 "
+                f"(got {self.kl_coef} and {self.entropy_coef}): the batch mean scales the policy "
+                "term only, applied to the gradient summed over micro-batches (E17)."
+            )
         for name, allowed in [
             ("kl_estimator", KL_ESTIMATORS),
             ("kl_reference_dtype", KL_REFERENCE_DTYPES),
@@ -132,6 +161,16 @@ class LossConfig:
         return self.effective_log_rho != -math.inf
 
     @property
+    def rules(self) -> tuple[corrections.Rule, ...]:
+        """The rejection rules in force (E14-E16): `seq_geo_rs` / `seq_k3_rs`'s own (E7b, as
+        seq_mean_k1 / seq_mean_k3 with their bands) and then `rejection`'s."""
+        own = {
+            "seq_geo_rs": (corrections.Rule("seq_mean_k1", self.geo_lo, self.geo_hi),),
+            "seq_k3_rs": (corrections.Rule("seq_mean_k3", 0.0, self.k3_max),),
+        }.get(self.correction, ())
+        return own + corrections.parse_rules(self.rejection)
+
+    @property
     def uses_reference(self) -> bool:
         """Whether the loss has the KL-to-reference term (E11): reference params are kept and
         the batch carries `ref_logp` / `ref_in_safe`."""
@@ -144,12 +183,16 @@ class LossConfig:
         rloo = no pruning + none; tis = no pruning + token_tis; mis = no pruning + seq_mis;
         dvp = pruning + none (with E5 exclusion); mis_dvp = pruning + seq_mis. Rejection
         baselines (E7b), no pruning: icepop = token_icepop; geo_rs = seq_geo_rs;
-        k3_rs = seq_k3_rs.
+        k3_rs = seq_k3_rs. The peers' stacks (E14-E16), no pruning: skyrl_geo_tis,
+        verl_seq_is_rs, opsm (see `PRESETS`).
         """
         if name not in PRESETS:
             raise ValueError(f"unknown loss preset {name!r}; choose one of {tuple(PRESETS)}.")
         return cls(**(PRESETS[name] | overrides))
 
+
+# The rule a rejection baseline of `CORRECTIONS` applies (E7b written as E15).
+_IMPLIED_RULE = {"seq_geo_rs": "seq_mean_k1", "seq_k3_rs": "seq_mean_k3"}
 
 PRESETS: dict[str, dict] = {
     "rloo": dict(prune=False, correction="none"),
@@ -160,6 +203,13 @@ PRESETS: dict[str, dict] = {
     "icepop": dict(prune=False, correction="token_icepop"),
     "geo_rs": dict(prune=False, correction="seq_geo_rs"),
     "k3_rs": dict(prune=False, correction="seq_k3_rs"),
+    # The peers' stacks (docs/design.md "Corrections across frameworks"), no pruning, each with
+    # the peer's default bands: SkyRL's token TIS (cap 2) + geometric sequence mask 0.99..1.01;
+    # verl's `decoupled_seq_is_rs` (sequence TIS, cap 2, + seq_sum_k1 0.5..2); OPSM with
+    # slime's default delta 1e-4 (E16).
+    "skyrl_geo_tis": dict(prune=False, correction="token_tis", rejection="seq_mean_k1=0.99:1.01"),
+    "verl_seq_is_rs": dict(prune=False, correction="seq_tis", rejection="seq_sum_k1=0.5:2"),
+    "opsm": dict(prune=False, correction="none", rejection="opsm=0.0001"),
 }
 
 
@@ -177,6 +227,7 @@ def dvp_loss(
     ref_in_safe: jax.Array | None = None,
     entropy: jax.Array | None = None,
     segments: Segments | None = None,
+    is_weight_norm: jax.Array | float | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """DVP-RLOO loss (E5-E9, optionally + E11 + E12) of B rows of T tokens: one response per row
     (padded), or several packed sequences per row told apart by `segments`.
@@ -195,6 +246,10 @@ def dvp_loss(
       seq_geo_rs: w = 1, response masked unless geo_lo <= exp(sum_t l_t / n_i) <= geo_hi;
       seq_k3_rs: w = 1, response masked if sum_t (exp l_t - 1 - l_t) / n_i > k3_max, with l_t
       clipped to +-20 (computed as expm1(l_t) - l_t).
+    E14-E16 (`cfg.rules`: `cfg.rejection`'s, after seq_geo_rs / seq_k3_rs's own): a token is
+      kept only if every rule keeps it (`corrections.rejection`); E17 (`cfg.
+      batch_normalise_weights`): w / w_bar, w_bar the mean of the applied weights over the kept
+      tokens (token corrections) or kept responses (seq_tis, seq_mis), or `is_weight_norm`.
     E9: loss = -(1/Z) sum_i sum_t w_it A_i log pi_S(y_it), sums over kept tokens;
       Z = kept tokens (`token_mean`) or kept responses (`seq_mean_token_sum`); masked tokens and
       responses leave Z; Z = 0 gives loss 0.
@@ -236,10 +291,13 @@ def dvp_loss(
       segments: which response each token belongs to (`dvp/segments.py`); None: row b is one
         response. Every per-response quantity (E5's exclusion, L, the seq corrections, kept
         responses) is reduced per response either way, with the same values.
+      is_weight_norm: E17's w_bar when the caller knows it (1.0: the raw weights, for a
+        micro-batch whose batch mean the update applies afterwards); None: this call's own.
 
     Returns:
       `(loss, metrics)`: float32 scalar and a dict of float32 scalars (see `diagnostics` for
-      frac_* and is_weight_*; plus loss, kept_tokens, kept_responses, ppo_clip_frac; with E11
+      frac_* and is_weight_*; plus loss, kept_tokens, kept_responses, ppo_clip_frac, and per
+      rule `rejected/<kind>`, the share of response tokens it alone removes; with E11
       kl_ref, kl_ref_loss and, pruning, frac_tokens_outside_ref_safe; with E12 entropy_bonus).
 
     Raises:
@@ -292,45 +350,26 @@ def dvp_loss(
     else:
         lref = lp
     l_tok = jax.lax.stop_gradient(lref - lmu)  # [B, T], 0 off `tok`
-    l_seq = seqs.sum(l_tok)  # per response
 
-    # ----- E7: corrections -----
-    log_cap = math.log(cfg.cap)
-    token_masked = jnp.zeros_like(mask)
-    seq_masked = jnp.zeros_like(excluded)
-    if cfg.correction == "none":
-        w = jnp.ones_like(lp)
-    elif cfg.correction == "token_tis":
-        w = jnp.exp(jnp.minimum(l_tok, log_cap))
-    elif cfg.correction == "token_mis":
-        token_masked = tok & (l_tok > log_cap)
-        w = jnp.exp(jnp.minimum(l_tok, log_cap))
-    elif cfg.correction == "seq_tis":
-        w = jnp.broadcast_to(seqs.spread(jnp.exp(jnp.minimum(l_seq, log_cap))), lp.shape)
-    elif cfg.correction == "seq_mis":
-        seq_masked = ~excluded & seqs.any(mask) & (l_seq > log_cap)
-        w = jnp.broadcast_to(seqs.spread(jnp.exp(jnp.minimum(l_seq, log_cap))), lp.shape)
-    elif cfg.correction == "token_icepop":
-        lo, hi = math.log(cfg.icepop_lo), math.log(cfg.icepop_hi)
-        token_masked = tok & ((l_tok < lo) | (l_tok > hi))
-        w = jnp.exp(jnp.clip(l_tok, lo, hi))  # finite everywhere; masked tokens get 0 below
-    else:  # seq_geo_rs, seq_k3_rs: rejection by a per-response mean over its included tokens
-        n_tok = jnp.maximum(seqs.sum(tok.astype(f32)), 1.0)  # per response
-        if cfg.correction == "seq_geo_rs":
-            mean_l = l_seq / n_tok  # log of the geometric-mean ratio
-            out = (mean_l < math.log(cfg.geo_lo)) | (mean_l > math.log(cfg.geo_hi))
-        else:
-            lc = jnp.clip(l_tok, -_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
-            k3 = jnp.where(tok, jnp.expm1(lc) - lc, 0.0)  # [B, T], >= 0
-            out = seqs.sum(k3) / n_tok > cfg.k3_max
-        seq_masked = ~excluded & seqs.any(tok) & out
-        w = jnp.ones_like(lp)
-    keep = tok & ~token_masked & ~seqs.spread(seq_masked)  # [B, T]
-    w = jnp.where(keep, w, 0.0)
-
-    # ----- E9 (+ decoupled PPO): weighted REINFORCE with stop-gradient coefficients -----
+    # ----- E7, E7b: weights; E14-E16: rejection rules; E17: batch-normalised weights -----
     adv = jax.lax.stop_gradient(advantages.astype(f32))
     adv = adv[:, None] if adv.ndim == 1 else adv  # [B, 1] or [B, T]
+    w, token_masked, seq_masked = corrections.weights(
+        cfg.correction, l_tok, tok, seqs, cap=cfg.cap, icepop_band=(cfg.icepop_lo, cfg.icepop_hi)
+    )
+    removed = {}
+    if cfg.rules:
+        l_now = jax.lax.stop_gradient(lp - lmu)  # OPSM's log pi / mu: the current policy
+        rejected = corrections.rejection(cfg.rules, l_tok, l_now, tok, adv, seqs)
+        token_masked, seq_masked = token_masked | rejected[0], seq_masked | rejected[1]
+        removed = rejected[2]
+    keep = tok & ~token_masked & ~seqs.spread(seq_masked)  # [B, T]
+    w = jnp.where(keep, w, 0.0)
+    per_response = cfg.correction in ("seq_tis", "seq_mis")
+    if cfg.batch_normalise_weights:
+        w = corrections.batch_normalise(w, keep, per_response, seqs, is_weight_norm)[0]
+
+    # ----- E9 (+ decoupled PPO): weighted REINFORCE with stop-gradient coefficients -----
     coef = w * adv
     metrics = {}
     if cfg.ppo_clip_eps is not None:
@@ -372,12 +411,23 @@ def dvp_loss(
     metrics["kept_tokens"] = jnp.sum(keep).astype(f32)
     metrics["kept_responses"] = jnp.sum(kept_responses).astype(f32)
     metrics |= diagnostics.exclusion_metrics(mask, excluded, seq_masked, token_masked, seqs)
-    if cfg.correction in ("seq_tis", "seq_mis"):
+    for kind, out in removed.items():
+        metrics["rejected/" + kind] = diagnostics.masked_mean(out, mask)
+    if per_response:
         # One weight per response: w is constant over a kept response's tokens, 0 elsewhere.
         metrics |= diagnostics.is_weight_stats(seqs.max(w), kept_responses)
     else:
         metrics |= diagnostics.is_weight_stats(w, keep)
     return loss, metrics
+
+
+def weight_total(metrics: dict, cfg: LossConfig) -> tuple[jax.Array, jax.Array]:
+    """(sum, count) of the applied weights behind `metrics["is_weight_mean"]` (over the kept
+    tokens, or the kept responses for seq_tis / seq_mis): E17's batch mean, summed over the
+    micro-batches of an update."""
+    per_response = cfg.correction in ("seq_tis", "seq_mis")
+    count = metrics["kept_responses" if per_response else "kept_tokens"]
+    return metrics["is_weight_mean"] * count, count
 
 
 def _check_logp_pair(

@@ -192,14 +192,14 @@ def default_config(method: str = "dvp", **sections: dict[str, Any]) -> ml_collec
     `data=dict(arithmetic=dict(max_operand=999))`), each value type-checked and a misspelt
     field failing by name. Fields whose value comes from a preset are typed placeholders (None =
     "from the preset"): every `ModelConfig` field (`model.preset`), the method preset's
-    `loss.prune` / `loss.correction`, and `loss.temperature` (defaults to
+    `loss.prune` / `loss.correction` / `loss.rejection`, and `loss.temperature` (defaults to
     `rollout.temperature`). So every field exists and can be overridden from the command line
     with its type checked (the ConfigDict is locked by `main.py`).
     """
     c = ml_collections.ConfigDict()
     c.method = method or "dvp"  # a losses.PRESETS name (docs/design.md section 2)
     from_preset = {"model": {f.name for f in dataclasses.fields(ModelConfig)}}
-    from_preset["loss"] = {"prune", "correction", "temperature"}
+    from_preset["loss"] = {"prune", "correction", "rejection", "temperature"}
     for section, cls in _SECTIONS.items():
         c[section] = _fields_dict(cls, from_preset.get(section, ()))
     for name, cls in GENERATED_TASKS.items():  # each task's knobs under its own names

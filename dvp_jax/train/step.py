@@ -24,7 +24,7 @@ from flax import nnx
 
 from dvp_jax.dvp import diagnostics
 from dvp_jax.dvp.chunked import PositionStats, chunked_token_stats
-from dvp_jax.dvp.losses import LossConfig, dvp_loss
+from dvp_jax.dvp.losses import LossConfig, dvp_loss, weight_total
 from dvp_jax.dvp.pruning import TokenLogprobs
 from dvp_jax.dvp.segments import Segments
 from dvp_jax.sharding import Sharder, compiler_options
@@ -150,7 +150,7 @@ def rl_update(
         policy_entropy=with_h,
     )
 
-    def loss_of(tl: TokenLogprobs, stats: PositionStats, b: RLBatch):
+    def loss_of(tl: TokenLogprobs, stats: PositionStats, b: RLBatch, norm=None):
         return dvp_loss(
             tl.logp,
             b.behaviour_logp,
@@ -164,7 +164,12 @@ def rl_update(
             ref_in_safe=b.ref_in_safe if loss_cfg.uses_reference else None,
             entropy=stats.policy_entropy if with_h else None,
             segments=_segments(b, sequences_per_row),
+            is_weight_norm=norm,
         )
+
+    # E17: a micro-batch weighs with its raw weights (norm 1) and returns their sum and count;
+    # the batch mean divides the summed gradient (exact: the loss is then the policy term only).
+    raw = 1.0 if loss_cfg.batch_normalise_weights else None
 
     def micro_sum(params, mb: RLBatch):
         segment_ids = _model_segments(mb, sequences_per_row)
@@ -175,9 +180,9 @@ def rl_update(
             segment_ids=segment_ids,
             kept_ids=mb.behaviour_kept_ids,  # E13: the support the rollout sampled from
         )
-        loss, metrics = loss_of(tl, stats, mb)
+        loss, metrics = loss_of(tl, stats, mb, raw)
         z = jax.lax.stop_gradient(_normaliser(metrics, loss_cfg))
-        return loss * z, (z, tl, stats)
+        return loss * z, (z, weight_total(metrics, loss_cfg), tl, stats)
 
     grad_fn = jax.grad(micro_sum, has_aux=True)
 
@@ -186,11 +191,14 @@ def rl_update(
         return jax.tree.map(jnp.add, grads, g), aux
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
-    grads, (zs, tl, stats) = _over_micro_batches(
+    grads, (zs, (w_sums, w_counts), tl, stats) = _over_micro_batches(
         accumulate, batch, batch.response_mask, micro_batches, zeros
     )
-    total_z = jnp.sum(zs)
-    grads = jax.tree.map(lambda g: g / jnp.maximum(total_z, 1.0), grads)
+    total_z = jnp.maximum(jnp.sum(zs), 1.0)
+    if loss_cfg.batch_normalise_weights:
+        w_bar = jnp.sum(w_sums) / jnp.maximum(jnp.sum(w_counts), 1.0)
+        total_z = total_z * jnp.where(w_bar > 0, w_bar, 1.0)
+    grads = jax.tree.map(lambda g: g / total_z, grads)
 
     # Reported loss and loss metrics: the same objective on the whole batch (no model call).
     segments = _segments(batch, sequences_per_row)
