@@ -38,6 +38,7 @@ from dvp_jax.workdir import write_atomic
 from experiments import e007_gate as gate_lib
 from experiments import e007_tail as cpu
 from experiments import e007_verdict as rules
+from experiments.provenance import weights_hash
 
 CONFIG = cpu.CONFIG
 CONFIG_ARG = cpu.CONFIG_ARG
@@ -165,7 +166,7 @@ def main(argv=None) -> int:
     cfg = gate_lib.config("rloo", rules.RUNG, overrides=device_overrides())
     model = gate_lib.policy(cfg, export)
     gate = gate_lib.measure(cfg, model, rules.GATE_PROMPTS, rules.GATE_SAMPLES)
-    gate |= {"status": rules.gate_status(gate), "weights_sha256": cpu.weights_hash(export)}
+    gate |= {"status": rules.gate_status(gate), "weights_sha256": weights_hash(export)}
     os.makedirs(args.out, exist_ok=True)
     write_atomic(os.path.join(args.out, "gate.json"), json.dumps(gate, indent=1))
     print(f"[e007 device] gate: {json.dumps(gate)}", flush=True)

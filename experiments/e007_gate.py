@@ -8,7 +8,7 @@ entropy. On the warm start it is the gate (`gate.json`, judged by e007_verdict.g
 the fp32 arm's weights at each segment end it is the weight-drift control (e007_tail).
 
 Commands (repository root):
-  python -m experiments.e007_gate --init_hf /tmp/e007/warm/hf_export [--out DIR]
+  python -m experiments.e007_gate --init_hf /tmp/e007/root/e007_tail/_warm/hf_export
   python -m experiments.e007_gate --smoke --out /tmp/e007_gate_smoke   (CI: a random model at the
       CI sizes; never the committed results folder)
 """
@@ -26,7 +26,7 @@ import numpy as np
 
 from dvp_jax.workdir import write_atomic
 from experiments import e007_verdict as rules
-from experiments.provenance import code_version
+from experiments.provenance import code_version, weights_hash
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/e007_tail_sum.py"
@@ -184,6 +184,7 @@ def gate(init_hf: str, smoke: bool = False) -> tuple[dict, dict]:
         "rung": rules.RUNG,
         "rollout_dtype": cfg.rollout.dtype,
         "init_hf": init_hf or "random init (smoke)",
+        "weights_sha256": weights_hash(init_hf),
         "task": {"name": cfg.data.task, **cfg.data.tail_sum, "free_share": task.free_share()},
         "vocab_size": cfg.model.vocab_size,
         "code_version": code_version(),
@@ -193,7 +194,7 @@ def gate(init_hf: str, smoke: bool = False) -> tuple[dict, dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--init_hf", default="/tmp/e007/warm/hf_export", help="the warm start")
+    p.add_argument("--init_hf", default="/tmp/e007/root/e007_tail/_warm/hf_export", help="the warm start")
     p.add_argument("--out", default="", help=f"default {OUT}; with --smoke required elsewhere")
     p.add_argument("--smoke", action="store_true", help="CI sizes on a random init")
     args = p.parse_args(argv)

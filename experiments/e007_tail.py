@@ -29,7 +29,6 @@ Hardware, step times and the budget: experiments/README.md, e007.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -155,19 +154,6 @@ def make_warm_start(root: str) -> str:
         if local.run_logged(argv, warm):
             raise SystemExit(f"[e007] the warm start failed; see {warm}/launch.log")
     return export
-
-
-def weights_hash(export: str) -> str | None:
-    """sha256 of the export's safetensors (which warm start a gate or record was measured on)."""
-    names = sorted(n for n in os.listdir(export) if n.endswith(".safetensors"))
-    if not names:
-        return None
-    h = hashlib.sha256()
-    for n in names:
-        with open(os.path.join(export, n), "rb") as fh:
-            for block in iter(lambda fh=fh: fh.read(1 << 20), b""):
-                h.update(block)
-    return h.hexdigest()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ checkout (a copied tree, no git) the commit is None and the reason is given inst
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 
@@ -28,3 +29,19 @@ def code_version(repo: str = REPO) -> dict:
     except (OSError, subprocess.SubprocessError) as e:
         return {"commit": None, "dirty": None, "error": f"git unavailable: {type(e).__name__}"}
     return {"commit": commit, "dirty": dirty}
+
+
+def weights_hash(export: str) -> str | None:
+    """sha256 over an hf_export's safetensors files (which weights a figure was measured on);
+    None when there are none (a random init)."""
+    if not export or not os.path.isdir(export):
+        return None
+    names = sorted(n for n in os.listdir(export) if n.endswith(".safetensors"))
+    if not names:
+        return None
+    h = hashlib.sha256()
+    for n in names:
+        with open(os.path.join(export, n), "rb") as fh:
+            for block in iter(lambda fh=fh: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
