@@ -194,7 +194,9 @@ def gate(init_hf: str, smoke: bool = False) -> tuple[dict, dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--init_hf", default="/tmp/e007/root/e007_tail/_warm/hf_export", help="the warm start")
+    p.add_argument(
+        "--init_hf", default="/tmp/e007/root/e007_tail/_warm/hf_export", help="the warm start"
+    )
     p.add_argument("--out", default="", help=f"default {OUT}; with --smoke required elsewhere")
     p.add_argument("--smoke", action="store_true", help="CI sizes on a random init")
     args = p.parse_args(argv)
