@@ -125,6 +125,14 @@ METRICS: dict[str, str] = {
     "seq_log_ratio_outside_share": (
         "|E[L_out]| / (|E[L_in]| + |E[L_out]|): share of E[L] from outside the safe set, in [0, 1]"
     ),
+    "frac_tokens_outside_safe": (
+        "sampled response tokens outside the trainer safe set at loss.log_rho, whatever the method"
+    ),
+    "full_kl_k1_inside": "the part of full_kl_k1 from tokens inside the trainer safe set",
+    "full_kl_k1_outside": "the part of full_kl_k1 from tokens outside the trainer safe set",
+    "abs_log_ratio_outside_share": (
+        "sum |log pi - log mu| over tokens outside the trainer safe set / over all response tokens"
+    ),
     # ----- optimizer (train.step)
     "grad_norm": "global norm of the gradient",
     "update_norm": "global norm of the optax update",

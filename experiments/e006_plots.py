@@ -154,24 +154,53 @@ def reading_table(reading: dict, seeds) -> str:
         "takes that offset out.\n"
     ]
     start = reading["start_acc"]
+    labels = reading.get("labels", {}).get("methods", {})  # absent in verdicts before issue 46
     rows = [
         [
             arm,
             _ci(reading["paired_growth_vs_rloo_M3"][arm]),
             _ci(reading["heldout_gain_vs_rloo_M3"][arm]),
             ", ".join(_num(start.get(f"{arm}_s{s}")) for s in seeds),
+            labels.get(arm, {}).get("label", ""),
         ]
         for arm in reading["paired_growth_vs_rloo_M3"]
     ]
-    rows.append(["rloo_M3", "", "", ", ".join(_num(start.get(f"rloo_M3_s{s}")) for s in seeds)])
+    rows.append(["rloo_M3", "", "", ", ".join(_num(start.get(f"rloo_M3_s{s}")) for s in seeds), ""])
     header = [
         "arm",
         "(G - G(RLOO M3)) / m0",
         "held-out gain - RLOO M3's",
         "held-out at step 0 (seeds " + ", ".join(map(str, seeds)) + ")",
+        "reading",
     ]
     md.append(markdown_table(header, rows))
+    if "labels" in reading:
+        lab = reading["labels"]
+        md.append(
+            f"\nReading of the premise (rule outcome kept above): **{lab['premise']}** (fp32 "
+            "rollouts have zero mismatch by construction, so growth beyond fp32 is not told from "
+            "ordinary weight drift; the held-out drop fp32 minus M3 is "
+            f"{_ci(_as_interval(lab['heldout_drop_interval']))}). Methods: a paired interval "
+            "that contains 0 reads **no effect detectable at this size**; "
+            + _resolved(lab["methods"])
+            + " a method that removes half of RLOO M3's growth (half-widths "
+            + ", ".join(_num(m.get("half_width")) for m in lab["methods"].values())
+            + f" of m0 against {_num(REMOVED_HALF * lab['premise_interval'][0])}).\n"
+        )
     return "\n".join(md)
+
+
+REMOVED_HALF = rules.REMOVED_SHARE
+
+
+def _resolved(methods: dict) -> str:
+    k = sum(bool(m.get("resolves_half")) for m in methods.values())
+    return "none of these intervals resolves" if k == 0 else f"{k} of {len(methods)} resolve"
+
+
+def _as_interval(triple) -> dict:
+    mean, lo, hi = triple
+    return {"mean": mean, "lo": lo, "hi": hi, "n": len(rules.SEEDS)}
 
 
 def plot_all(out: str) -> str | None:

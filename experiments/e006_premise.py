@@ -42,6 +42,7 @@ from dvp_jax.launch import sweep as sweeps
 from dvp_jax.workdir import write_atomic
 from experiments import e005_setup
 from experiments import e006_verdict as rules
+from experiments.provenance import code_version
 
 CONFIG = "configs/e004_running_sum.py"
 CONFIG_ARG = "rloo:M0"
@@ -182,6 +183,7 @@ def run_record(
         "steps_logged": [int(r["step"]) for r in train],
         "curves": {k: [float(r[k]) if k in r else None for r in train] for k in CURVES},
         "segment_seconds": seconds,
+        "code_version": code_version(),  # the commit that wrote it (issue 46)
     }
 
 

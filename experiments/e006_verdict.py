@@ -208,6 +208,7 @@ def verdict_from_units(
     out["methods"] = {a: out["metrics"][PRIMARY]["methods"][a]["status"] for a in METHOD_ARMS}
     m0 = out["metrics"][PRIMARY]["start_level_rloo_M3"]
     out["reading"] = reading(units, done, m0, steps, seeds)
+    out["reading"]["labels"] = reading_labels(out)
     return out
 
 
@@ -249,11 +250,62 @@ def reading(
         gain_diff[arm] = [
             gain[run] - gain[ref] for run, ref in pairs if run in gain and ref in gain
         ]
+    paired = {a: _interval(growth_diff[a]) for a in METHOD_ARMS}
     return {
         "note": "not pre-registered: figures beside the rules, added after the data",
-        "paired_growth_vs_rloo_M3": {a: _interval(growth_diff[a]) for a in METHOD_ARMS},
+        "paired_growth_vs_rloo_M3": paired,
         "heldout_gain_vs_rloo_M3": {a: _interval(gain_diff[a]) for a in METHOD_ARMS},
         "start_acc": {f"{a}_s{s}": v for (a, s), v in sorted(start_acc.items())},
+    }
+
+
+# What each outcome could detect (issue 46): the labels the READMEs use beside the rule outcomes.
+NO_EFFECT = "no effect detectable at this size"
+NARROW_PASS = "a narrow pass without a weight-drift control"
+NO_DEGRADATION = "no degradation observed"
+
+
+def reading_labels(verdict: Mapping) -> dict:
+    """Labels held to what the design could detect, beside the rule outcomes (not pre-registered;
+    added after the data, issue 46). Pure function of verdict.json's figures.
+
+    * premise: NARROW_PASS when the rule passed with the interval's lower end below
+      MATERIAL_GROWTH (the growth could be immaterial) - every e006 premise pass lacks the
+      weight-drift control, since fp32 rollouts have zero mismatch by construction (the same
+      numerics on both sides), so growth beyond fp32 cannot be told from weight drift; plus
+      NO_DEGRADATION when the held-out drop's interval (fp32 minus M3) contains 0.
+    * methods: NO_EFFECT when the paired interval of (G(method) - G(RLOO M3)) / m0 contains 0,
+      with `resolves_half` whether its half-width is below half of RLOO M3's mean r (what a method
+      removing half of RLOO's growth would need to be seen).
+    """
+    primary = verdict["metrics"][PRIMARY]
+    r = primary["relative_excess_growth_rloo_M3"]
+    drop = verdict["heldout"]["drop_rloo_M3_vs_fp32"]
+    parts = []
+    if verdict["premise"] == "the premise appears at this scale" and r["lo"] < MATERIAL_GROWTH:
+        parts.append(NARROW_PASS)
+    elif verdict["premise"] == "the premise appears at this scale":
+        parts.append("a pass without a weight-drift control")
+    if drop["lo"] is not None and drop["lo"] <= 0 <= drop["hi"]:
+        parts.append(NO_DEGRADATION)
+    methods = {}
+    for arm, iv in verdict["reading"]["paired_growth_vs_rloo_M3"].items():
+        if iv["lo"] is None:
+            methods[arm] = {"label": "incomplete"}
+            continue
+        half = (iv["hi"] - iv["lo"]) / 2
+        methods[arm] = {
+            "label": NO_EFFECT if iv["lo"] <= 0 <= iv["hi"] else "an effect detected",
+            "paired_interval": [iv["mean"], iv["lo"], iv["hi"]],
+            "half_width": half,
+            "resolves_half": bool(half < REMOVED_SHARE * (r["mean"] or 0.0)),
+        }
+    return {
+        "note": "not pre-registered: labels held to what the design could detect (issue 46)",
+        "premise": "; ".join(parts) if parts else verdict["premise"],
+        "premise_interval": [r["mean"], r["lo"], r["hi"]],
+        "heldout_drop_interval": [drop["mean"], drop["lo"], drop["hi"]],
+        "methods": methods,
     }
 
 

@@ -291,7 +291,13 @@ def _tail_reference(z, z_r, y, mask, log_rho, tail_p):
         if kept:
             seq_pruned.append(pruned_sum)
     e_out, e_in = np.mean(seq_out), np.mean(seq_in)
+    lt = np.asarray(log_softmax_rows(z, y), float) - np.asarray(log_softmax_rows(z_r, y), float)
+    outside = mask & (np.take_along_axis(z, y[..., None], -1)[..., 0] < z.max(-1) + log_rho)
     return {
+        "frac_tokens_outside_safe": outside.sum() / mask.sum(),
+        "full_kl_k1_inside": -lt[mask & ~outside].sum() / mask.sum(),
+        "full_kl_k1_outside": -lt[outside].sum() / mask.sum(),
+        "abs_log_ratio_outside_share": np.abs(lt[outside]).sum() / np.abs(lt[mask]).sum(),
         "entropy": entropy / n_tok,
         "frac_tokens_tail": tail / n_tok,
         "seq_log_ratio": np.mean(seq),
@@ -299,6 +305,14 @@ def _tail_reference(z, z_r, y, mask, log_rho, tail_p):
         "seq_log_ratio_outside": e_out,
         "seq_log_ratio_outside_share": abs(e_out) / (abs(e_in) + abs(e_out)),
     }
+
+
+def log_softmax_rows(z, y):
+    """[B, T] float64 log softmax(z)[y]."""
+    z = np.asarray(z, np.float64)
+    top = z.max(-1, keepdims=True)
+    lse = top[..., 0] + np.log(np.exp(z - top).sum(-1))
+    return np.take_along_axis(z, y[..., None], -1)[..., 0] - lse
 
 
 def test_tail_metrics_match_dense_reference():

@@ -271,3 +271,33 @@ def test_a_rerun_from_step_0_keeps_nothing_of_the_old_record_and_a_resume_keeps_
     _, rec = p.run_segment(str(root), str(out), "rloo_M3", 0, 75, "")
     assert [s for s, _ in rec["evals"]] == [0, 25, 50, 75] and rec["evals"][-1] == [75, 0.575]
     assert len(rec["segment_seconds"]) == 1 and rec["steps_logged"] == list(range(1, 76))
+
+
+def test_reading_labels_hold_the_outcomes_to_what_the_design_could_detect():
+    """Issue 46: a method whose paired interval contains 0 reads "no effect detectable", a premise
+    pass whose lower end is below the materiality threshold reads "a narrow pass without a
+    weight-drift control", the rule outcomes themselves unchanged."""
+    noisy = _units([4e-4, 1.2e-3, 2e-4], {"dvp_M3": 1e-3, "icepop_M3": 0.0}, acc_m3=0.2)
+    res = v.verdict_from_units(noisy)
+    lab = res["reading"]["labels"]
+    assert res["premise"] in ("the premise appears at this scale", "inconclusive")
+    if res["premise"] == "the premise appears at this scale":
+        assert lab["premise"].startswith(v.NARROW_PASS)
+    assert v.NO_DEGRADATION in lab["premise"]  # held-out the same for fp32 and M3
+    # Every seed's DVP growth is 1e-3 while RLOO M3's varies: the paired interval straddles 0.
+    assert lab["methods"]["dvp_M3"]["label"] == v.NO_EFFECT
+    assert lab["methods"]["dvp_M3"]["resolves_half"] is False
+    # A method with a consistent growth far below RLOO M3's every seed: an effect is detected.
+    clean = v.verdict_from_units(_units(1e-3, {"dvp_M3": 0.0}))
+    assert clean["reading"]["labels"]["methods"]["dvp_M3"]["label"] == "an effect detected"
+    assert clean["reading"]["labels"]["methods"]["icepop_M3"]["label"] == "incomplete"
+
+
+def test_records_carry_the_code_version(tmp_path):
+    from experiments.provenance import code_version
+
+    here = code_version()
+    assert set(here) >= {"commit", "dirty"}
+    assert here["commit"] is None or len(here["commit"]) == 40
+    gone = code_version(str(tmp_path))  # not a git checkout: no commit, the reason given
+    assert gone["commit"] is None and "error" in gone

@@ -427,7 +427,13 @@ def tail_metrics(
       seq_log_ratio_pruned = mean over E5-kept responses of sum_t (log pi_S - log mu_S) (E6's L,
         over the tokens the pruned objective keeps: all of a response or none);
       seq_log_ratio_outside = mean_i L_i^out;
-      seq_log_ratio_outside_share = |E[L^out]| / (|E[L^in]| + |E[L^out]|), 0 when both are 0.
+      seq_log_ratio_outside_share = |E[L^out]| / (|E[L^in]| + |E[L^out]|), 0 when both are 0;
+      frac_tokens_outside_safe = fraction of response tokens outside V_S (at the configured rho
+        whatever the method, unlike frac_tokens_outside_train_safe, 0 when nothing is pruned);
+      full_kl_k1_inside / full_kl_k1_outside = sum over response tokens inside / outside V_S of
+        -l_t, over the number of response tokens (they add up to full_kl_k1);
+      abs_log_ratio_outside_share = sum_outside |l_t| / sum |l_t| over response tokens (0 when
+        the sum is 0): the tail's share of the per-token mismatch.
 
     The share compares the two parts of E[L] after each is summed with its sign (so per-token
     noise cancels within each part, as it does in E[L]). It equals E[L^out] / E[L] when the parts
@@ -465,7 +471,16 @@ def tail_metrics(
     tok = mask & seqs.spread(kept)
     l_pruned = on(logp, tok) - on(behaviour_logp, tok)
     tail = outside & (on(logp_full, mask) < math.log(tail_p))
+    n_tok = jnp.maximum(jnp.sum(mask), 1).astype(jnp.float32)
+    abs_all = jnp.sum(jnp.abs(l_full))
+    abs_out = jnp.sum(jnp.where(outside, jnp.abs(l_full), 0.0))
     out = {
+        "frac_tokens_outside_safe": masked_mean(outside, mask),
+        "full_kl_k1_inside": -jnp.sum(jnp.where(outside, 0.0, l_full)) / n_tok,
+        "full_kl_k1_outside": -jnp.sum(jnp.where(outside, l_full, 0.0)) / n_tok,
+        "abs_log_ratio_outside_share": jnp.where(
+            abs_all > 0, abs_out / jnp.where(abs_all > 0, abs_all, 1.0), 0.0
+        ),
         "frac_tokens_tail": masked_mean(tail, mask),
         "seq_log_ratio": masked_mean(l_seq, has_tokens),
         "seq_log_ratio_pruned": masked_mean(seqs.sum(l_pruned), kept),

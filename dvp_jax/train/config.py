@@ -126,13 +126,16 @@ class ExperimentConfig:
             )
         data = _build("data", DataConfig, d.get("data", {}))
         longest = data.running_sum["max_response_len"]
-        if data.task == "running_sum" and rollout.max_decode_length <= longest:
+        what = "data.running_sum.max_response_len + 1"
+        if data.task == "tail_sum":
+            longest = data.make_task().max_response_len
+            what = "the longest data.tail_sum response + 1"
+        if data.task in ("running_sum", "tail_sum") and rollout.max_decode_length <= longest:
             # The reference responses run to max_response_len tokens plus EOS; a shorter decode
             # budget truncates them, and a truncated response scores 0.
             raise ValueError(
-                "config.rollout.max_decode_length must be >= "
-                f"data.running_sum.max_response_len + 1 = {longest + 1} for task='running_sum', "
-                f"got {rollout.max_decode_length}"
+                f"config.rollout.max_decode_length must be >= {what} = {longest + 1} for "
+                f"task={data.task!r}, got {rollout.max_decode_length}"
             )
         cfg = cls(
             model=model,

@@ -20,6 +20,7 @@ from dvp_jax.data import running_sum
 from dvp_jax.data.chat import CHAT_FORMATS
 from dvp_jax.data.math_data import RowFields
 from dvp_jax.data.running_sum import RunningSumTask
+from dvp_jax.data.tail_sum import TailSumTask
 from dvp_jax.data.tasks import ArithmeticTask, GeneratedTask
 from dvp_jax.model.config import (
     ATTENTION_IMPLS,
@@ -37,10 +38,21 @@ _ENGINE = EngineConfig()
 HELDOUT = "heldout"
 EVAL_SET_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 # The generated tasks by `data.task` name; "math" reads a file instead.
-GENERATED_TASKS = {"arithmetic": ArithmeticTask, "running_sum": RunningSumTask}
+GENERATED_TASKS = {
+    "arithmetic": ArithmeticTask,
+    "running_sum": RunningSumTask,
+    "tail_sum": TailSumTask,
+}
+# The generated tasks written in the running-sum word vocabulary (`running_sum:<n_words>`).
+WORD_TASKS = ("running_sum", "tail_sum")
 TASKS = (*GENERATED_TASKS, "math")
 # The reward of each task when `data.rewards` is "" (`dvp_jax.data.rewards` built-ins).
-TASK_REWARDS = {"arithmetic": "exact_match", "running_sum": "marked_answer", "math": "math_verify"}
+TASK_REWARDS = {
+    "arithmetic": "exact_match",
+    "running_sum": "marked_answer",
+    "tail_sum": "marked_answer",
+    "math": "math_verify",
+}
 
 
 def task_knobs(cls) -> dict[str, Any]:
@@ -140,6 +152,7 @@ class DataConfig:
     seed: int = 0
     arithmetic: dict = dataclasses.field(default_factory=dict)
     running_sum: dict = dataclasses.field(default_factory=dict)
+    tail_sum: dict = dataclasses.field(default_factory=dict)
     # Weighted reward terms "name[=weight],..." (`dvp_jax.data.rewards.parse_rewards`), e.g.
     # "math_verify=1.0,math_format=0.1,my_pkg.my_mod:my_fn=0.5"; "" is the task's verifier
     # (TASK_REWARDS).
@@ -159,7 +172,7 @@ class DataConfig:
         check_int("data.seed", self.seed, 0)
         built = {name: self._build_task(name, cls) for name, cls in GENERATED_TASKS.items()}
         object.__setattr__(self, "_tasks", built)  # not a field: derived from the knobs
-        self._check_tokenizer(built["running_sum"])
+        self._check_tokenizer(built.get(self.task, built["running_sum"]))
         check_field(isinstance(self.rewards, str), "data.rewards", "a string", self.rewards)
         try:  # user functions are imported here, before any work
             terms = rewards_lib.parse_rewards(self.reward_spec)
@@ -182,9 +195,10 @@ class DataConfig:
         object.__setattr__(self, name, {k: getattr(task, k) for k in allowed})
         return task
 
-    def _check_tokenizer(self, rs_task: RunningSumTask) -> None:
-        """The running-sum task needs its word tokenizer, and the word tokenizer nothing else."""
-        if self.task != "running_sum":
+    def _check_tokenizer(self, rs_task: RunningSumTask | TailSumTask) -> None:
+        """A word task (`WORD_TASKS`) needs its word tokenizer, and the word tokenizer nothing
+        else."""
+        if self.task not in WORD_TASKS:
             word_tokenizer = self.tokenizer.split(":")[0] == running_sum.TOKENIZER_NAME
             check_field(
                 not word_tokenizer,
@@ -200,15 +214,15 @@ class DataConfig:
             self.tokenizer == spec
             or (self.tokenizer == running_sum.TOKENIZER_NAME and default_words),
             "data.tokenizer",
-            f"{spec!r} for task='running_sum' (the word vocabulary of "
-            f"data.running_sum.n_words={rs_task.n_words})",
+            f"{spec!r} for task={self.task!r} (the word vocabulary of "
+            f"data.{self.task}.n_words={rs_task.n_words})",
             self.tokenizer,
         )
         least = rs_task.max_prompt_tokens + 1
         check_field(
             self.max_prompt_len >= least,
             "data.max_prompt_len",
-            f">= {least} (BOS and the longest prompt of data.running_sum)",
+            f">= {least} (BOS and the longest prompt of data.{self.task})",
             self.max_prompt_len,
         )
 
