@@ -140,14 +140,10 @@ class EngineConfig:
 
     @staticmethod
     def check_kv_pages(kv_pages: int | None, cache_length: int, page_size: int, where: str):
-        """A page holds at most the cache (a bigger one only wastes memory: `page_size` <=
-        S), and a pool holds one slot at full length: None, or at least ceil(S / page_size)
-        pages. Raises ValueError naming `where.page_size` or `where.kv_pages`."""
-        if page_size > cache_length:
-            raise ValueError(
-                f"{where}.page_size must be <= the cache length S = {cache_length} (prompt + "
-                f"response positions; a larger page is memory no slot can use), got {page_size}"
-            )
+        """A pool holds one slot at full length: None, or at least ceil(S / page_size) pages.
+        Raises ValueError naming `where.kv_pages`. (A page larger than the cache is allowed,
+        as the default 64 on a short cache is; a pool that will not fit the device is refused
+        by `check_pool_fits`.)"""
         least = -(-cache_length // page_size)
         if kv_pages is not None and kv_pages < least:
             raise ValueError(
