@@ -133,6 +133,21 @@ METRICS: dict[str, str] = {
     "abs_log_ratio_outside_share": (
         "sum |log pi - log mu| over tokens outside the trainer safe set / over all response tokens"
     ),
+    # ----- partial rollouts (rollout.partial; dvp.staleness; rollout.partial.Stats)
+    "age_share_0": "response tokens sampled under this step's weights (age 0)",
+    "age_share_1": "response tokens sampled one weight version ago",
+    "age_share_2plus": "response tokens sampled two or more weight versions ago",
+    "mismatch_abs_age0": "mean |log pi - log mu| over age-0 tokens (the precision mismatch)",
+    "mismatch_abs_stale": "mean |log pi - log mu| over older tokens (precision + policy lag)",
+    "kl_k1_age0": "mean (log mu - log pi) over age-0 tokens",
+    "kl_k1_stale": "mean (log mu - log pi) over tokens of older weight versions",
+    "partial_decode_steps": "decode steps of this step's partial rollout",
+    "partial_groups_in_flight": "groups decoding or waiting in this step's rollout",
+    "partial_carried_out": "responses left unfinished for the next step",
+    "partial_stale_restarts": "responses decoded again, holding a token past max_staleness",
+    "partial_groups_rejected": "complete groups dropped by train.skip_zero_advantage",
+    "partial_groups_per_trained": "groups completed per group trained, since the run started",
+    "partial_dropped_on_resume": "responses in flight lost when the run resumed (not checkpointed)",
     # ----- optimizer (train.step)
     "grad_norm": "global norm of the gradient",
     "update_norm": "global norm of the optax update",

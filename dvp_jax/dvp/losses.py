@@ -65,6 +65,8 @@ class LossConfig:
         tokens (token corrections) or kept responses (sequence corrections) (E17); needs
         kl_coef = entropy_coef = 0 (the mean scales the policy term only, and the update
         applies it to the gradient accumulated over micro-batches).
+      mask_stale_tokens: partial rollouts: leave tokens sampled under older weights out of the
+        loss (slime's option; the trainer clears them from the response mask).
     """
 
     prune: bool = True
@@ -85,6 +87,7 @@ class LossConfig:
     k3_max: float = 0.005
     rejection: str = ""
     batch_normalise_weights: bool = False
+    mask_stale_tokens: bool = False
 
     def __post_init__(self):
         if not isinstance(self.prune, bool):
@@ -130,11 +133,9 @@ class LossConfig:
                 f"LossConfig.rejection repeats {implied}, which LossConfig.correction="
                 f"{self.correction!r} already applies (E7b); drop one of them."
             )
-        if not isinstance(self.batch_normalise_weights, bool):
-            raise ValueError(
-                "LossConfig.batch_normalise_weights must be a bool, "
-                f"got {self.batch_normalise_weights!r}."
-            )
+        for name in ("batch_normalise_weights", "mask_stale_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"LossConfig.{name} must be a bool, got {getattr(self, name)!r}.")
         if self.batch_normalise_weights and (self.kl_coef > 0 or self.entropy_coef > 0):
             raise ValueError(
                 "LossConfig.batch_normalise_weights=True needs kl_coef = 0 and entropy_coef = 0 "

@@ -55,6 +55,8 @@ class RolloutBatch:
       behaviour_kept_ids: [N, T, W] int32, the truncation set K of each token (E13; -1 padded,
         all -1 where untruncated; W = 0 without top-k / top-p; None given: W = 0).
       behaviour_truncated_mass: [N, T] float32, mu's mass outside K (E13; None given: 0).
+      behaviour_version: [N, T] int32, the weight version (RL step) each response token was
+        sampled under (partial rollouts, `partial.py`); None: every token this step's.
     """
 
     tokens: np.ndarray
@@ -69,6 +71,7 @@ class RolloutBatch:
     prompt_lengths: np.ndarray
     response_lengths: np.ndarray
     finished: np.ndarray
+    behaviour_version: np.ndarray | None = None
     behaviour_kept_ids: np.ndarray | None = None
     behaviour_truncated_mass: np.ndarray | None = None
 
@@ -263,10 +266,16 @@ def generate_rollouts(
     if stats is not None:
         stats.append(sched.stats)
 
+    return _batch(records, prompt_lengths, response_lengths, finished, g_size)
+
+
+def _batch(records, prompt_lengths, response_lengths, finished, g_size) -> RolloutBatch:
+    """The `RolloutBatch` of `[N, T]` records laid out by row (`RolloutBatch`'s docstring)."""
+    t = records["tokens"].shape[1]
     positions = np.arange(t)[None, :]
     prompt_mask = positions < prompt_lengths[:, None]
     response_mask = ~prompt_mask & (positions < (prompt_lengths + response_lengths)[:, None])
-    rows = np.arange(n)
+    rows = np.arange(len(prompt_lengths))
     return RolloutBatch(
         **records,  # tokens and the behaviour_* statistics
         prompt_mask=prompt_mask,
@@ -277,3 +286,30 @@ def generate_rollouts(
         response_lengths=response_lengths,
         finished=finished,
     )
+
+
+def assemble(
+    prompts: Sequence[np.ndarray],
+    responses: Sequence[dict[str, np.ndarray]],
+    g_size: int,
+    t: int,
+    stop_tokens: Sequence[int],
+) -> RolloutBatch:
+    """A `RolloutBatch` of rows given one by one: row i is `prompts[i]` then the response whose
+    records (`RECORD_FIELDS` -> `[R_i, ...]`) are `responses[i]`, padded to `t` columns; a
+    response finished if it ends with one of `stop_tokens` (else it was cut at the cap)."""
+    n = len(prompts)
+    records = {
+        f: np.zeros((n, t) + responses[0][f].shape[1:], responses[0][f].dtype)
+        for f in RECORD_FIELDS
+    }
+    prompt_lengths = np.asarray([p.size for p in prompts], np.int32)
+    response_lengths = np.asarray([len(r["tokens"]) for r in responses], np.int32)
+    for i, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
+        records["tokens"][i, : prompt.size] = prompt
+        cols = slice(prompt.size, prompt.size + response_lengths[i])
+        for f in RECORD_FIELDS:
+            records[f][i, cols] = response[f]
+    last = [r["tokens"][-1] if len(r["tokens"]) else -1 for r in responses]
+    finished = np.isin(np.asarray(last), np.asarray(stop_tokens, np.int64)) & (response_lengths > 0)
+    return _batch(records, prompt_lengths, response_lengths, finished, g_size)

@@ -153,7 +153,8 @@ class Dispatch:
       admit: (slot, request) pairs to insert, in queue order.
       num_steps: at most this many decode steps (0: nothing to decode this round).
       span: the steps' read bound.
-      stop_at_finish: end after the step in which a slot finishes (requests wait).
+      stop_at_finish: end after the step in which a slot finishes (requests wait, or a
+        partial round counts its complete groups).
       live_pages: the pages the active slots hold together by the end of the steps (paged).
     """
 
@@ -193,13 +194,30 @@ class Scheduler:
     """
 
     def __init__(
-        self, limits: Limits, prompt_lengths: Sequence[int] = (), order=None, resume=False
+        self,
+        limits: Limits,
+        prompt_lengths: Sequence[int] = (),
+        order=None,
+        resume=False,
+        *,
+        generated: Sequence[int] | None = None,
+        groups: Sequence[int] | None = None,
+        target_groups: int | None = None,
     ):
         self.limits, self.resume = limits, resume
         self.prompt_lengths = [int(x) for x in prompt_lengths]
         n = len(self.prompt_lengths)
-        self.generated = [0] * n  # tokens a request keeps while it waits (resume only)
+        # Tokens a request keeps while it waits (resume mode; a carried response's so far).
+        self.generated = [0] * n if generated is None else [int(x) for x in generated]
         self.home = [-1] * n  # the slot a request must use (-1: any)
+        # Partial rollouts: request -> group; the round ends once `target_groups` groups have
+        # every response finished (`complete`, in the order they completed).
+        self.group = None if groups is None else [int(x) for x in groups]
+        self.target_groups = target_groups
+        self.complete: list[int] = []
+        self.finished: set[int] = set()
+        if self.group is not None:
+            self._left = collections.Counter(self.group)
         self.pending = collections.deque(range(n) if order is None else order)
         b = limits.slots
         self.owner = np.full((b,), -1, np.int64)  # request in each slot, -1 free
@@ -234,8 +252,17 @@ class Scheduler:
         return self.owner >= 0
 
     def done(self) -> bool:
-        """True once every request has finished."""
+        """True once every request has finished, or `target_groups` groups have."""
+        if self.target_groups is not None and len(self.complete) >= self.target_groups:
+            return True
         return not self.pending and not self.occupied.any()
+
+    def unfinished(self) -> list[tuple[int, int]]:
+        """(request, tokens it has generated) of every request not finished: what a partial
+        round carries over (running ones at their step, queued ones at what they kept)."""
+        out = [(int(r), int(self.step[s])) for s, r in enumerate(self.owner) if r >= 0]
+        out += [(r, self.generated[r]) for r in self.pending]
+        return sorted(out)
 
     def _need(self, slots: np.ndarray, k: int) -> int:
         """Pages `slots` hold after k more steps each (each capped at what it may generate)."""
@@ -317,7 +344,7 @@ class Scheduler:
             tuple(admit),
             k,
             self._span(self._read(active, k)),
-            bool(self.pending),
+            bool(self.pending) or self.target_groups is not None,
             self._need(active, k) if lim.paged else 0,
         )
 
@@ -386,6 +413,11 @@ class Scheduler:
         for s, r in ended:
             self.owner[s] = -1
             self.home[r] = -1
+            self.finished.add(r)
+            if self.group is not None:
+                self._left[self.group[r]] -= 1
+                if self._left[self.group[r]] == 0:
+                    self.complete.append(self.group[r])
         return ended
 
 

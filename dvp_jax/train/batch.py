@@ -44,6 +44,8 @@ class RLBatch:
       behaviour_kept_ids: [B, T-1, W] int32 the rollout's truncation set K of each target (E13,
         -1 padded, all -1 off the responses); behaviour_truncated_mass: [B, T-1] mu's mass
         outside K. None (absent) when the rollout does not truncate (no top-k / top-p).
+      behaviour_age: [B, T-1] int32 weight versions between the target's sampling and this
+        update (partial rollouts); None (absent) otherwise.
     """
 
     tokens: jax.Array
@@ -61,6 +63,7 @@ class RLBatch:
     ref_in_safe: jax.Array | None = None
     behaviour_kept_ids: jax.Array | None = None
     behaviour_truncated_mass: jax.Array | None = None
+    behaviour_age: jax.Array | None = None
 
     @property
     def valid(self):
@@ -100,10 +103,13 @@ def from_rollouts(batch: RolloutBatch, advantages: np.ndarray) -> RLBatch:
     )
 
 
-def abstract_batch(rows: int, length: int, reference: bool = False, kept_width: int = 0) -> RLBatch:
+def abstract_batch(
+    rows: int, length: int, reference: bool = False, kept_width: int = 0, ages: bool = False
+) -> RLBatch:
     """The `jax.ShapeDtypeStruct`s of a `rows` x `length` batch as the packer makes it (per-token
     advantages), with the reference fields when `reference` (`LossConfig.uses_reference`, E11)
-    and the truncation fields when `kept_width` > 0 (`EngineConfig.kept_width`, E13)."""
+    and the truncation fields when `kept_width` > 0 (`EngineConfig.kept_width`, E13), and the
+    tokens' ages with `ages` (partial rollouts)."""
 
     def struct(name: str) -> jax.ShapeDtypeStruct:
         t = length if name in _FULL_LENGTH else length - 1
@@ -114,12 +120,13 @@ def abstract_batch(rows: int, length: int, reference: bool = False, kept_width: 
     names = [f.name for f in dataclasses.fields(RLBatch)]
     names = [n for n in names if reference or n not in _REFERENCE]
     names = [n for n in names if kept_width or n not in _TRUNCATION]
+    names = [n for n in names if ages or n != "behaviour_age"]
     return RLBatch(**{n: struct(n) for n in names})
 
 
 # [B, T]; the rest are targets-aligned [B, T-1]
 _FULL_LENGTH = ("tokens", "positions", "segment_ids")
-_INT = ("tokens", "positions", "segment_ids", "behaviour_kept_ids")
+_INT = ("tokens", "positions", "segment_ids", "behaviour_kept_ids", "behaviour_age")
 _BOOL = ("response_mask", "old_in_safe", "ref_in_safe")
 _REFERENCE = ("ref_logp", "ref_in_safe")  # only with the KL term
 _TRUNCATION = ("behaviour_kept_ids", "behaviour_truncated_mass")  # only with top-k / top-p

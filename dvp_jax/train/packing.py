@@ -127,7 +127,13 @@ def micro_batch_join(x: jax.Array) -> jax.Array:
     return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
 
 
-def pack(rollouts: RolloutBatch, advantages: np.ndarray, layout: Layout, indices=None) -> RLBatch:
+def pack(
+    rollouts: RolloutBatch,
+    advantages: np.ndarray,
+    layout: Layout,
+    indices=None,
+    version: int | None = None,
+) -> RLBatch:
     """One update's sequences (rows `indices` of `rollouts`, default all) as the layout's rows.
 
     A sequence is its prompt then its response, with its targets' statistics shifted by one
@@ -139,6 +145,8 @@ def pack(rollouts: RolloutBatch, advantages: np.ndarray, layout: Layout, indices
       advantages: `[N]` A_i per rollout row (E8).
       layout: the update's rows (`make_layout`).
       indices: the rows of `rollouts` this update trains on, in order.
+      version: this update's weight version (partial rollouts): the batch then carries each
+        target's age, `version - rollouts.behaviour_version`.
     Returns:
       A host `RLBatch` of `layout.rows` x `layout.row_length` (per-token advantages).
     Raises:
@@ -160,17 +168,17 @@ def pack(rollouts: RolloutBatch, advantages: np.ndarray, layout: Layout, indices
             f"{len(indices)} sequences need {len(bins)} rows, the layout has {layout.rows}"
         )
     rows, t = layout.rows, layout.row_length
-    out = _empty(rows, t, rollouts.behaviour_kept_ids.shape[-1])
+    out = _empty(rows, t, rollouts.behaviour_kept_ids.shape[-1], version is not None)
     for row, members in zip(row_order(len(bins), layout), bins, strict=True):
         start = 0
         for segment, j in enumerate(members, 1):
             i, n = indices[j], int(lengths[j])
-            _place(out, rollouts, advantages[i], i, row, start, n, segment)
+            _place(out, rollouts, advantages[i], i, row, start, n, segment, version)
             start += n
     return RLBatch(**out)
 
 
-def _empty(rows: int, t: int, kept_width: int = 0) -> dict[str, np.ndarray]:
+def _empty(rows: int, t: int, kept_width: int = 0, ages: bool = False) -> dict[str, np.ndarray]:
     full = lambda dtype: np.zeros((rows, t), dtype)
     target = lambda dtype: np.zeros((rows, t - 1), dtype)
     truncation = {}
@@ -179,6 +187,8 @@ def _empty(rows: int, t: int, kept_width: int = 0) -> dict[str, np.ndarray]:
             behaviour_kept_ids=np.full((rows, t - 1, kept_width), -1, np.int32),
             behaviour_truncated_mass=target(np.float32),
         )
+    if ages:
+        truncation["behaviour_age"] = target(np.int32)
     return dict(
         **truncation,
         tokens=full(np.int32),
@@ -195,7 +205,7 @@ def _empty(rows: int, t: int, kept_width: int = 0) -> dict[str, np.ndarray]:
     )
 
 
-def _place(out, rollouts: RolloutBatch, advantage, i, row, start, n, segment) -> None:
+def _place(out, rollouts: RolloutBatch, advantage, i, row, start, n, segment, version) -> None:
     """Rollout row `i`'s first `n` tokens into `row` at `start`, as segment `segment`."""
     cols, targets = slice(start, start + n), slice(start, start + n - 1)
     out["tokens"][row, cols] = rollouts.tokens[i, :n]
@@ -213,3 +223,7 @@ def _place(out, rollouts: RolloutBatch, advantage, i, row, start, n, segment) ->
         )
         out["behaviour_truncated_mass"][row, targets] = rollouts.behaviour_truncated_mass[i, 1:n]
     out["advantages"][row, targets] = advantage
+    if "behaviour_age" in out and rollouts.behaviour_version is not None:
+        response = rollouts.response_mask[i, 1:n]
+        ages = version - rollouts.behaviour_version[i, 1:n]
+        out["behaviour_age"][row, targets] = np.where(response, ages, 0)

@@ -95,6 +95,7 @@ def trainer_programs(
         layout.row_length,
         cfg.loss.uses_reference,
         EngineConfig.truncation_width(cfg.rollout),  # E13's kept ids per token (0: none)
+        ages=cfg.rollout.partial,
     )
     batch_sh = batch_lib.batch_shardings(batch, sharder)
     if batch_sh is not None:

@@ -114,10 +114,22 @@ class RolloutConfig:
     top_p: float = _ENGINE.top_p
     max_kept: int = _ENGINE.max_kept
     tensor_parallel: int = 1
+    # Partial rollouts (rollout/partial.py; off: the paper's fully on-policy setting): a step
+    # takes the first P groups whose responses all finished, with up to oversample x P groups
+    # in flight, and carries the unfinished ones into the next step; a response holding a
+    # token older than max_staleness weight versions is decoded again from its prompt.
+    partial: bool = False
+    oversample: float = 2.0
+    max_staleness: int = 4
 
     def __post_init__(self):
         EngineConfig.check_fields(self, "config.rollout")
         check_int("rollout.tensor_parallel", self.tensor_parallel, 1)
+        check_field(isinstance(self.partial, bool), "rollout.partial", "a bool", self.partial)
+        ok = isinstance(self.oversample, int | float) and not isinstance(self.oversample, bool)
+        ok = ok and math.isfinite(self.oversample) and self.oversample >= 1
+        check_field(ok, "rollout.oversample", "a finite float >= 1", self.oversample)
+        check_int("rollout.max_staleness", self.max_staleness, 0)
 
 
 @dataclasses.dataclass(frozen=True)

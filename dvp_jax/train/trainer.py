@@ -33,6 +33,7 @@ from dvp_jax.train.build import build_parts
 from dvp_jax.train.config import ExperimentConfig
 from dvp_jax.train.preemption import Preemption
 from dvp_jax.train.resume import WorkdirMismatchError, check_workdir
+from dvp_jax.train.sources import make_source
 from dvp_jax.train.state import with_fresh_optimizer
 from dvp_jax.workdir import WorkdirLock, as_path, check_writable, remove_if_empty, write_atomic
 
@@ -82,6 +83,15 @@ class Trainer:
             if created and self.is_lead:  # a run that failed before any work leaves nothing
                 remove_if_empty(self.workdir)
             raise
+        # Where each step's rollouts come from: synchronous, or partial (`train/sources.py`).
+        self.source = make_source(
+            cfg,
+            self.parts.rollout,
+            self.parts.data,
+            lambda step: self._key(step, _ROLLOUT_STREAM),
+            self.preemption.requested,
+            self.parts.tokenizer,
+        )
         # Seconds of work in earlier attempts of this run (up to their last checkpoint).
         self._earlier_wall_time = 0.0
         self._attempt_start = time.time()
@@ -130,7 +140,7 @@ class Trainer:
         """Offers step `step` to the checkpoint manager (multiples of `checkpoint.every`,
         Orbax's agreed preemption step) or forces it; the array files are written in the
         background (`Checkpointer.wait` before preempting or exiting)."""
-        extra = {**extra, "wall_time_s": self._wall_time()}
+        extra = {**extra, **self.source.checkpoint_extra(), "wall_time_s": self._wall_time()}
         self.checkpointer.save(step, self.state, self.parts.data, extra, force=force)
 
     def _sync_weights(self) -> None:
@@ -206,21 +216,10 @@ class Trainer:
     def rl_iteration(self, step: int) -> dict[str, float]:
         cfg = self.cfg
         t0 = time.time()
-        prompts = next(self.parts.data)  # this host's rows of the global prompt batch
-        n_prompts = len(prompts.lengths)
-        token_lists = [prompts.tokens[i, : prompts.lengths[i]] for i in range(n_prompts)]
-        rollouts = self.parts.rollout.generate(
-            token_lists,
-            cfg.train.group_size,
-            self._key(step, _ROLLOUT_STREAM),
-            prompt_len=cfg.data.max_prompt_len,
-            first_prompt_index=jax.process_index() * n_prompts,
-            should_stop=self.preemption.requested,
-        )
+        rollouts, answers, source_metrics = self.source.generate(step)
         t_rollout = time.time() - t0
 
         # Weighted rewards on host (text terms give a truncated response 0), then RLOO (E8).
-        answers = [a for a in prompts.answers for _ in range(cfg.train.group_size)]
         scores = evaluation.rollout_reward_terms(
             self.parts.tokenizer,
             rollouts,
@@ -235,7 +234,8 @@ class Trainer:
 
         # Train (fp32), possibly several PPO mini-batch updates on this rollout batch.
         t1 = time.time()
-        metrics = self._update(rollouts, advantages, trained)
+        metrics = self._update(*self.source.for_update(rollouts, step), advantages, trained)
+        metrics.update(source_metrics)
         t_train = time.time() - t1
         self._sync_weights()
 
@@ -272,12 +272,13 @@ class Trainer:
         inputs = batch_lib.to_global(step_lib.logprob_inputs(host_batch), shardings)
         return batch_lib.with_logprobs(host_batch, name, p.logprobs(params, inputs))
 
-    def _update(self, rollouts, advantages: np.ndarray, trained: np.ndarray) -> dict[str, float]:
+    def _update(self, rollouts, version, advantages, trained) -> dict[str, float]:
         """`train.updates_per_batch` updates, one per slice of the `trained` rows of `rollouts`
-        (each packed into the update's rows, `packing.pack`); the metrics' mean."""
+        (each packed into the update's rows, `packing.pack`, with each token's age from
+        `version` under partial rollouts); the metrics' mean."""
         u = self.cfg.train.updates_per_batch
         batches = [
-            packing.pack(rollouts, advantages, self.parts.layout, part)
+            packing.pack(rollouts, advantages, self.parts.layout, part, version)
             for part in np.array_split(trained, u)
         ]
         if u > 1:
@@ -317,6 +318,7 @@ class Trainer:
             extra = {}
         else:  # the data iterator is set in place (Grain's handler)
             latest, self.state, _, extra = restored
+            self.source.resumed(extra)
             if latest > cfg.train.steps:  # before anything is written
                 raise WorkdirMismatchError(
                     f"{self.workdir} holds a checkpoint at step {latest}, past train.steps = "
