@@ -11,7 +11,7 @@ orchestrator: `encode` raises `ValueError` on text it cannot tokenise (character
 vocabulary, over-long prompts); validate requests before they reach the prefill thread.
 
 JetStream is not imported here (the trainer uses these tokenizers and loads no JetStream): the
-classes implement its API without inheriting it, and `dvp_jax.rollout.jetstream` registers them
+classes implement its API without inheriting it, and `dvp_jax.serve.jetstream` registers them
 as JetStream `Tokenizer`s.
 """
 

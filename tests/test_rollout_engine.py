@@ -23,7 +23,7 @@ from dvp_jax.dvp.pruning import pruned_token_logprobs
 from dvp_jax.model import TRAIN_POLICY, ModelConfig, Transformer
 from dvp_jax.rollout import weights
 from dvp_jax.rollout.engine import EngineConfig, Prefix, RolloutEngine
-from dvp_jax.rollout.jetstream import JetStreamEngine
+from dvp_jax.serve.jetstream import JetStreamEngine
 from dvp_jax.rollout.offline import RolloutBatch, generate_rollouts
 from dvp_jax.rollout.scheduler import MIN_STEPS
 from dvp_jax.sharding import TRAIN_RULES, MeshConfig, Sharder, init_sharded, make_mesh

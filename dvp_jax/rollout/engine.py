@@ -8,7 +8,7 @@ and reshards trainer weights (on the devices when the engine is a tensor row of 
 mesh, as `weights.WeightSync` decides). The programs are `decode.py`'s pure functions, jitted
 once here with the engine's shardings; parameters are an argument (never closed over), so a
 weight sync never recompiles. A run's engines belong to its `rollout.Rollout`.
-JetStream's single-request API is `jetstream.JetStreamEngine`, built on this class.
+JetStream's single-request API is `serve.jetstream.JetStreamEngine`, built on this class.
 """
 
 from __future__ import annotations

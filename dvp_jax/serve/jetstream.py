@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 # First: JetStream 0.2.2 needs `jax.tree_map` and a `seqio` module before it is imported.
-from dvp_jax.rollout import jetstream_compat  # noqa: F401
+from dvp_jax.serve import jetstream_compat  # noqa: F401
 
 # isort: split
 from jetstream.engine import engine_api, tokenizer_api, tokenizer_pb2
