@@ -67,7 +67,7 @@ def get_config(method: str = "mis_dvp"):
     # the weights twice as many steps). Decode is paged (the default `decode_attention`): the
     # pool holds 64 x 18,432 positions x 40 layers in bf16 = 45 GiB per chip (decode loop peak
     # 60% of HBM), of which a step at mean response 4,096 holds at most 7 GiB live
-    # (`rollout/cost.py`; 13 GiB at 8,192). It stays full size (`kv_pages` unset): the decode
+    # (`plan/rollout_cost.py`; 13 GiB at 8,192). It stays full size (`kv_pages` unset): the decode
     # state lives only during rollouts, so nothing else wants the HBM, and a smaller pool would
     # preempt (and redo) the long tail at mean 16,384. Other slice sizes: 512 / hosts slots.
     c.rollout.max_concurrent_decodes = 64

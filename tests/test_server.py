@@ -264,8 +264,8 @@ class _FakeDriver:
 
 def test_engine_flags_are_engine_config_fields_with_its_defaults():
     from dvp_jax.dvp.pruning import DEFAULT_LOG_RHO
-    from dvp_jax.serve import server
     from dvp_jax.rollout.engine import EngineConfig
+    from dvp_jax.serve import server
 
     defaults = EngineConfig()
     for name in server._ENGINE_FLAGS:

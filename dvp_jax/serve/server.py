@@ -47,8 +47,8 @@ from dvp_jax.errors import UserError, one_line
 from dvp_jax.model.config import PRECISIONS, DTypePolicy, ModelConfig
 from dvp_jax.rollout import loading
 from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
-from dvp_jax.serve.jetstream import JetStreamEngine
 from dvp_jax.rollout.state import DECODE_ATTENTION
+from dvp_jax.serve.jetstream import JetStreamEngine
 from dvp_jax.sharding import (
     ROLLOUT_RULES,
     MeshConfig,
