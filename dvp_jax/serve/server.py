@@ -55,7 +55,7 @@ from dvp_jax.sharding import (
     Sharder,
     make_mesh,
 )
-from dvp_jax.tokenizers import DEFAULT_PREFILL_LENGTHS
+from dvp_jax.tokenizer_api import DEFAULT_PREFILL_LENGTHS
 
 _log = logging.getLogger(__name__)
 
