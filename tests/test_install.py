@@ -42,7 +42,7 @@ JETSTREAM_USERS = (
     "dvp_jax.serve.server",
     "dvp_jax.serve.jetstream_compat",
 )
-# Named in the promise that they load no JetStream (README, docs/design.md section 6).
+# Named in the promise that they load no JetStream (docs/install.md, docs/design.md section 6).
 JETSTREAM_FREE = (
     "dvp_jax.main",
     "dvp_jax.train.trainer",

@@ -37,8 +37,8 @@ from dvp_jax.model.config import DTypePolicy
 from dvp_jax.plan.tables import Column, render
 from dvp_jax.train.packing import Layout, first_fit_decreasing, make_layout
 
-# bf16 passes per matmul of each trainer precision on TPU (docs/model.md, the precision table): float32's
-# `highest` is 6 bf16 products, float32_x3 3, mixed_bf16's bf16 operands 1.
+# bf16 passes per matmul of each trainer precision on TPU (docs/model.md's precision table):
+# float32's `highest` is 6 bf16 products, float32_x3 3, mixed_bf16's bf16 operands 1.
 PASSES = {"float32": 6, "float32_x3": 3, "mixed_bf16": 1}
 
 
