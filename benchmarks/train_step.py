@@ -37,11 +37,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dvp_jax import length_mix
 from dvp_jax.cli import BACKENDS, require_backend
 from dvp_jax.dvp.losses import LossConfig
 from dvp_jax.model import ModelConfig, Transformer
 from dvp_jax.model.config import PRESETS, REMAT_POLICIES, TRAIN_PRECISIONS, DTypePolicy
+from dvp_jax.plan import length_mix
 from dvp_jax.rollout.offline import RolloutBatch
 from dvp_jax.sharding import Sharder, count_params
 from dvp_jax.train import packing

@@ -1,6 +1,6 @@
 """The paper's setting (docs/design.md section 1): MIS+DVP-RLOO, Qwen3-14B-Base, DAPO, AIME25.
 
-Command (on every worker of the slice; README.md "TPU" has the `python -m dvp_jax.launch run`
+Command (on every worker of the slice; docs/tpu.md has the `python -m dvp_jax.launch run`
   line that starts it there):
   python -m dvp_jax.main --config configs/paper_qwen3_14b.py:mis_dvp --workdir gs://BUCKET/dvp14b \
     --config.data.path=/data/dapo_math_17k_filtered.parquet \
@@ -28,7 +28,7 @@ Hardware: one Cloud TPU v5p-64 slice: 2x4x4 topology, 32 chips (64 TensorCores, 
   within 4 chips and cuts the bf16 rollout weights to a quarter per chip; fsdp takes the rest
   (fsdp=-1), so the same config also runs on larger slices. `python -m dvp_jax.aot --config
   configs/paper_qwen3_14b.py --topology v5p:4x4x2` compiles every program of it for that slice
-  (no TPU needed) and prints per-chip memory (the figures: README, "TPU").
+  (no TPU needed) and prints per-chip memory (the figures: docs/tpu.md).
 Expected (the paper's claims, not yet reproduced here): the rollout/training PPL gap stays flat
   under DVP while it drifts up under plain RLOO, and MIS+DVP's AIME25 avg@16 beats the best
   unpruned RLOO score by 26.55% (relative). Time: not measured.
@@ -67,7 +67,7 @@ def get_config(method: str = "mis_dvp"):
     # the weights twice as many steps). Decode is paged (the default `decode_attention`): the
     # pool holds 64 x 18,432 positions x 40 layers in bf16 = 45 GiB per chip (decode loop peak
     # 60% of HBM), of which a step at mean response 4,096 holds at most 7 GiB live
-    # (`rollout/cost.py`; 13 GiB at 8,192). It stays full size (`kv_pages` unset): the decode
+    # (`plan/rollout_cost.py`; 13 GiB at 8,192). It stays full size (`kv_pages` unset): the decode
     # state lives only during rollouts, so nothing else wants the HBM, and a smaller pool would
     # preempt (and redo) the long tail at mean 16,384. Other slice sizes: 512 / hosts slots.
     c.rollout.max_concurrent_decodes = 64

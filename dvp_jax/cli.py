@@ -1,4 +1,4 @@
-"""What the command lines share (`dvp_jax.main`, `dvp_jax.rollout.server`, `benchmarks/`): a
+"""What the command lines share (`dvp_jax.main`, `dvp_jax.serve.server`, `benchmarks/`): a
 user's mistake ends the process with one line on stderr and exit status 2, with no traceback
 and no usage dump (`--verbose` adds the traceback); `--backend` refuses the wrong jax."""
 

@@ -105,7 +105,7 @@ METRICS: dict[str, str] = {
     "safe_size_rollout_mean": "mean rollout safe-set size |V_S| (E1, E4)",
     "safe_size_rollout_max": "max rollout safe-set size |V_S| (E1, E4)",
     "frac_tokens_outside_train_safe": "sampled response tokens outside the trainer safe set (E5)",
-    # ----- top-k / top-p truncation (E13, dvp.diagnostics.truncation_metrics; only when on)
+    # ----- top-k / top-p truncation (E13, dvp.batch_stats.truncation_metrics; only when on)
     "truncated_mass_rollout_mean": "mean rollout mass removed by top-k / top-p (E13)",
     "truncated_mass_rollout_max": "max rollout mass removed by top-k / top-p (E13)",
     "frac_positions_truncated": "response positions where top-k / top-p removed mass (E13)",

@@ -22,7 +22,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import jax  # noqa: E402
 
 # Test modules import JetStream directly: its compatibility shim must be in place first.
-import dvp_jax.rollout.jetstream_compat  # noqa: E402, F401
+import dvp_jax.serve.jetstream_compat  # noqa: E402, F401
 
 jax.config.update("jax_default_matmul_precision", "highest")
 # One persistent compilation cache for the session, shared with the processes tests start

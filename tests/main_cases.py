@@ -1,4 +1,4 @@
-"""Several command lines of one entry point (`dvp_jax.main`, `dvp_jax.rollout.server`) run in one
+"""Several command lines of one entry point (`dvp_jax.main`, `dvp_jax.serve.server`) run in one
 interpreter, for the tests of what each one prints and its exit status.
 
 Each case goes through the module's own `app.run(main, flags_parser=parse_flags)`, as

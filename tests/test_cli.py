@@ -21,7 +21,7 @@ TIMEOUT = 240
 
 
 def _server(*flags):
-    return ["dvp_jax.rollout.server", *flags]
+    return ["dvp_jax.serve.server", *flags]
 
 
 def _write(path, data: bytes):

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from dvp_jax import aot
 from dvp_jax.model.config import ModelConfig
+from dvp_jax.plan import aot
 from dvp_jax.pyfile import load_file
 from dvp_jax.tokenizers import CharTokenizer
 from dvp_jax.train.config import ExperimentConfig

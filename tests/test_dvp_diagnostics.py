@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dvp_jax import metrics
-from dvp_jax.dvp import bound, diagnostics, pruning
+from dvp_jax.dvp import batch_stats, bound, diagnostics, pruning
 from dvp_jax.dvp.segments import Segments
 from tests import reference as ref
 
@@ -122,12 +122,12 @@ def test_lt_bins_match_reference():
 
 def test_is_weight_stats_and_exclusion_by_hand():
     # w = (1, 2) kept, 7 masked out: mean 1.5, max 2, ESS = (1 + 2)^2 / (2 * (1 + 4)) = 0.9.
-    got = jax.jit(diagnostics.is_weight_stats)(jnp.array([1.0, 2.0, 7.0]), jnp.array([1, 1, 0]))
+    got = jax.jit(batch_stats.is_weight_stats)(jnp.array([1.0, 2.0, 7.0]), jnp.array([1, 1, 0]))
     np.testing.assert_allclose([got[k] for k in ("is_weight_mean", "is_weight_max")], [1.5, 2.0])
     np.testing.assert_allclose(got["is_weight_ess"], 0.9, rtol=1e-6)
     # 3 responses with tokens (the 4th is padding): 1 excluded, 1 masked; 1 of 5 tokens masked.
     mask = jnp.array([[1, 1], [1, 0], [1, 1], [0, 0]], bool)
-    got = jax.jit(diagnostics.exclusion_metrics)(
+    got = jax.jit(batch_stats.exclusion_metrics)(
         mask,
         excluded=jnp.array([True, False, False, True]),
         seq_masked=jnp.array([False, True, False, False]),
@@ -194,11 +194,11 @@ def test_frac_tokens_outside_train_safe_is_always_reported():
     # 2 responses, 5 response tokens, 1 outside the trainer safe set (the padding one is ignored).
     mask = jnp.array([[True, True, True], [True, True, False]])
     in_safe = jnp.array([[True, True, True], [True, False, False]])
-    got = diagnostics.pruning_metrics(mask, in_safe=in_safe)
+    got = batch_stats.pruning_metrics(mask, in_safe=in_safe)
     assert got == {"frac_tokens_outside_train_safe": pytest.approx(1 / 5)}
     # Pruning off (no in_safe: the safe set is the whole vocabulary): present and 0, so every
     # method's run logs it.
-    assert diagnostics.pruning_metrics(mask) == {"frac_tokens_outside_train_safe": 0.0}
+    assert batch_stats.pruning_metrics(mask) == {"frac_tokens_outside_train_safe": 0.0}
     lp = jnp.full((2, 3), -1.0)
     diag = jax.jit(diagnostics.mismatch_diagnostics)(logp=lp, behaviour_logp=lp, response_mask=mask)
     assert diag["frac_tokens_outside_train_safe"] == 0.0

@@ -21,7 +21,7 @@ HEAVY = ("tensorflow", "tensorflow_text", "tensorflow_datasets", "seqio", "clu",
 # Modules that define absl flags of the same names go to separate interpreters.
 _IMPORTS = [
     "dvp_jax.main, dvp_jax.train.trainer, train_step, pruned_logprobs",
-    "dvp_jax.rollout.server, dvp_jax.rollout.engine, jetstream.core.orchestrator",
+    "dvp_jax.serve.server, dvp_jax.rollout.engine, jetstream.core.orchestrator",
     "rollout_throughput",
 ]
 
@@ -36,13 +36,13 @@ print(json.dumps({{"heavy": heavy, "seqio": seqio.__doc__ if seqio else None}}))
 """
 
 
-# The only modules that import JetStream and its compatibility shim (rollout/jetstream_compat.py).
+# The only modules that import JetStream and its compatibility shim (serve/jetstream_compat.py).
 JETSTREAM_USERS = (
-    "dvp_jax.rollout.jetstream",
-    "dvp_jax.rollout.server",
-    "dvp_jax.rollout.jetstream_compat",
+    "dvp_jax.serve.jetstream",
+    "dvp_jax.serve.server",
+    "dvp_jax.serve.jetstream_compat",
 )
-# Named in the promise that they load no JetStream (README, docs/design.md section 6).
+# Named in the promise that they load no JetStream (docs/install.md, docs/design.md section 6).
 JETSTREAM_FREE = (
     "dvp_jax.main",
     "dvp_jax.train.trainer",

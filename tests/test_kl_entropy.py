@@ -443,7 +443,8 @@ def test_aot_lowers_the_update_with_the_reference_for_a_tpu_topology():
     """`dvp_jax.aot` builds the update a kl_coef > 0 run jits (the reference params in its
     dtype in the state, the reference log-probs in the batch: `batch.abstract_batch`) and it
     lowers for a v5p topology from this host (compiling is tests/test_tpu_compile.py's job)."""
-    from dvp_jax import aot
+    from dvp_jax.plan import specs as aot
+    from dvp_jax.plan.topology import topology_devices
     from dvp_jax.tokenizers import CharTokenizer
     from dvp_jax.train.config import ExperimentConfig
     from tests.train_utils import tiny_config_dict
@@ -452,7 +453,7 @@ def test_aot_lowers_the_update_with_the_reference_for_a_tpu_topology():
     cfg = ExperimentConfig.from_config_dict(
         tiny_config_dict(**over, **{"loss.entropy_coef": 0.01}), CharTokenizer().vocab_size
     )
-    specs, _ = aot.train_specs(cfg, aot.topology_devices("v5p:2x2x1"))
+    specs, _ = aot.train_specs(cfg, topology_devices("v5p:2x2x1"))
     update = specs[0]
     state, batch = update.args
     assert update.name == "rl_update"

@@ -1,5 +1,5 @@
 """The launcher (dvp_jax.launch): sweep expansion, the local runner, the Cloud TPU commands and
-the README's TPU commands. Fast: no trainer runs (a stand-in plays the trainer), no network; the
+docs/tpu.md's TPU commands. Fast: no trainer runs (a stand-in plays the trainer), no network; the
 remote scripts run in a real shell with fake `gcloud`, `curl` and `uv` (sh scripts on PATH).
 One test starts a fresh interpreter, for the `python -m dvp_jax.launch` entry point."""
 
@@ -668,8 +668,8 @@ def test_tpu_single_config_run_needs_no_experiment_file(capsys):
 
 
 def _readme_tpu_commands() -> list[str]:
-    """The README's Cloud TPU slice commands (its first bash block with `S=`), `$S` expanded."""
-    text = open(os.path.join(REPO, "README.md")).read()
+    """docs/tpu.md's Cloud TPU slice commands (its first bash block with `S=`), `$S` expanded."""
+    text = open(os.path.join(REPO, "docs", "tpu.md")).read()
     blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.DOTALL)
     [block] = [b for b in blocks if b.startswith("S=")]
     lines = block.replace("\\\n", " ").splitlines()
@@ -678,8 +678,8 @@ def _readme_tpu_commands() -> list[str]:
 
 
 def test_readme_tpu_commands_run_as_typed_in_print_mode(capsys):
-    """Every README command passes the launcher's checks as typed; without `--run` it prints
-    the gcloud commands and executes nothing; with it, exactly those commands run."""
+    """Every docs/tpu.md slice command passes the launcher's checks as typed; without `--run`
+    it prints the gcloud commands and executes nothing; with it, exactly those commands run."""
     commands = _readme_tpu_commands()
     actions = [shlex.split(c)[3] for c in commands]
     assert actions == ["create", "setup", "run", "status", "delete"]

@@ -1,9 +1,9 @@
-"""The response-length mixes `dvp_jax.aot` prices a step at (`dvp_jax.length_mix`)."""
+"""The response-length mixes `dvp_jax.aot` prices a step at (`dvp_jax.plan.length_mix`)."""
 
 import numpy as np
 import pytest
 
-from dvp_jax import length_mix
+from dvp_jax.plan import length_mix
 
 
 @pytest.mark.parametrize("mean", [1, 37.5, 2048, 4096, 8192, 16_000])

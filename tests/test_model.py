@@ -17,7 +17,7 @@ from dvp_jax.model import (
     DTypePolicy,
     ModelConfig,
 )
-from dvp_jax.model.attention import KVCache, cache_storage, to_storage
+from dvp_jax.model.kv_cache import KVCache, cache_storage, to_storage
 from tests import DEFAULT_CPU_CODEGEN
 from tests.helpers import forward, padded_batch, tiny_model
 

@@ -366,7 +366,7 @@ def test_aot_compiles_the_programs_the_run_jits():
     (`programs.trainer_programs`): on this host's devices the update (with non-default Adam
     betas, which an optimizer built apart would lose), the PPO old policy's forward and the SFT
     step lower to the very programs the run's parts hold."""
-    from dvp_jax import aot
+    from dvp_jax.plan.specs import train_specs
     from dvp_jax.train.build import build_parts
     from dvp_jax.train.config import ExperimentConfig
     from tests.train_utils import tiny_config_dict
@@ -382,7 +382,7 @@ def test_aot_compiles_the_programs_the_run_jits():
     }
     cfg = ExperimentConfig.from_config_dict(tiny_config_dict(**over), VOCAB)
     parts, _ = build_parts(cfg)
-    specs, _ = aot.train_specs(cfg, jax.devices())
+    specs, _ = train_specs(cfg, jax.devices())
     by_name = {s.name: s for s in specs}
     assert set(by_name) == {"rl_update", "logprobs", "sft_step"}
     run = {"rl_update": parts.update, "logprobs": parts.logprobs, "sft_step": parts.sft_step}
@@ -405,7 +405,7 @@ def test_update_cost_follows_the_real_tokens():
     blocks, 4 micro-batches of 8 rows): at the cap packing saves nothing (every row full, every
     causal pair visited); at short lengths the rows, the micro-batches that run and the visited
     block pairs fall, and with them the FLOPs."""
-    from dvp_jax.train import cost
+    from dvp_jax.plan import update_cost as cost
     from dvp_jax.train.config import ExperimentConfig, default_config
 
     c = default_config("dvp")

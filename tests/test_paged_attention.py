@@ -19,8 +19,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from dvp_jax.model import TRAIN_POLICY, ModelConfig, Transformer, decode_kernels, paged
-from dvp_jax.model.attention import from_storage, to_storage
 from dvp_jax.model.config import DTypePolicy
+from dvp_jax.model.kv_cache import from_storage, to_storage
 from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
 from dvp_jax.rollout.offline import generate_rollouts
 from dvp_jax.sharding import ROLLOUT_RULES, MeshConfig, Sharder, make_mesh

@@ -22,7 +22,7 @@ from dvp_jax.model import (
     ModelConfig,
     Transformer,
 )
-from dvp_jax.model.attention import KVCache
+from dvp_jax.model.kv_cache import KVCache
 
 HIGHEST, DEFAULT = jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT
 # Matmuls of one forward pass (the block body is compiled once, whatever the depth): q, k, v and

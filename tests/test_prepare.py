@@ -136,7 +136,7 @@ def test_bad_input_is_one_line_before_any_output(tmp_path):
     with pytest.raises(ValueError, match="must end in .jsonl or .parquet"):
         prepare.prepare([str(src)], "auto", str(tmp_path / "out.csv"))
     assert not out.exists()
-    # The command line: one line on stderr, exit 2; then a conversion as the README types it.
+    # The command line: one line on stderr, exit 2; then a conversion as docs/data.md types it.
     cmd = [sys.executable, "-m", "dvp_jax.data.prepare", f"--input={src}", f"--out={out}"]
     bad = subprocess.run([*cmd, "--format=dapo17k"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr

@@ -1,6 +1,8 @@
-"""README's "Your own model and data" commands name real flags and valid config values as typed.
+"""The commands of the README and the docs pages name real flags and valid config values as typed.
 
-Each shell command of that section is split as a shell would; a `python -m dvp_jax.<module>`
+docs/data.md ("Your own model and data") has a command for every entry point and its config file
+and reward module are written out and used. Each shell command of a page is split as a shell
+would (a `...` standing for flags given above is dropped); a `python -m dvp_jax.<module>`
 command's flags must be flags that module defines, and a `dvp_jax.main` command's `--config`
 with its `--config.*` overrides is parsed by ml_collections' own flag and validated by
 `ExperimentConfig.from_config_dict` (read_checkpoint=False: the model and data files the README
@@ -24,32 +26,41 @@ from dvp_jax.tokenizers import CharTokenizer
 from dvp_jax.train.config import ExperimentConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SECTION = "## Your own model and data"
+OWN = os.path.join("docs", "data.md")  # "Your own model and data"
+PAGES = ["README.md"] + sorted(
+    os.path.join("docs", name)
+    for name in os.listdir(os.path.join(REPO, "docs"))
+    if name.endswith(".md")
+)
+# Its own tests check the launcher's commands (tests/test_launch.py: docs/tpu.md's slice block).
+NOT_ABSL = ("dvp_jax.launch",)
 
 
-def _section() -> str:
-    with open(os.path.join(REPO, "README.md")) as f:
-        text = f.read()
-    start = text.index(SECTION)
-    return text[start : text.index("\n## ", start + len(SECTION))]
+def _section(page: str = OWN) -> str:
+    with open(os.path.join(REPO, page)) as f:
+        return f.read()
 
 
-def _blocks(lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", _section(), flags=re.S)
+def _blocks(lang: str, page: str = OWN) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", _section(page), flags=re.S)
 
 
-def _commands() -> list[list[str]]:
-    """Each `python -m dvp_jax...` command of the section's bash blocks, as argv after the module
-    (line continuations joined, environment assignments and comments dropped)."""
+def _commands(page: str = OWN) -> list[list[str]]:
+    """Each `python -m dvp_jax...` command of the page's bash blocks, as argv after the module
+    (line continuations joined, environment assignments, comments and `...` dropped)."""
     out = []
-    for block in _blocks("bash"):
+    for block in _blocks("bash", page):
         for line in block.replace("\\\n", " ").splitlines():
-            words = shlex.split(line, comments=True)
+            words = [w for w in shlex.split(line, comments=True) if w != "..."]
             while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
                 words = words[1:]
             if words[:2] == ["python", "-m"] and words[2].startswith("dvp_jax."):
                 out.append([words[2], *_joined(words[3:])])
     return out
+
+
+def _every_command() -> list[tuple[str, list[str]]]:
+    return [(page, argv) for page in PAGES for argv in _commands(page)]
 
 
 def _joined(args: list[str]) -> list[str]:
@@ -66,10 +77,14 @@ def _joined(args: list[str]) -> list[str]:
 def _defined_flags(module: str) -> set[str]:
     """The flag names `module` defines, read from its source with `ast` (main and evaluate both
     define --config and --workdir in absl's global registry, so both cannot be imported here):
-    `flags.DEFINE_*("name", ...)`, or a name looped over a tuple of strings."""
+    `flags.DEFINE_*("name", ...)`, or a name looped over a tuple of strings; an entry point
+    that imports its `run` from another dvp_jax module (`dvp_jax.aot`) has that module's."""
     with open(os.path.join(REPO, *module.split(".")) + ".py") as f:
         tree = ast.parse(f.read())
     names = {"verbose", "help"}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and any(a.name == "run" for a in node.names):
+            names |= _defined_flags(node.module)
     for node in ast.walk(tree):
         loops = [*getattr(node, "generators", ()), *([node] if isinstance(node, ast.For) else [])]
         for loop in loops:  # for n in ("a", "b"): DEFINE_string(n, ...), or a comprehension
@@ -113,10 +128,11 @@ def own_files(tmp_path, monkeypatch):
     sys.modules.pop(module.stem, None)
 
 
-@pytest.mark.parametrize("index", range(len(_commands())))
-def test_each_command_is_valid_as_typed(index, own_files):
-    argv = _commands()[index]
+@pytest.mark.parametrize("page, argv", _every_command(), ids=lambda x: str(x)[:60])
+def test_each_command_is_valid_as_typed(page, argv, own_files):
     module, args = argv[0], argv[1:]
+    if module in NOT_ABSL:
+        return
     known = _defined_flags(module)
     for arg in args:
         assert arg.startswith("--"), (module, arg)
@@ -140,3 +156,17 @@ def test_each_command_is_valid_as_typed(index, own_files):
             got = getattr(getattr(cfg, section), name.split(".")[0])
             if isinstance(got, (str, int, float)) and not isinstance(got, bool):
                 assert str(got) == value or float(got) == float(value), (field, got, value)
+
+
+def test_the_readme_links_every_docs_page_and_every_link_resolves():
+    """The front page names each docs page, and every relative link of the README and the
+    pages (files, images) points at a file of the repository."""
+    readme = _section("README.md")
+    for page in PAGES[1:]:
+        assert f"]({page})" in readme, page
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", _section(page)):
+            if target.startswith(("http://", "https://", "#")):
+                continue
+            path = os.path.normpath(os.path.join(REPO, os.path.dirname(page), target.split("#")[0]))
+            assert os.path.exists(path), (page, target)

@@ -1,4 +1,4 @@
-"""The rollout's cost model (`rollout/cost.py`): hand-worked schedules and the bytes they give.
+"""The rollout's cost model (`plan/rollout_cost.py`): hand-worked schedules and the bytes they give.
 The schedules are the engine's scheduler's (`scheduler.py`); test_rollout_scheduler.py checks
 that the engine runs the same number of decode steps."""
 
@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from dvp_jax.rollout import cost
+from dvp_jax.plan import rollout_cost as cost
 from dvp_jax.rollout.scheduler import Limits
 from dvp_jax.rollout.state import EngineConfig
 

@@ -23,9 +23,9 @@ from dvp_jax.dvp.pruning import pruned_token_logprobs
 from dvp_jax.model import TRAIN_POLICY, ModelConfig, Transformer
 from dvp_jax.rollout import weights
 from dvp_jax.rollout.engine import EngineConfig, Prefix, RolloutEngine
-from dvp_jax.rollout.jetstream import JetStreamEngine
 from dvp_jax.rollout.offline import RolloutBatch, generate_rollouts
 from dvp_jax.rollout.scheduler import MIN_STEPS
+from dvp_jax.serve.jetstream import JetStreamEngine
 from dvp_jax.sharding import TRAIN_RULES, MeshConfig, Sharder, init_sharded, make_mesh
 from tests import DEFAULT_CPU_CODEGEN
 
@@ -440,7 +440,7 @@ def test_sharded_engine_equals_single_device(fp32, master, reference):
 
 def test_the_tpu_cache_layout_gives_the_same_rollouts(fp32, master, reference, monkeypatch):
     """TPU programs keep the KV cache positions first, `[L, b, S, k, h]`
-    (`attention.cache_layout`). Forced on CPU, an engine in that layout (prefill, insert, the
+    (`kv_cache.cache_layout`). Forced on CPU, an engine in that layout (prefill, insert, the
     decode loop over length buckets, the whole-cache `generate`) samples the same tokens as
     the heads-first engine, with the same statistics to float rounding (the attention reads
     its operands in another layout, so XLA may sum in another order; bound 1e-5)."""

@@ -14,7 +14,8 @@ import pytest
 from flax import nnx
 
 from dvp_jax.model import TRAIN_POLICY, ModelConfig, Transformer
-from dvp_jax.rollout import cost, scheduler
+from dvp_jax.plan import rollout_cost as cost
+from dvp_jax.rollout import scheduler
 from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
 from dvp_jax.rollout.offline import generate_rollouts
 from dvp_jax.rollout.scheduler import Limits, Scheduler, Span, simulate

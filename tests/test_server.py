@@ -1,4 +1,4 @@
-"""`python -m dvp_jax.rollout.server`: end to end in one subprocess on a free loopback port.
+"""`python -m dvp_jax.serve.server`: end to end in one subprocess on a free loopback port.
 
 64 concurrent Decode requests complete; malformed requests get INVALID_ARGUMENT and the server
 keeps serving; SIGTERM shuts it down cleanly (exit code 0). In this process: a port that is
@@ -115,7 +115,7 @@ def _server_command(port):
     return [
         sys.executable,
         "-m",
-        "dvp_jax.rollout.server",
+        "dvp_jax.serve.server",
         "--random_init_preset=tiny",
         f"--port={port}",
         "--host=127.0.0.1",
@@ -164,7 +164,7 @@ def test_server_loads_hf_and_orbax_checkpoints(tmp_path):
 
     from dvp_jax.model import TRAIN_POLICY, ModelConfig, Transformer
     from dvp_jax.model.hf_import import save_hf
-    from dvp_jax.rollout import server
+    from dvp_jax.serve import server
     from dvp_jax.tokenizers import CharTokenizer, HFTokenizer
 
     master = Transformer(ModelConfig.preset("tiny"), TRAIN_POLICY, rngs=nnx.Rngs(3))
@@ -228,7 +228,7 @@ def test_server_on_a_busy_port_exits_with_one_line(capsys):
     """`main` on a port another socket holds stops before it loads the model: exit status 2
     and one line naming the address, no traceback (in this process; that no driver thread is
     left to keep a process alive is `test_serve_stops_the_driver_on_every_failure`)."""
-    from dvp_jax.rollout import server
+    from dvp_jax.serve import server
 
     held, port = _held_port()
     with held:
@@ -264,8 +264,8 @@ class _FakeDriver:
 
 def test_engine_flags_are_engine_config_fields_with_its_defaults():
     from dvp_jax.dvp.pruning import DEFAULT_LOG_RHO
-    from dvp_jax.rollout import server
     from dvp_jax.rollout.engine import EngineConfig
+    from dvp_jax.serve import server
 
     defaults = EngineConfig()
     for name in server._ENGINE_FLAGS:
@@ -279,7 +279,7 @@ def test_serve_stops_the_driver_on_every_failure(monkeypatch):
     it. No driver thread is left to keep the process alive."""
     import types
 
-    from dvp_jax.rollout import server
+    from dvp_jax.serve import server
 
     fake = types.SimpleNamespace(Driver=_FakeDriver, LLMOrchestrator=lambda driver: None)
     monkeypatch.setattr(server, "_orchestrator", lambda: fake)

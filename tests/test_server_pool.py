@@ -10,10 +10,10 @@ import numpy as np
 from flax import nnx
 
 from dvp_jax.model import TRAIN_POLICY, ModelConfig, Transformer
-from dvp_jax.rollout import jetstream_compat  # noqa: F401  (before JetStream)
 from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
-from dvp_jax.rollout.jetstream import JetStreamEngine
-from dvp_jax.rollout.server import _orchestrator
+from dvp_jax.serve import jetstream_compat  # noqa: F401  (before JetStream)
+from dvp_jax.serve.jetstream import JetStreamEngine
+from dvp_jax.serve.server import _orchestrator
 
 CFG = ModelConfig.preset("tiny", init_std=0.5)
 M = 24

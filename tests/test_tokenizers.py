@@ -79,7 +79,7 @@ def test_jetstream_encode_contract(tok_factory, hf_dir):
     # JetStream's API, though not inherited (tokenizers.py imports no JetStream): every abstract
     # member is there, and the adapter registers the classes as JetStream tokenizers.
     assert all(hasattr(tok, name) for name in tokenizer_api.Tokenizer.__abstractmethods__)
-    import dvp_jax.rollout.jetstream  # noqa: F401
+    import dvp_jax.serve.jetstream  # noqa: F401
 
     assert isinstance(tok, tokenizer_api.Tokenizer)
     assert tok.stop_tokens >= {tok.eos_id, tok.pad_id}

@@ -19,7 +19,9 @@ import sys
 
 import pytest
 
-from dvp_jax import aot, aot_report
+from dvp_jax.plan import aot, compiled
+from dvp_jax.plan.specs import train_specs
+from dvp_jax.plan.topology import CHIP_HBM_GIB, chip_of, topology_devices
 from dvp_jax.train.config import ExperimentConfig, default_config
 
 _GIB = 1024**3
@@ -72,16 +74,16 @@ def _config(
     return ExperimentConfig.from_config_dict(c, 512)
 
 
-def _compile(cfg, topology: str, programs: tuple[str, ...] = ()) -> dict[str, aot_report.Program]:
+def _compile(cfg, topology: str, programs: tuple[str, ...] = ()) -> dict[str, compiled.Program]:
     programs = aot.compile_config(cfg, topology, programs=programs, log=lambda line: None)
     by_name = {p.name: p for p in programs}
-    bad = aot_report.failures(programs, aot.CHIP_HBM_GIB[aot.chip_of(topology)], 0.9)
-    print(aot_report.table(programs, aot.CHIP_HBM_GIB[aot.chip_of(topology)]))
+    bad = compiled.failures(programs, CHIP_HBM_GIB[chip_of(topology)], 0.9)
+    print(compiled.table(programs, CHIP_HBM_GIB[chip_of(topology)]))
     assert bad == [], bad
     return by_name
 
 
-def _one(programs: dict[str, aot_report.Program], prefix: str) -> aot_report.Program:
+def _one(programs: dict[str, compiled.Program], prefix: str) -> compiled.Program:
     found = [p for name, p in programs.items() if name.startswith(prefix)]
     assert len(found) == 1, (prefix, sorted(programs))
     return found[0]
@@ -124,7 +126,7 @@ def test_float32_on_an_fsdp_mesh_compiles_without_a_kernel_and_decode_does_not_c
     far below its KV cache: with the cache laid out heads first on TPU the compiler copied k
     and v in and out of the loop (temporaries = 0.95 of the decode state), which is what ran
     the paper config's decode out of HBM; positions first (TPU's layout,
-    `attention.cache_layout`) leaves ~0.35. The paged pool (the default) is positions first for
+    `kv_cache.cache_layout`) leaves ~0.35. The paged pool (the default) is positions first for
     the same reason (`model/paged.py`)."""
     fsdp = dict(precision="float32", mesh=(1, 4, 1), tensor_parallel=1, rollout_dtype="bfloat16")
     programs = _compile(_config(**fsdp), "v5p:2x2x1", programs=("rl_update", "weight_sync"))
@@ -172,7 +174,7 @@ def test_float32_at_long_sequences_compiles_with_blockwise_attention():
         decode_len=1024,
         prompts=1,
     )
-    specs, _ = aot.train_specs(cfg, aot.topology_devices("v5p:2x2x1"))
+    specs, _ = train_specs(cfg, topology_devices("v5p:2x2x1"))
     update = specs[0]
     assert update.name == "rl_update"
     hlo = update.jitted.trace(*update.args).lower().compile().as_text()
@@ -191,21 +193,19 @@ def test_dot_flops_count_loops_by_their_trip_count():
     def body(c, _):
         return c @ w, None
 
-    one = aot_report.dot_flops(jax.make_jaxpr(lambda x: x @ w)(x))
+    one = compiled.dot_flops(jax.make_jaxpr(lambda x: x @ w)(x))
     assert one == 2 * 4 * 8 * 8
     scanned = jax.make_jaxpr(lambda x: jax.lax.scan(body, x, None, length=5)[0])(x)
-    assert aot_report.dot_flops(scanned) == 5 * one
+    assert compiled.dot_flops(scanned) == 5 * one
     looped = jax.make_jaxpr(lambda x: jax.lax.while_loop(lambda c: c[0, 0] < 9, lambda c: c @ w, x))
-    assert aot_report.dot_flops(looped(x), while_trips=3) == 3 * one
+    assert compiled.dot_flops(looped(x), while_trips=3) == 3 * one
 
 
 def test_failures_name_the_program_and_the_reason():
-    fits = aot_report.Program("a", argument=2 * _GIB, temp=5 * _GIB)
-    too_big = aot_report.Program("rl_update", argument=2 * _GIB, temp=14 * _GIB, resident=_GIB)
-    broken = aot_report.Program(
-        "engine/prefill[1x128]", error="NotImplementedError: Mosaic kernels"
-    )
-    lines = aot_report.failures([fits, too_big, broken], hbm=16.0, fraction=0.9)
+    fits = compiled.Program("a", argument=2 * _GIB, temp=5 * _GIB)
+    too_big = compiled.Program("rl_update", argument=2 * _GIB, temp=14 * _GIB, resident=_GIB)
+    broken = compiled.Program("engine/prefill[1x128]", error="NotImplementedError: Mosaic kernels")
+    lines = compiled.failures([fits, too_big, broken], hbm=16.0, fraction=0.9)
     assert lines == [
         "rl_update does not fit: peak 17.0 GiB per chip (resident 1.0) > 90% of 16.0 GiB",
         "engine/prefill[1x128] does not compile: NotImplementedError: Mosaic kernels",
@@ -257,7 +257,7 @@ def test_aot_command_on_the_tiny_config_on_two_hosts_with_every_axis_split():
     assert (short["response_length_mean"], full["response_length_mean"]) == (2.0, cap)
     for mix in (short, full):
         padded, packed = mix["layouts"]
-        assert (padded["layout"], packed["layout"]) == ("padded (today)", "packed")
+        assert (padded["layout"], packed["layout"]) == ("before packing", "packed")
         assert packed["tflop_per_chip"] <= padded["tflop_per_chip"]
         assert packed["rows"] <= padded["rows"]
     # Sequences of 4 + ~2 tokens pack several to a row: fewer rows than responses.
@@ -285,6 +285,7 @@ def test_aot_command_on_the_tiny_config_on_two_hosts_with_every_axis_split():
         ({"topology": "v9:2x2"}, "--topology 'v9:2x2' is not <chip>:<dims>"),
         ({"config.mesh.tensor": 3}, "config.mesh"),
         ({"response_length_mean": ["4", "many"]}, "--response_length_mean: 'many' is not a"),
+        ({"response_length_mean": ["99999"]}, "--response_length_mean=99999 is above rollout."),
         ({"prompt_length": 99, "response_length_mean": ["4"]}, "--prompt_length=99 must be in"),
         ({"response_lengths": "/no/such/file"}, "--response_lengths /no/such/file: No such file"),
     ],
@@ -326,10 +327,10 @@ def test_a_micro_batch_that_does_not_split_over_the_shards_is_named():
         rollout_dtype="bfloat16",
         micro_batches=4,
     )
-    specs, _ = aot.train_specs(cfg, aot.topology_devices("v5p:2x2x1"))
+    specs, _ = train_specs(cfg, topology_devices("v5p:2x2x1"))
     assert "2 rows does not split over the 4 data x fsdp shards" in specs[0].warning
     even = _config(precision="float32", mesh=(1, 4, 1), tensor_parallel=1, rollout_dtype="bfloat16")
-    assert aot.train_specs(even, aot.topology_devices("v5p:2x2x1"))[0][0].warning == ""
+    assert train_specs(even, topology_devices("v5p:2x2x1"))[0][0].warning == ""
 
 
 def test_weight_sync_through_the_host_when_the_engine_is_not_a_trainer_row():

@@ -6,11 +6,12 @@ unless `segments` (`dvp/segments.py`) says which packed sequence each token belo
 per-response quantity is then reduced per sequence, with the same values. Each function
 lists its keys: `mismatch_metrics` (verl's perplexity, KL and chi^2 definitions),
 `peer_metrics` (the same mismatch under verl's, NeMo-RL's and slime's metric names),
-`pruning_metrics` (the one home of frac_tokens_outside_train_safe), `exclusion_metrics` and
-`is_weight_stats` (called by `losses.dvp_loss`), `lt_by_p_bins` (the (1 - p) evidence),
+`lt_by_p_bins` (the (1 - p) evidence),
 `mismatch_diagnostics` (all config-independent ones) and `tail_metrics` (entropy, tail tokens,
 the sequence log-ratio's share from outside the safe set). The E10 bound check is
-`dvp_jax/dvp/bound.py` (`mismatch_bound` is re-exported here); nothing here enters a loss.
+`dvp_jax/dvp/bound.py` (`mismatch_bound` is re-exported here); the per-batch statistics of
+pruning, truncation, exclusion and the importance weights are `batch_stats.py`; nothing here
+enters a loss.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from dvp_jax.dvp.batch_stats import pruning_metrics
 from dvp_jax.dvp.bound import BoundReport, mismatch_bound  # noqa: F401 (re-exported)
+from dvp_jax.dvp.masked import f32, masked_max, masked_mean
 from dvp_jax.dvp.segments import Segments
 
 # Clamp on log-ratios before exponentiating for chi^2 (as verl's SAFETY_BOUND): exp(2 * 20) is
@@ -30,26 +33,6 @@ LOG_RATIO_BOUND = 20.0
 
 # `frac_tokens_tail`: a sampled token is in the tail when its trainer probability is below this.
 TAIL_P = 1e-3
-
-
-def _f32(x):
-    return jnp.asarray(x).astype(jnp.float32)
-
-
-def masked_mean(x: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
-    """Mean of x `[...]` over a same-shape `mask` (0 when empty); used for E5-E9 fractions.
-
-    Values outside the mask (including inf/NaN) are replaced before the sum.
-    """
-    mask = mask.astype(bool)
-    total = jnp.sum(jnp.where(mask, _f32(x), 0.0), axis=axis)
-    count = jnp.sum(mask, axis=axis)
-    return total / jnp.maximum(count, 1)
-
-
-def _masked_max(x: jax.Array, mask: jax.Array) -> jax.Array:
-    mask = mask.astype(bool)
-    return jnp.where(jnp.any(mask), jnp.max(jnp.where(mask, _f32(x), -jnp.inf)), 0.0)
 
 
 def mismatch_metrics(
@@ -83,8 +66,8 @@ def mismatch_metrics(
     """
     seqs = segments or Segments()
     mask = mask.astype(bool)
-    lt = jnp.where(mask, _f32(logp), 0.0)
-    lr = jnp.where(mask, _f32(behaviour_logp), 0.0)
+    lt = jnp.where(mask, f32(logp), 0.0)
+    lr = jnp.where(mask, f32(behaviour_logp), 0.0)
     count = seqs.sum(mask.astype(jnp.int32))  # per response
     seq = count > 0
     mt = seqs.sum(lt) / jnp.maximum(count, 1)
@@ -143,15 +126,15 @@ def peer_metrics(
     """
     seqs = segments or Segments()
     mask = mask.astype(bool)
-    lt = jnp.where(mask, _f32(logp), 0.0)
-    lr = jnp.where(mask, _f32(behaviour_logp), 0.0)
+    lt = jnp.where(mask, f32(logp), 0.0)
+    lr = jnp.where(mask, f32(behaviour_logp), 0.0)
     r = lt - lr  # 0 off the mask
     count = seqs.sum(mask.astype(jnp.float32))  # per response
     seq = count > 0
     n = jnp.maximum(count, 1.0)
     mt, mr = seqs.sum(lt) / n, seqs.sum(lr) / n
     d = -seqs.sum(r) / n  # mr - mt as a mean of differences (no cancellation)
-    extreme = lambda x, sign: sign * _masked_max(sign * x, seq)
+    extreme = lambda x, sign: sign * masked_max(sign * x, seq)
     return {
         "mismatch_kl": masked_mean(-r, mask),
         "mismatch_k3_kl": masked_mean(jnp.exp(r) - r - 1.0, mask),
@@ -166,132 +149,6 @@ def peer_metrics(
         "mismatch_ppl_ratio": masked_mean(jnp.exp(d), seq),
         "token_mult_prob_error": masked_mean(jnp.exp(jnp.abs(r)), mask),
         "train_rollout_logprob_abs_diff": masked_mean(seqs.sum(jnp.abs(r)) / n, seq),
-    }
-
-
-def pruning_metrics(
-    response_mask: jax.Array,
-    *,
-    pruned_mass: jax.Array | None = None,
-    safe_size: jax.Array | None = None,
-    behaviour_pruned_mass: jax.Array | None = None,
-    behaviour_safe_size: jax.Array | None = None,
-    in_safe: jax.Array | None = None,
-) -> dict[str, jax.Array]:
-    """Mean/max pruned mass delta_S (E3) and safe-set size |V_S| (E1) on each side.
-
-    Keys: pruned_mass_train_* / safe_size_train_* from `pruned_mass` / `safe_size` (trainer),
-    pruned_mass_rollout_* / safe_size_rollout_* from the `behaviour_*` arrays (rollout); each
-    of these is omitted when its argument is None.
-
-    Always frac_tokens_outside_train_safe: the fraction of sampled response tokens outside the
-    trainer's safe set (E5); `in_safe` None means all inside (no pruning: V_S is the whole
-    vocabulary), so the metric is 0 and present in every run whatever the method.
-
-    Args:
-      response_mask: `[B, T]` response tokens.
-      pruned_mass, safe_size: `[B, T]` trainer delta_S and |V_S| at the sampled positions.
-      behaviour_pruned_mass, behaviour_safe_size: `[B, T]` the same recorded by the rollout.
-      in_safe: `[B, T]` bool, sampled token inside the trainer's V_S.
-
-    Returns:
-      Dict of float32 scalars.
-    """
-    mask = response_mask.astype(bool)
-    out = {}
-    named = {
-        "pruned_mass_train": pruned_mass,
-        "safe_size_train": safe_size,
-        "pruned_mass_rollout": behaviour_pruned_mass,
-        "safe_size_rollout": behaviour_safe_size,
-    }
-    for name, x in named.items():
-        if x is not None:
-            out[name + "_mean"] = masked_mean(x, mask)
-            out[name + "_max"] = _masked_max(x, mask)
-    outside = jnp.zeros_like(mask) if in_safe is None else ~in_safe.astype(bool)
-    out["frac_tokens_outside_train_safe"] = masked_mean(outside, mask)
-    return out
-
-
-def truncation_metrics(
-    behaviour_truncated_mass: jax.Array, behaviour_kept_ids: jax.Array, response_mask: jax.Array
-) -> dict[str, jax.Array]:
-    """What the rollout's top-k / top-p truncation removed (E13), over response tokens.
-
-    Keys: truncated_mass_rollout_mean / _max (mu's mass outside the kept set K),
-    frac_positions_truncated (positions where K removed any mass), kept_size_rollout_mean (|K|
-    over the truncated positions; 0 if none).
-
-    Args:
-      behaviour_truncated_mass: `[B, T]` mass outside K recorded by the rollout.
-      behaviour_kept_ids: `[B, T, W]` K's ids (-1 padded; all -1: untruncated).
-      response_mask: `[B, T]` response tokens.
-    """
-    mask = response_mask.astype(bool)
-    size = jnp.sum(behaviour_kept_ids >= 0, axis=-1)
-    truncated = mask & (size > 0)
-    return {
-        "truncated_mass_rollout_mean": masked_mean(behaviour_truncated_mass, mask),
-        "truncated_mass_rollout_max": _masked_max(behaviour_truncated_mass, mask),
-        "frac_positions_truncated": masked_mean(behaviour_truncated_mass > 0, mask),
-        "kept_size_rollout_mean": masked_mean(size, truncated),
-    }
-
-
-def exclusion_metrics(
-    response_mask: jax.Array,
-    excluded: jax.Array,
-    seq_masked: jax.Array,
-    token_masked: jax.Array,
-    segments: Segments | None = None,
-) -> dict[str, jax.Array]:
-    """Fractions of responses excluded (E5) or masked (E7 seq_mis) and of tokens masked (token_mis).
-
-    Args:
-      response_mask: `[B, T]` response tokens; responses without tokens are not counted.
-      excluded: per response (`segments`' shape, `[B, 1]` one per row; `[B]` also works then),
-        bool, response has a sampled token outside the trainer safe set (E5).
-      seq_masked: per response, bool, response masked by the correction (seq_mis, exp L > C;
-        seq_geo_rs / seq_k3_rs, E7b).
-      token_masked: `[B, T]` bool, token masked by the correction (token_mis, exp l_t > C;
-        token_icepop, E7b).
-      segments: which response each token belongs to (None: one response per row).
-
-    Returns:
-      frac_responses_excluded and frac_responses_masked (over responses with tokens),
-      frac_tokens_masked (over response tokens).
-    """
-    mask = response_mask.astype(bool)
-    has_tokens = (segments or Segments()).any(mask).reshape(excluded.shape)
-    return {
-        "frac_responses_excluded": masked_mean(excluded, has_tokens),
-        "frac_responses_masked": masked_mean(seq_masked, has_tokens),
-        "frac_tokens_masked": masked_mean(token_masked, mask),
-    }
-
-
-def is_weight_stats(weights: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
-    """Importance-weight mean, max and normalised effective sample size (E7 weights).
-
-    ESS = (sum w)^2 / (n sum w^2) in (0, 1] (1 when all weights are equal), n = masked count.
-
-    Args:
-      weights: `[...]` applied weights w (per token or per response).
-      mask: `[...]` which weights count (kept tokens or kept responses).
-
-    Returns:
-      is_weight_mean, is_weight_max, is_weight_ess (float32 scalars; 0 / 0 / 1 when empty).
-    """
-    mask = mask.astype(bool)
-    w = jnp.where(mask, _f32(weights), 0.0)
-    n = jnp.sum(mask)
-    sum_w, sum_w2 = jnp.sum(w), jnp.sum(w * w)
-    ess = jnp.where(sum_w2 > 0, sum_w * sum_w / jnp.maximum(n * sum_w2, 1e-30), 1.0)
-    return {
-        "is_weight_mean": sum_w / jnp.maximum(n, 1),
-        "is_weight_max": _masked_max(w, mask),
-        "is_weight_ess": ess,
     }
 
 
@@ -313,9 +170,9 @@ def lt_by_p_bins(
       lt_bin{k}_mean_signed, lt_bin{k}_mean_abs, lt_bin{k}_count for k < K.
     """
     mask = mask.astype(bool)
-    one_minus_p = jnp.clip(1.0 - jnp.where(mask, _f32(p), 1.0), 0.0, 1.0)
+    one_minus_p = jnp.clip(1.0 - jnp.where(mask, f32(p), 1.0), 0.0, 1.0)
     k = jnp.minimum((one_minus_p * num_bins).astype(jnp.int32), num_bins - 1)
-    ratio = jnp.where(mask, _f32(log_ratio), 0.0)
+    ratio = jnp.where(mask, f32(log_ratio), 0.0)
     # [B, T, K] one-hot bin membership; K is small.
     member = (k[..., None] == jnp.arange(num_bins)) & mask[..., None]
     count = jnp.sum(member, axis=(0, 1))
@@ -393,9 +250,9 @@ def mismatch_diagnostics(
         in_safe=in_safe,
     )
     if have_full:
-        lt, lr, bin_mask = _f32(logp_full), _f32(behaviour_logp_full), mask
+        lt, lr, bin_mask = f32(logp_full), f32(behaviour_logp_full), mask
     else:
-        lt, lr, bin_mask = _f32(logp), _f32(behaviour_logp), kept
+        lt, lr, bin_mask = f32(logp), f32(behaviour_logp), kept
     lt = jnp.where(bin_mask, lt, 0.0)
     lr = jnp.where(bin_mask, lr, 0.0)
     out |= lt_by_p_bins(lt - lr, jnp.exp(lt), bin_mask, num_bins)
@@ -459,7 +316,7 @@ def tail_metrics(
     mask = response_mask.astype(bool)
     outside = mask & ~safe.astype(bool)
     has_tokens = seqs.any(mask)  # per response
-    on = lambda x, m: jnp.where(m, _f32(x), 0.0)  # masked values never reach arithmetic
+    on = lambda x, m: jnp.where(m, f32(x), 0.0)  # masked values never reach arithmetic
     l_full = on(logp_full, mask) - on(behaviour_logp_full, mask)  # [B, T], 0 off the mask
     l_seq = seqs.sum(l_full)  # per response
     l_out = seqs.sum(jnp.where(outside, l_full, 0.0))

@@ -16,7 +16,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dvp_jax.dvp import corrections, diagnostics, pruning
+from dvp_jax.dvp import batch_stats, corrections, diagnostics, pruning
 from dvp_jax.dvp.segments import Segments
 
 CORRECTIONS = (
@@ -268,7 +268,7 @@ def dvp_loss(
     Masked positions (`response_mask` False) and floors/-inf of out-of-safe-set tokens (on
     either side of the PPO ratio) are replaced with `jnp.where` before any arithmetic: they never
     change the loss or its gradient. The fraction of sampled tokens outside the trainer safe set
-    is a diagnostic (`diagnostics.pruning_metrics`), not emitted here.
+    is a diagnostic (`batch_stats.pruning_metrics`), not emitted here.
 
     Args:
       logp: `[B, T]` log pi_S(y_t) from the trainer (differentiable; E2).
@@ -411,14 +411,14 @@ def dvp_loss(
     metrics["loss"] = loss
     metrics["kept_tokens"] = jnp.sum(keep).astype(f32)
     metrics["kept_responses"] = jnp.sum(kept_responses).astype(f32)
-    metrics |= diagnostics.exclusion_metrics(mask, excluded, seq_masked, token_masked, seqs)
+    metrics |= batch_stats.exclusion_metrics(mask, excluded, seq_masked, token_masked, seqs)
     for kind, out in removed.items():
         metrics["rejected/" + kind] = diagnostics.masked_mean(out, mask)
     if per_response:
         # One weight per response: w is constant over a kept response's tokens, 0 elsewhere.
-        metrics |= diagnostics.is_weight_stats(seqs.max(w), kept_responses)
+        metrics |= batch_stats.is_weight_stats(seqs.max(w), kept_responses)
     else:
-        metrics |= diagnostics.is_weight_stats(w, keep)
+        metrics |= batch_stats.is_weight_stats(w, keep)
     return loss, metrics
 
 

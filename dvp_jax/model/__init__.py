@@ -1,6 +1,5 @@
 """Qwen3-style decoder in Flax NNX."""
 
-from dvp_jax.model.attention import KVCache
 from dvp_jax.model.config import (
     MIXED_TRAIN_POLICY,
     PRECISIONS,
@@ -12,6 +11,7 @@ from dvp_jax.model.config import (
     DTypePolicy,
     ModelConfig,
 )
+from dvp_jax.model.kv_cache import KVCache
 from dvp_jax.model.transformer import Transformer
 
 __all__ = [

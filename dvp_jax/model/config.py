@@ -162,7 +162,7 @@ PRECISIONS = (
 )
 # Trainer precisions: what `config.train.precision` chooses from (reported as `train_precision`).
 # "float32_x3" is fp32 parameters and activations with every matmul from three 16-bit passes
-# (half of HIGHEST's six on a TPU; README, "The model", has their measured errors).
+# (half of HIGHEST's six on a TPU; docs/model.md has their measured errors).
 TRAIN_PRECISIONS = ("float32", "float32_x3", "mixed_bf16")
 POLICY_NAMES = tuple(_POLICIES)
 assert set(PRECISIONS) | set(TRAIN_PRECISIONS) == set(_POLICIES)

@@ -139,7 +139,7 @@ def paged_decode_attention(q, k_all, v_all, layer, table, lengths, dtype, sharde
 
     Args:
       q: `[B, k, g, h]` queries grouped by kv head (compute dtype).
-      k_all, v_all: `[L, P, ps, k h]` the paged cache, stored as `attention.cache_storage`
+      k_all, v_all: `[L, P, ps, k h]` the paged cache, stored as `kv_cache.cache_storage`
         of `dtype` (a 16-bit cache as its bits; a float32 one as is).
       layer: [] int32 (traced) the layer read.
       table: `[B, C]` int32 page ids (`paged.Pages.table`).

@@ -2,8 +2,8 @@
 
 The cache is a pool of P pages of `page_size` (ps) positions shared by the B decode slots:
 `k, v: [L, P, ps, k h]` (kv heads and head dim as one axis), stored as
-`attention.cache_storage`. Positions come before kv heads for the reason the dense cache is
-positions first on TPU (`attention.cache_layout`): with the heads first the TPU compiler copies
+`kv_cache.cache_storage`. Positions come before kv heads for the reason the dense cache is
+positions first on TPU (`kv_cache.cache_layout`): with the heads first the TPU compiler copies
 k and v in and out of the decode loop (97 GiB of temporaries for the paper config's 45 GiB
 pool). Heads and head dim are one axis so that a page is a `[ps, k h]` tile the TPU kernel
 copies whole and slices per head at multiples of 128 lanes (with `[ps, k, h]` the compiler
@@ -179,7 +179,7 @@ def write_pages(cache, layer, page, offset, new, to_storage_fn):
       layer: [] int (traced) layer index.
       page, offset: `[B]` int32 (`page_of`); page -1 drops the write (a finished slot).
       new: `[B, k, h]` the new keys or values.
-      to_storage_fn: values -> the storage dtype (`attention.to_storage` with the cache dtype).
+      to_storage_fn: values -> the storage dtype (`kv_cache.to_storage` with the cache dtype).
     """
     page = jnp.where(page >= 0, page, cache.shape[1])  # past the pool: dropped
     # Indices (layer, page, offset) broadcast to [B]: the update is [B, k h], one row per slot.

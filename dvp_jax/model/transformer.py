@@ -23,8 +23,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dvp_jax.model import paged
-from dvp_jax.model.attention import (
-    Attention,
+from dvp_jax.model.attention import Attention
+from dvp_jax.model.config import REMAT_POLICIES, TRAIN_POLICY, DTypePolicy, ModelConfig
+from dvp_jax.model.kv_cache import (
     KVCache,
     cache_axes,
     cache_layout,
@@ -33,7 +34,6 @@ from dvp_jax.model.attention import (
     seq_axis,
     to_storage,
 )
-from dvp_jax.model.config import REMAT_POLICIES, TRAIN_POLICY, DTypePolicy, ModelConfig
 from dvp_jax.model.layers import MLP, RMSNorm, matmul, param
 from dvp_jax.sharding import Sharder
 
@@ -216,7 +216,7 @@ class Transformer(nnx.Module):
           cache_len: S >= P, the cache length (static).
         Returns:
           (logits [b, v] float32 at each row's last real token, KVCache with k, v [L, b, k, S, h]
-          or, on TPU, [L, b, S, k, h] (`attention.cache_layout`)).
+          or, on TPU, [L, b, S, k, h] (`kv_cache.cache_layout`)).
         """
         b, p = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
@@ -226,7 +226,7 @@ class Transformer(nnx.Module):
         axes = cache_axes(layout)
 
         # Each scan step emits its layer's keys and values [b, P, k, h] in the cache layout
-        # ([b, k, S, h] heads first, [b, S, k, h] positions first: `attention.cache_layout`),
+        # ([b, k, S, h] heads first, [b, S, k, h] positions first: `kv_cache.cache_layout`),
         # padded to the cache length and cast to the cache dtype: the stacked outputs are the
         # cache.
         def to_cache(x):
@@ -255,7 +255,7 @@ class Transformer(nnx.Module):
           positions: [b] int32 per-row positions (also the cache slot written).
           cache: KVCache with k, v [L, b, k, S, h] ([L, b, S, k, h] on TPU), in the policy's
             cache dtype or stored as
-            `attention.cache_storage` (its bits for 16- and 8-bit dtypes; the engine keeps
+            `kv_cache.cache_storage` (its bits for 16- and 8-bit dtypes; the engine keeps
             its cache so, and then no step converts the cache).
           kv_len: static count of leading cache positions attention reads (default S); rows
             with `positions >= kv_len` get wrong logits (`Attention.decode`).
@@ -268,7 +268,7 @@ class Transformer(nnx.Module):
         x = self._embed(tokens[:, None])
 
         # The whole cache rides in the scan carry and each step scatters its layer's new key and
-        # value into it (`attention.write_cache`): the loop updates the donated buffer in place
+        # value into it (`kv_cache.write_cache`): the loop updates the donated buffer in place
         # instead of emitting a second [L, b, k, S, h] cache as stacked outputs. A 16-/8-bit
         # cache rides as its bits (an integer scatter; a float one would be converted to
         # float32 and back per layer on CPU); a caller passing bits pays no conversion at all.

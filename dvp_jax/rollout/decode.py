@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from dvp_jax.model import paged
-from dvp_jax.model.attention import KVCache, cache_storage, seq_axis, to_storage
 from dvp_jax.model.config import ModelConfig
+from dvp_jax.model.kv_cache import KVCache, cache_storage, seq_axis, to_storage
 from dvp_jax.model.transformer import Transformer
 from dvp_jax.rollout import sampling
 from dvp_jax.rollout.state import RECORD_FIELDS, DecodeState, Prefix
@@ -147,7 +147,7 @@ def _insert_rows(prefix: Prefix, cache: KVCache, slots, rows, cache_dtype, layou
     # [:, slots, :, :bucket] heads first, [:, slots, :bucket] positions first.
     index = (slice(None), slots) + (slice(None),) * (seq_axis(layout) - 2)
 
-    def put(buf, value):  # buf in the cache storage dtype (`attention.cache_storage`)
+    def put(buf, value):  # buf in the cache storage dtype (`kv_cache.cache_storage`)
         value = to_storage(value[:, rows], cache_dtype)
         return buf.at[index + (slice(None, bucket),)].set(value, mode="drop")
 

@@ -6,16 +6,16 @@ decode slots (a prompt's G samples with sample indices 0..G-1), `generate_steps`
 decode steps in one compiled loop attending over a KV length bucket, and `update_params` casts
 and reshards trainer weights (on the devices when the engine is a tensor row of the trainer's
 mesh, as `weights.WeightSync` decides). The programs are `decode.py`'s pure functions, jitted
-once here with the engine's shardings; parameters are an argument (never closed over), so a
-weight sync never recompiles. A run's engines belong to its `rollout.Rollout`.
-JetStream's single-request API is `jetstream.JetStreamEngine`, built on this class.
+once with the engine's shardings (`programs.py`, the device side this host API builds on);
+parameters are an argument (never closed over), so a weight sync never recompiles. A run's
+engines belong to its `rollout.Rollout`.
+JetStream's single-request API is `serve.jetstream.JetStreamEngine`, built on this class.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,14 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 
-from dvp_jax.model.attention import KVCache, cache_axes, cache_layout, cache_shape
 from dvp_jax.model.config import DTypePolicy, ModelConfig
-from dvp_jax.model.paged import Pages, paged_cache_shape, paged_cache_sharding
+from dvp_jax.model.kv_cache import cache_layout
 from dvp_jax.model.transformer import Transformer
 from dvp_jax.rollout import decode, sampling, weights
-from dvp_jax.rollout.quantize import quantize_leaves
+from dvp_jax.rollout.programs import EngineDevice, Programs, device_memory_bytes
 from dvp_jax.rollout.scheduler import Span
 from dvp_jax.rollout.state import RECORD_FIELDS, DecodeState, EngineConfig, Prefix
 from dvp_jax.sharding import (
@@ -48,45 +46,9 @@ __all__ = ["RECORD_FIELDS", "DecodeState", "EngineConfig", "Prefix", "Programs",
 _DEFAULT_CONFIG = EngineConfig()
 
 
-@dataclasses.dataclass(frozen=True)
-class Programs:
-    """The engine's jitted programs (what `dvp_jax.aot` compiles for a TPU topology).
-
-    Attributes:
-      init_state: (SamplingParams) -> empty `DecodeState`.
-      prefill: (params, tokens [rows, bucket], lengths [rows], raw keys [rows, 2]) -> `Prefix`.
-      insert: (prefix, state (donated), slots [B], rows [B], sample indices [B]) -> state.
-      step: (params, state (donated), span size (static)) -> (state, [B, 3] token/valid/length).
-      loop: (params, state (donated), num_steps, span size (static), stop_at_finish) -> state;
-        num_steps and the flag are traced, so one program serves every dispatch size.
-      evict: (state (donated), slots [B] bool) -> state with those slots stopped, pages freed.
-      resume: (prefix, state (donated), slots [B], rows [B], steps [B]) -> state: preempted
-        responses (prompt + generated prefix, prefilled again) back in their slots.
-      cast: (trainer parameter leaves) -> rollout leaves, where the trainer's arrays live.
-    """
-
-    init_state: Any
-    prefill: Any
-    insert: Any
-    step: Any
-    loop: Any
-    evict: Any
-    resume: Any
-    cast: Any
-
-
-def device_memory_bytes(device=None) -> int:
-    """Memory one device can hold: the accelerator's allocator limit, or on CPU (which
-    reports none) the host's physical memory."""
-    device = device or jax.local_devices()[0]
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"])
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-class RolloutEngine:
-    """The RL engine (see the module docstring).
+class RolloutEngine(EngineDevice):
+    """The RL engine (see the module docstring); its programs and shardings are
+    `programs.EngineDevice`'s.
 
     Args:
       model_cfg: the architecture.
@@ -120,7 +82,7 @@ class RolloutEngine:
         self.tokenizer = load_tokenizer(tokenizer)
         self.mesh = mesh or make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])
         self.sharder = Sharder(self.mesh, ROLLOUT_RULES)
-        # One KV-cache layout for every program of the engine (`attention.cache_layout`).
+        # One KV-cache layout for every program of the engine (`kv_cache.cache_layout`).
         self.cache_layout = cache_layout(self.sharder.platform)
         self.policy = DTypePolicy.named(config.dtype)
         # Paged decode's attention path: the Pallas kernel on TPU for "paged", else XLA's.
@@ -152,56 +114,6 @@ class RolloutEngine:
         if params is None:  # born sharded: full parameters never sit on one device
             params = nnx.state(init_sharded(lambda: make(config.seed), self.sharder))
         self.params = self.update_params(params)
-
-    def _jit_programs(self) -> Programs:
-        cfg, model = self.config, lambda params: nnx.merge(self._graphdef, params)
-        dtype, layout, stop = self.policy.cache_dtype, self.cache_layout, self.stop_tokens
-        s, state_sh = cfg.cache_length, self.state_shardings
-        paths, dtypes = self._param_paths, [a.dtype for a in self._abstract_leaves]
-        pool = (cfg.num_pages, cfg.page_size) if cfg.paged else None
-        impl = self.paged_impl
-
-        def init_state(params):
-            b, m = cfg.max_concurrent_decodes, cfg.max_decode_length
-            return decode.empty_state(
-                self.model_cfg, b, m, s, dtype, layout, params, pool, cfg.kept_width
-            )
-
-        def insert(prefix, state, slots, rows, sample_index):
-            return decode.insert(prefix, state, slots, rows, sample_index, dtype, layout)
-
-        def resume(prefix, state, slots, rows, steps):
-            return decode.insert(prefix, state, slots, rows, steps, dtype, layout, steps)
-
-        def cast(leaves):
-            # The policy's weight quantization first (the mismatch ladder of e004; quantized
-            # kernels come back in the param dtype), then the cast to the rollout dtype.
-            quantized = quantize_leaves(leaves, paths, self.policy)
-            return [x.astype(d) for x, d in zip(quantized, dtypes, strict=True)]
-
-        self._cast = cast
-        return Programs(
-            init_state=jax.jit(init_state, out_shardings=state_sh),
-            prefill=jax.jit(lambda p, *args: decode.prefill(model(p), *args)),
-            insert=jax.jit(insert, donate_argnums=(1,), out_shardings=state_sh),
-            step=jax.jit(
-                lambda p, state, kv_len: decode.step(model(p), state, kv_len, stop, s, impl),
-                static_argnums=(2,),
-                donate_argnums=(1,),
-                out_shardings=(state_sh, self.sharder.replicated()),
-            ),
-            loop=jax.jit(
-                lambda p, state, k, kv_len, flag: decode.loop(
-                    model(p), state, k, kv_len, flag, stop, s, impl
-                ),
-                static_argnums=(3,),
-                donate_argnums=(1,),
-                out_shardings=state_sh,
-            ),
-            evict=jax.jit(decode.evict, donate_argnums=(0,), out_shardings=state_sh),
-            resume=jax.jit(resume, donate_argnums=(1,), out_shardings=state_sh),
-            cast=jax.jit(cast),
-        )
 
     # ------------------------------------------------------------------------------------------
     # Weights.
@@ -240,18 +152,6 @@ class RolloutEngine:
         self.params = jax.tree.unflatten(self._params_treedef, leaves)
         return self.params
 
-    def sync_shardings(self, mesh: jax.sharding.Mesh) -> list[NamedSharding]:
-        """The rollout layout (`ROLLOUT_RULES`) of every parameter on the trainer's mesh."""
-        return jax.tree.leaves(state_shardings(self._shapes, Sharder(mesh, ROLLOUT_RULES)))
-
-    def sync_program(self, mesh: jax.sharding.Mesh):
-        """`programs.cast` with outputs in the rollout layout on the trainer's `mesh` (split
-        over tensor, replicated over data and fsdp: an all-gather over fsdp, each chip holding
-        1/tensor of every parameter), jitted once per trainer mesh."""
-        if mesh not in self._sync_jits:
-            self._sync_jits[mesh] = jax.jit(self._cast, out_shardings=self.sync_shardings(mesh))
-        return self._sync_jits[mesh]
-
     def load_params(self, *args, **kwargs) -> nnx.State:
         """The current rollout params (set at construction or by `update_params`)."""
         del args, kwargs
@@ -260,62 +160,6 @@ class RolloutEngine:
     def model(self, params: nnx.State | None = None) -> Transformer:
         """The rollout-precision `Transformer` with `params` (default: the current ones)."""
         return nnx.merge(self._graphdef, self.params if params is None else params)
-
-    # ------------------------------------------------------------------------------------------
-    # Shardings and abstract inputs.
-    # ------------------------------------------------------------------------------------------
-    def cache_sharding(self, batch: int, length: int) -> NamedSharding:
-        """The sharding of a `[L, batch, ., ., h]` KV cache of `length` positions."""
-        shape = cache_shape(self.model_cfg, batch, length, self.cache_layout)
-        return self.sharder.sharding(cache_axes(self.cache_layout), shape)
-
-    def _decode_state_shardings(self) -> DecodeState:
-        cfg, rep = self.config, self.sharder.replicated()
-        pages = None
-        if cfg.paged:
-            shape = paged_cache_shape(self.model_cfg, cfg.num_pages, cfg.page_size)
-            cache = paged_cache_sharding(self.sharder, shape, self.model_cfg.n_kv_heads)
-            pages = Pages(rep, rep, rep)
-        else:
-            cache = self.cache_sharding(cfg.max_concurrent_decodes, cfg.cache_length)
-        return DecodeState(
-            cache=KVCache(cache, cache),
-            **{f: rep for f in ("logits", "pos", "step", "done", "key", "context") + RECORD_FIELDS},
-            sampling=jax.tree.map(lambda _: rep, self.config.sampling_params()),
-            pages=pages,
-        )
-
-    def replicated_structs(self, tree):
-        """`tree`'s shapes and dtypes as replicated `ShapeDtypeStruct`s on the engine's mesh."""
-        rep = self.sharder.replicated()
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), tree)
-
-    def abstract_decode_state(self) -> DecodeState:
-        """The decode state as sharded `ShapeDtypeStruct`s (nothing allocated)."""
-        shapes = jax.eval_shape(self.programs.init_state, self.config.sampling_params())
-        return jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-            shapes,
-            self.state_shardings,
-        )
-
-    def abstract_prefix(self, rows: int, bucket: int) -> Prefix:
-        """A `prefill_batch` result of `rows` x `bucket` as sharded structs, as insert takes it:
-        the cache sharded like the decode state's, the rest replicated."""
-        key = decode.raw_key_shape()
-        args = self.replicated_structs(
-            (
-                jax.ShapeDtypeStruct((rows, bucket), np.int32),
-                jax.ShapeDtypeStruct((rows,), np.int32),
-                jax.ShapeDtypeStruct((rows,) + key, np.uint32),
-            )
-        )
-        prefix = self.replicated_structs(jax.eval_shape(self.programs.prefill, self.params, *args))
-        sharding = self.cache_sharding(rows, bucket)
-        cache = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), prefix.cache
-        )
-        return prefix.replace(cache=cache)
 
     # ------------------------------------------------------------------------------------------
     # Prefill, insert, generate.

@@ -1,8 +1,9 @@
 """Served weights: a checkpoint read straight into the rollout dtype and layout, and its config.
 
-The server's (`server.build_engine`) loaders for its checkpoint flags; error messages name
-those flags. Hugging Face directories load through `model.hf_import`; here are the Orbax and
-trainer-workdir paths and where each finds the architecture. Nothing is cast after reading:
+The server's (`serve.server.build_engine`) loaders for its checkpoint flags, which
+`dvp_jax.evaluate` shares; error messages name those flags. Hugging Face directories load
+through `model.hf_import`; here are the Orbax and trainer-workdir paths and where each finds
+the architecture. Nothing is cast after reading:
 Orbax casts while it restores into the rollout targets.
 """
 

@@ -12,8 +12,8 @@ import jax
 from flax import struct
 
 from dvp_jax.dvp import pruning
-from dvp_jax.model.attention import KVCache
 from dvp_jax.model.config import PRECISIONS, DTypePolicy
+from dvp_jax.model.kv_cache import KVCache
 from dvp_jax.model.paged import Pages
 from dvp_jax.rollout import sampling
 
@@ -263,7 +263,7 @@ class Prefix:
 
     Attributes:
       cache: KVCache with k, v `[L, rows, k, bucket, h]` in the cache dtype (`[L, rows, bucket,
-        k, h]` in a TPU engine: `attention.cache_layout`).
+        k, h]` in a TPU engine: `kv_cache.cache_layout`).
       logits: `[rows, v]` float32 logits for the first generated token.
       length: `[rows]` int32 true prompt lengths (BOS included).
       key: `[rows, 2]` uint32 raw PRNG keys of the requests.
@@ -286,9 +286,9 @@ class DecodeState:
 
     Attributes:
       cache: KVCache with k, v `[L, B, k, S, h]` (`[L, B, S, k, h]` in a TPU engine:
-        `attention.cache_layout`) stored as `attention.cache_storage` (the bits
+        `kv_cache.cache_layout`) stored as `kv_cache.cache_storage` (the bits
         of a bfloat16 / float8 cache as uint16 / uint8, so every write is an in-place integer
-        scatter on every backend; `attention.from_storage` gives the values).
+        scatter on every backend; `kv_cache.from_storage` gives the values).
       logits: `[B, v]` float32 pending next-token logits of each slot.
       pos: `[B]` int32 position of the next token (= tokens in the slot's sequence so far).
       step: `[B]` int32 tokens generated so far.

@@ -22,11 +22,11 @@ from dvp_jax.model.config import ModelConfig
 from dvp_jax.model.hub import checkpoint_config, resolve_model_dir
 from dvp_jax.rollout.state import EngineConfig
 from dvp_jax.sharding import MeshConfig
+from dvp_jax.train.eval_sections import EvalConfig
 from dvp_jax.train.sections import (
     GENERATED_TASKS,
     CheckpointConfig,
     DataConfig,
-    EvalConfig,
     RolloutConfig,
     SFTConfig,
     TrainConfig,

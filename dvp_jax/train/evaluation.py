@@ -23,7 +23,8 @@ from dvp_jax.errors import DataError
 from dvp_jax.rollout.engine import RolloutEngine
 from dvp_jax.rollout.offline import RolloutBatch, generate_rollouts
 from dvp_jax.rollout.sampling import SamplingParams
-from dvp_jax.train.sections import HELDOUT, DataConfig, EvalConfig
+from dvp_jax.train.eval_sections import HELDOUT, EvalConfig
+from dvp_jax.train.sections import DataConfig
 
 # Sample rows (prompt, response, reward, ...) returned per set, from its first prompts.
 SAMPLE_ROWS = 8
@@ -119,7 +120,7 @@ def host_share(num: int) -> tuple[int, int]:
 class HeldoutSet:
     """One validation set: its prompts, k samples each, scored by the reward spec `reward`.
 
-    `name` is `sections.HELDOUT` for the run's own held-out set, else its `eval.sets` name.
+    `name` is `eval_sections.HELDOUT` for the run's own held-out set, else its `eval.sets` name.
     """
 
     name: str

@@ -95,11 +95,14 @@ class Progress:
 
 
 def summary_line(summary: Mapping[str, Any]) -> str:
-    """The closing line: held-out accuracy before and after RL, the PPL gap, the wall time."""
+    """The closing line: whether RL improved held-out accuracy on where it started (the warm-up,
+    if any), both figures, the PPL gap and the wall time."""
     parts = [f"done: {summary['steps']} RL steps ({summary['method']})"]
     start, end = summary.get("start_eval_accuracy"), summary.get("eval_accuracy")
     if start is not None and end is not None:
-        parts.append(f"held-out {start:.1%} -> {end:.1%} ({100 * (end - start):+.1f} points)")
+        gain = round(100 * (end - start), 1)  # the points as printed: +0.0 is no improvement
+        verdict = "RL improved" if gain > 0 else "RL did not improve"
+        parts.append(f"{verdict} held-out accuracy {start:.1%} -> {end:.1%} ({gain:+.1f} points)")
     if summary.get("final_ppl_gap") is not None:
         parts.append(f"ppl_gap {summary['final_ppl_gap']:.4f}")
     parts.append(f"{duration(summary['wall_time_s'])} of training")

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from dvp_jax.dvp import diagnostics, staleness
+from dvp_jax.dvp import batch_stats, diagnostics, staleness
 from dvp_jax.dvp.chunked import PositionStats, chunked_token_stats
 from dvp_jax.dvp.losses import LossConfig, dvp_loss, weight_total
 from dvp_jax.dvp.pruning import TokenLogprobs
@@ -235,7 +235,7 @@ def rl_update(
             tl.logp_full, batch.behaviour_logp_full, batch.response_mask, batch.behaviour_age
         )
     if batch.behaviour_truncated_mass is not None:  # E13: what top-k / top-p removed
-        metrics |= diagnostics.truncation_metrics(
+        metrics |= batch_stats.truncation_metrics(
             batch.behaviour_truncated_mass, batch.behaviour_kept_ids, batch.response_mask
         )
     new_state, step_metrics = apply_gradients(state, grads, optimizer)

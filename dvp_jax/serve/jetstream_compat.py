@@ -14,7 +14,7 @@ JetStream 0.2.2 is the last release (upstream is archived). Two gaps, both close
    JetStream's seqio requirement with a code-less distribution (packaging/seqio_standin).
 
 Importing this module applies both. Only JetStream's users import it, before their first
-`jetstream` import: `dvp_jax.rollout.jetstream` (the adapter), `dvp_jax.rollout.server` and the
+`jetstream` import: `dvp_jax.serve.jetstream` (the adapter), `dvp_jax.serve.server` and the
 test suite (tests/conftest.py). The trainer does not, so its users' `jax` is left unpatched.
 """
 
@@ -45,7 +45,7 @@ class SentencePieceVocabulary(Vocabulary):
 def _install_seqio_stand_in() -> None:
     if "seqio" in sys.modules:  # the real one, imported by the user before us: keep it
         return
-    package = types.ModuleType("seqio", "dvp_jax's stand-in (dvp_jax.rollout.jetstream_compat)")
+    package = types.ModuleType("seqio", "dvp_jax's stand-in (dvp_jax.serve.jetstream_compat)")
     package.__path__ = []  # a package, so `seqio.vocabularies` can be imported from it
     vocabularies = types.ModuleType("seqio.vocabularies", package.__doc__)
     vocabularies.Vocabulary = Vocabulary

@@ -23,12 +23,12 @@ import numpy as np
 from flax import nnx
 
 # First: JetStream 0.2.2 needs `jax.tree_map` and a `seqio` module before it is imported.
-from dvp_jax.rollout import jetstream_compat  # noqa: F401
+from dvp_jax.serve import jetstream_compat  # noqa: F401
 
 # isort: split
 from jetstream.engine import engine_api, tokenizer_api, tokenizer_pb2
 
-from dvp_jax.model.attention import KVCache
+from dvp_jax.model.kv_cache import KVCache
 from dvp_jax.rollout import decode
 from dvp_jax.rollout.engine import RolloutEngine
 from dvp_jax.rollout.scheduler import Limits, Scheduler

@@ -1,7 +1,7 @@
 r"""Serve a model with JetStream's own orchestrator over gRPC (evaluation, interactive use).
 
-  python -m dvp_jax.rollout.server --random_init_preset=tiny --port=9000
-  python -m dvp_jax.rollout.server --hf_checkpoint=/models/qwen3-0.6b \
+  python -m dvp_jax.serve.server --random_init_preset=tiny --port=9000
+  python -m dvp_jax.serve.server --hf_checkpoint=/models/qwen3-0.6b \
       --tokenizer=/models/qwen3-0.6b --max_prefill_length=1024 --max_decode_length=1024
 
 JetStream's `Driver` runs a `jetstream.JetStreamEngine` as both its prefill and generate engine
@@ -30,7 +30,7 @@ from flax import nnx
 from google.protobuf.message import DecodeError
 
 # First: JetStream 0.2.2 needs `jax.tree_map` and a `seqio` module before it is imported.
-from dvp_jax.rollout import jetstream_compat  # noqa: F401
+from dvp_jax.serve import jetstream_compat  # noqa: F401
 
 # isort: split
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
@@ -47,15 +47,15 @@ from dvp_jax.errors import UserError, one_line
 from dvp_jax.model.config import PRECISIONS, DTypePolicy, ModelConfig
 from dvp_jax.rollout import loading
 from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
-from dvp_jax.rollout.jetstream import JetStreamEngine
 from dvp_jax.rollout.state import DECODE_ATTENTION
+from dvp_jax.serve.jetstream import JetStreamEngine
 from dvp_jax.sharding import (
     ROLLOUT_RULES,
     MeshConfig,
     Sharder,
     make_mesh,
 )
-from dvp_jax.tokenizers import DEFAULT_PREFILL_LENGTHS
+from dvp_jax.tokenizer_api import DEFAULT_PREFILL_LENGTHS
 
 _log = logging.getLogger(__name__)
 

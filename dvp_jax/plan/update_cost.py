@@ -2,7 +2,7 @@
 and the time the chip's matmul units would need for them at peak (a lower bound).
 
 `dvp_jax.aot` compiles the update for the config's rows (`programs.update_layout`) and counts
-its dots with every loop at its trip count (`aot_report.dot_flops`), attention apart. Those
+its dots with every loop at its trip count (`compiled.dot_flops`), attention apart. Those
 counts are of the program, not of the data: every micro-batch is counted as run and every
 block pair of the blockwise attention as visited. At real lengths the update skips
 micro-batches without a response token and each row's blockwise attention visits only the block
@@ -13,9 +13,10 @@ pairs its sequences need (`blockwise.block_visits`). So the figure here is
 
 with both unit costs read off the compiled program (its dense dots per row token, its attention
 dots per counted block pair) and the counts from packing the step's lengths as the trainer
-packs them (each host its own prompts' responses, `packing.pack`). "padded (today)" is the
-update before packing: one response per row, every micro-batch run, and every causal block pair
-of every row visited (the blockwise kernel skipped only the pairs above the diagonal).
+packs them (each host its own prompts' responses, `packing.pack`). "before packing" is the
+update as it ran before packing and block skipping: one response per row, every micro-batch run,
+and every causal block pair of every row visited (the kernel skipped only the pairs above the
+diagonal).
 
 The time is FLOPs over the chip's bf16 peak divided by the matmul passes of the trainer's
 precision (`PASSES`): a compute-bound lower bound that ignores memory traffic, collectives,
@@ -33,10 +34,11 @@ import numpy as np
 from dvp_jax.model.attention import select_attention_impl
 from dvp_jax.model.blockwise import block_size, block_visits
 from dvp_jax.model.config import DTypePolicy
+from dvp_jax.plan.tables import Column, render
 from dvp_jax.train.packing import Layout, first_fit_decreasing, make_layout
 
-# bf16 passes per matmul of each trainer precision on TPU (README, "Precision"): float32's
-# `highest` is 6 bf16 products, float32_x3 3, mixed_bf16's bf16 operands 1.
+# bf16 passes per matmul of each trainer precision on TPU (docs/model.md's precision table):
+# float32's `highest` is 6 bf16 products, float32_x3 3, mixed_bf16's bf16 operands 1.
 PASSES = {"float32": 6, "float32_x3": 3, "mixed_bf16": 1}
 
 
@@ -45,7 +47,7 @@ class UpdateCost:
     """One step's update in one layout.
 
     Attributes:
-      layout: "padded (today)" or "packed".
+      layout: "before packing" or "packed".
       rows: rows holding a sequence, all hosts and updates of the step.
       micro_batches: micro-batch calls that run, all updates of the step.
       tflop_per_chip: dot FLOPs per chip for the step (attention's included unless
@@ -96,12 +98,12 @@ def _units(cfg, layout: Layout, hosts: int, flops: float, attention_flops: float
     return _Units(dense, 0.0, 1, False)  # a kernel without a FLOP count (splash, cudnn)
 
 
-def _visited(segment_ids: np.ndarray, units: _Units, today: bool) -> float:
-    """Block pairs the blockwise kernel computes for these rows (causal ones only in today's
-    kernel)."""
+def _visited(segment_ids: np.ndarray, units: _Units, before: bool) -> float:
+    """Block pairs the blockwise kernel computes for these rows (every causal one `before`
+    packing)."""
     rows, length = segment_ids.shape
     nb = -(-length // units.block)
-    if today:
+    if before:
         return float(rows * nb * (nb + 1) // 2)
     padded = np.zeros((rows, nb * units.block), np.int32)
     padded[:, :length] = segment_ids
@@ -134,7 +136,7 @@ def update_costs(
     attention_flops: float,
     peak_flops: float,
 ) -> list[UpdateCost]:
-    """The step's update padded (today) and packed (module docstring).
+    """The step's update before packing and packed (module docstring).
 
     Args:
       cfg: the run's `ExperimentConfig`.
@@ -142,7 +144,7 @@ def update_costs(
         (the G responses of prompt p at p * G ... p * G + G - 1), as a step's rollouts.
       hosts: hosts of the slice (each packs its share of the prompts).
       flops, attention_flops: the compiled update's dot FLOPs per chip, and their attention part
-        (`aot_report.Program`), for the config's layout (`programs.update_layout`).
+        (`compiled.Program`), for the config's layout (`programs.update_layout`).
       peak_flops: the chip's bf16 peak (FLOP/s).
     """
     from dvp_jax.train.programs import update_layout
@@ -161,7 +163,7 @@ def update_costs(
         packed=False,
     )
     out = []
-    for name, use, today in (("padded (today)", padded, True), ("packed", layout, False)):
+    for name, use, before in (("before packing", padded, True), ("packed", layout, False)):
         rows = runs = 0
         pairs = 0.0
         per_micro = use.rows // use.micro_batches  # rows of one micro-batch on one host
@@ -173,8 +175,8 @@ def update_costs(
                 rows += len(segments)
                 active = max(active, -(-len(segments) // per_micro))
                 if units.block > 1:
-                    pairs += _visited(segments, units, today)
-            if today:  # today's update ran every micro-batch
+                    pairs += _visited(segments, units, before)
+            if before:  # the update before packing ran every micro-batch
                 active = use.micro_batches
             runs += active
         tokens = runs * per_micro * hosts * use.row_length  # every row of every run micro-batch
@@ -196,19 +198,25 @@ def update_costs(
     return out
 
 
+_COLUMNS = (
+    Column("update", 16, left=True),
+    Column("rows", 6),
+    Column("micro-b.", 9),
+    Column("TFLOP/chip", 11, ",.0f"),
+    Column("attn", 5, ".0%"),
+    Column("at peak", 9, ",.1f", "s"),
+)
+
+
 def table(costs: list[UpdateCost], precision: str, peak_flops: float) -> str:
-    """The costs as lines of text, the packed one's ratio to today's."""
-    head = (
-        f"{'update':<16} {'rows':>6} {'micro-b.':>9} {'TFLOP/chip':>11} {'attn':>5} {'at peak':>9}"
-    )
-    lines = [head, "-" * len(head)]
-    for c in costs:
-        lines.append(
-            f"{c.layout:<16} {c.rows:>6} {c.micro_batches:>9} {c.tflop_per_chip:>11,.0f} "
-            f"{c.attention_share:>5.0%} {c.seconds_at_peak:>8,.1f}s"
-        )
+    """The costs as lines of text, the packed one's ratio to the padded one's."""
+    rows = [
+        [c.layout, c.rows, c.micro_batches, c.tflop_per_chip, c.attention_share, c.seconds_at_peak]
+        for c in costs
+    ]
+    notes = []
     if len(costs) == 2 and costs[0].tflop_per_chip:
-        lines.append(
+        notes.append(
             f"packed / padded FLOPs: {costs[1].tflop_per_chip / costs[0].tflop_per_chip:.3f}"
         )
     note = (
@@ -217,5 +225,5 @@ def table(costs: list[UpdateCost], precision: str, peak_flops: float) -> str:
     )
     if not costs[0].attention_counted:
         note += "; attention NOT counted: its kernel reports no FLOPs"
-    lines.append(note + ")")
-    return "\n".join(lines)
+    notes.append(note + ")")
+    return render(_COLUMNS, rows, notes)

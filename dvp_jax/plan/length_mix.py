@@ -1,8 +1,9 @@
 """Response lengths for cost estimates: a mean turned into a long-tailed mix, or a file of them.
 
 `python -m dvp_jax.aot --response_length_mean M` (or `--response_lengths FILE`) prices a step at
-real lengths: the packed update (`train/cost.py`) and the rollout at live length both take the
-lengths of one step's responses from here, so the two estimates see the same batch.
+real lengths: the packed update (`update_cost.py`) and the rollout at live length
+(`rollout_cost.py`) both take the lengths of one step's responses from here (`length_mixes`),
+so the two estimates see the same batch.
 
 A mean becomes N lengths from a lognormal of shape `LOGNORMAL_SIGMA`, clipped to
 [1, max_len], its scale solved so the clipped mean is M (a mean at or above max_len gives every
@@ -14,6 +15,7 @@ then put in a fixed pseudo-random order (what a rollout sees: long and short res
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -87,3 +89,50 @@ def response_lengths(n: int, max_len: int, *, mean: float | None = None, path: s
     if path:
         return lengths_from_file(path, n, max_len)
     return lengths_from_mean(mean, n, max_len)
+
+
+def length_mixes(cfg, opts: dict[str, Any]) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """Each step the aot command's length flags describe, as (name, prompt lengths, response
+    lengths), each [prompts_per_step * group_size]: one per mean of --response_length_mean (a
+    comma-separated list), or the file of --response_lengths; [] when neither is given (no cost
+    at real lengths is printed).
+
+    Raises:
+      ValueError: a mean that is not a number in [1, rollout.max_decode_length] (a mean above
+        the cap cannot be the mean of capped lengths), a bad file, both flags, a bad prompt
+        length.
+    """
+    means, path = opts["response_length_mean"] or [], opts["response_lengths"]
+    if not means and not path:
+        return []
+    if means and path:
+        raise ValueError("give one of --response_length_mean and --response_lengths")
+    n = cfg.train.prompts_per_step * cfg.train.group_size
+    prompt = opts["prompt_length"] or cfg.data.max_prompt_len
+    if not 1 <= prompt <= cfg.data.max_prompt_len:
+        raise ValueError(
+            f"--prompt_length={prompt} must be in [1, data.max_prompt_len="
+            f"{cfg.data.max_prompt_len}]"
+        )
+    prompts = np.full((n,), prompt, np.int64)
+    cap = cfg.rollout.max_decode_length
+    if path:
+        return [(path, prompts, response_lengths(n, cap, path=path))]
+    out = []
+    for text in means:
+        try:
+            mean = float(text)
+        except ValueError:
+            raise ValueError(
+                f"--response_length_mean: {text!r} is not a number (a mean, or a comma-separated "
+                "list of means)"
+            ) from None
+        if mean > cap:
+            raise ValueError(
+                f"--response_length_mean={mean:g} is above rollout.max_decode_length={cap}, the "
+                f"longest a response can be: give a mean in [1, {cap}] ({cap}: every response "
+                "at the cap)"
+            )
+        name = f"mean {mean:g}, " + ("all at the cap" if mean == cap else "lognormal")
+        out.append((name, prompts, response_lengths(n, cap, mean=mean)))
+    return out

@@ -1,6 +1,6 @@
 """What a compiled program costs: per-chip bytes, dot FLOPs with loop trip counts, the table.
 
-`dvp_jax.aot` builds a run's programs (`Spec`s) for a TPU topology; this module compiles one
+`plan.specs` builds a run's programs (`Spec`s) for a TPU topology; this module compiles one
 (`compile_spec`) and reads into a `Program` per chip: argument, output, temporary and aliased
 (donated) bytes, the peak (args + outputs + temps - aliases + code) plus what the other phase
 keeps resident meanwhile (the trainer state during rollout, the engine's weights during the
@@ -15,6 +15,8 @@ import dataclasses
 import math
 import time
 from typing import Any
+
+from dvp_jax.plan.tables import Column, render
 
 _GIB = 1024**3
 
@@ -227,32 +229,35 @@ def failures(programs: list[Program], hbm: float, fraction: float) -> list[str]:
     return lines
 
 
+_COLUMNS = (
+    Column("program", 34, left=True),
+    *(Column(title, 7, ".2f") for title in ("args", "out", "temp", "alias", "resid", "peak")),
+    Column("%HBM", 6, ".1f", "%"),
+    Column("TFLOP", 9),
+    Column("compile", 8, ".1f", "s"),
+)
+
+
 def table(programs: list[Program], hbm: float) -> str:
-    head = (
-        f"{'program':<34} {'args':>7} {'out':>7} {'temp':>7} {'alias':>7} {'resid':>7} "
-        f"{'peak':>7} {'%HBM':>6} {'TFLOP':>9} {'compile':>8}"
-    )
-    lines = [head, "-" * len(head)]
+    rows = []
     for p in programs:
         if p.error:
-            lines.append(f"{p.name:<34} FAILED  {p.error[:120]}")
+            rows.append(f"{p.name:<34} FAILED  {p.error[:120]}")
             continue
-        g = lambda b: f"{b / _GIB:7.2f}"
+        gib = [b / _GIB for b in (p.argument, p.output, p.temp, p.alias, p.resident, p.peak)]
         mark = "*" if p.uncounted_kernels else " "
-        lines.append(
-            f"{p.name:<34} {g(p.argument)} {g(p.output)} {g(p.temp)} {g(p.alias)} "
-            f"{g(p.resident)} {g(p.peak)} {100 * p.peak / (hbm * _GIB):5.1f}% "
-            f"{p.flops / 1e12:8.3f}{mark} {p.compile_s:7.1f}s"
-        )
+        share = 100 * p.peak / (hbm * _GIB)
+        rows.append([p.name, *gib, share, f"{p.flops / 1e12:.3f}{mark}", p.compile_s])
+    notes = []
     for p in programs:
         if p.warning:
-            lines.append(f"warning: {p.name}: {p.warning}")
+            notes.append(f"warning: {p.name}: {p.warning}")
         if p.moved:
             where = "per chip, over the devices' links" if "on_device" in p.name else "per host"
-            lines.append(f"{p.name}: {p.moved / _GIB:.2f} GiB received {where} per sync")
-    lines.append(
+            notes.append(f"{p.name}: {p.moved / _GIB:.2f} GiB received {where} per sync")
+    notes.append(
         f"(GiB per chip; HBM {hbm} GiB; resid: the other phase's arrays on the chip; TFLOP per "
         "chip per call, loops by trip count; * leaves out Mosaic kernels without a cost "
         "estimate, e.g. splash attention)"
     )
-    return "\n".join(lines)
+    return render(_COLUMNS, rows, notes)

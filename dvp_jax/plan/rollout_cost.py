@@ -30,6 +30,7 @@ import dataclasses
 
 import numpy as np
 
+from dvp_jax.plan.tables import Column, render
 from dvp_jax.rollout.scheduler import Limits, Scheduler, simulate
 from dvp_jax.rollout.state import EngineConfig
 
@@ -146,22 +147,28 @@ def rollout_costs(
     return out
 
 
+_COLUMNS = (
+    Column("rollout", 14, left=True),
+    Column("steps", 7, ","),
+    Column("weights GB", 11, ",.0f"),
+    Column("KV GB", 9, ",.0f"),
+    Column("KV/live", 8, ".1f", "x"),
+    Column("lower bound", 12, ",.1f", "s"),
+    Column("bytes/dense", 12, ".3f"),
+)
+
+
 def table(costs: list[RolloutCost], hbm_bytes_per_s: float) -> str:
     """The costs as lines of text, each decode's bytes over the dense decode's."""
-    head = (
-        f"{'rollout':<14} {'steps':>7} {'weights GB':>11} {'KV GB':>9} {'KV/live':>8} "
-        f"{'lower bound':>12} {'bytes/dense':>12}"
-    )
-    lines = [head, "-" * len(head)]
     dense = costs[0].weight_gb + costs[0].kv_gb
-    for c in costs:
-        lines.append(
-            f"{c.decode:<14} {c.steps:>7,} {c.weight_gb:>11,.0f} {c.kv_gb:>9,.0f} "
-            f"{c.kv_over_live:>7.1f}x {c.seconds:>11,.1f}s {(c.weight_gb + c.kv_gb) / dense:>12.3f}"
-        )
-    lines.append(
+    rows = [
+        [c.decode, c.steps, c.weight_gb, c.kv_gb, c.kv_over_live, c.seconds]
+        + [(c.weight_gb + c.kv_gb) / dense]
+        for c in costs
+    ]
+    note = (
         f"(per chip, slowest host; time = bytes at {hbm_bytes_per_s / 1e12:.2f} TB/s HBM: a "
         "memory-bound lower bound, weights + KV only; KV from the block arithmetic; the kernel "
         "runs on TPU with a 16- or 32-bit cache, the XLA path elsewhere and with fp8 KV)"
     )
-    return "\n".join(lines)
+    return render(_COLUMNS, rows, [note])
