@@ -14,10 +14,11 @@ from flax import nnx
 
 from dvp_jax.metrics import read_metrics
 from dvp_jax.model import TRAIN_POLICY, ModelConfig, Transformer
+from dvp_jax.plan.replay import simulate
 from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
 from dvp_jax.rollout.offline import generate_rollouts
 from dvp_jax.rollout.partial import PartialRollout
-from dvp_jax.rollout.scheduler import Limits, Scheduler, simulate
+from dvp_jax.rollout.scheduler import Limits, Scheduler
 from tests.shared_runs import run_trainer
 
 CFG = ModelConfig.preset("tiny", init_std=0.5)

@@ -1,7 +1,7 @@
 """The one rollout scheduler (`rollout/scheduler.py`): progress on every pool, the engine and the
 cost model running the same decisions, and sized dispatches.
 
-Host-only tests replay the device loop (`scheduler.simulate`); engine tests decode a tiny model
+Host-only tests replay the device loop (`plan.replay.simulate`); engine tests decode a tiny model
 in float32 (tokens of a run on a short pool equal a full pool's: the same keys sample the same
 tokens; log-probs to the 2e-5 of test_paged_attention.py, since another span is another
 program)."""
@@ -15,10 +15,11 @@ from flax import nnx
 
 from dvp_jax.model import TRAIN_POLICY, ModelConfig, Transformer
 from dvp_jax.plan import rollout_cost as cost
+from dvp_jax.plan.replay import simulate
 from dvp_jax.rollout import scheduler
 from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
 from dvp_jax.rollout.offline import generate_rollouts
-from dvp_jax.rollout.scheduler import Limits, Scheduler, Span, simulate
+from dvp_jax.rollout.scheduler import Limits, Scheduler, Span
 
 CFG = ModelConfig.preset("tiny", init_std=0.5)
 

@@ -65,6 +65,17 @@ def compile_config(
     return out
 
 
+def check_oversample(values) -> None:
+    """Each `--oversample` is a number >= 1 (ValueError in one line otherwise)."""
+    for v in values:
+        try:
+            ok = float(v) >= 1
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"--oversample: {v!r} is not a number >= 1 (e.g. --oversample=1.5,2)")
+
+
 def check_architecture_source(config) -> None:
     """Where `model.hf_path` is not a local directory here, `model.preset` must say the
     architecture (compiling "tiny" for someone's 14B checkpoint would report nothing useful)."""
@@ -105,6 +116,7 @@ def main(argv):
         check_architecture_source(config)
         cfg = ExperimentConfig.from_config_dict(config, vocab, read_checkpoint=False)
         mixes = length_mixes(cfg, opts)
+        check_oversample(opts["oversample"])
     except (UserError, ValueError) as e:
         fail(str(e), USAGE_EXIT_CODE, e)
     programs = tuple(p for p in opts["programs"].split(",") if p)
@@ -174,6 +186,12 @@ def _define_flags() -> None:
         None,
         "With --response_length_mean / --response_lengths: every prompt's length in tokens "
         "(default data.max_prompt_len).",
+    )
+    f["oversample"] = flags.DEFINE_list(
+        "oversample",
+        ["1.25", "1.5", "2", "3"],
+        "With --response_length_mean / --response_lengths: the over-samplings the partial "
+        "rollout's cost is priced at, beside the synchronous rollout's (each >= 1).",
     )
     f["verbose"] = flags.DEFINE_bool("verbose", False, "Tracebacks for every error.")
     flags.mark_flags_as_required(["config", "topology"])

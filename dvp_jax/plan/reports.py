@@ -6,7 +6,7 @@ step's lower bound; each at the length mixes `length_mix.length_mixes` gives.
 
 from __future__ import annotations
 
-from dvp_jax.plan import rollout_cost, update_cost
+from dvp_jax.plan import partial_cost, rollout_cost, update_cost
 from dvp_jax.plan.compiled import Program, per_chip_bytes
 from dvp_jax.plan.topology import (
     CHIP_BF16_FLOPS,
@@ -101,15 +101,47 @@ def rollout_cost_report(cfg, opts, mixes) -> list[dict]:
             hbm_bytes_per_s=bandwidth,
         )
         print(rollout_cost.table(costs, bandwidth), flush=True)
+        partial = partial_report(cfg, opts, engine, prompts, responses, weights, kv_per_position)
         out.append(
             {
                 "lengths": name,
                 "response_length_mean": float(responses.mean()),
                 "hbm_tb_per_s": bandwidth / 1e12,
                 "decodes": [c.row() for c in costs],
+                "partial": [c.row() for c in partial],
             }
         )
     return out
+
+
+def partial_report(cfg, opts, engine, prompts, responses, weights, kv_per_position):
+    """Prints and returns the rollout synchronous vs partial at each `--oversample`
+    (`partial_cost.py`: one host, the paged kernel's bytes)."""
+    from dvp_jax.rollout.scheduler import Limits
+
+    chip = chip_of(opts["topology"])
+    hosts = len({d.process_index for d in topology_devices(opts["topology"])})
+    oversamples = tuple(float(x) for x in opts["oversample"])
+    costs = partial_cost.partial_costs(
+        Limits.of(engine.config, "kernel"),
+        groups_per_step=max(cfg.train.prompts_per_step // hosts, 1),
+        group_size=cfg.train.group_size,
+        prompt_length=int(prompts.max()),
+        lengths=responses,
+        oversamples=oversamples,
+        max_staleness=cfg.rollout.max_staleness,
+        weight_bytes=weights,
+        kv_bytes_per_position=kv_per_position,
+        hbm_bytes_per_s=CHIP_HBM_BYTES_PER_S[chip],
+    )
+    print(
+        f"\nrollout with partial rollouts (rollout.partial; max_staleness "
+        f"{cfg.rollout.max_staleness}), {max(cfg.train.prompts_per_step // hosts, 1)} groups of "
+        f"{cfg.train.group_size} per host per step:",
+        flush=True,
+    )
+    print(partial_cost.table(costs), flush=True)
+    return costs
 
 
 def step_lower_bound(update: list[dict], rollout: list[dict]) -> list[dict]:
@@ -129,10 +161,15 @@ def step_lower_bound(update: list[dict], rollout: list[dict]) -> list[dict]:
             "packed_kernel_s": packed + kernel,
             "packed_xla_s": packed + xla,
         }
+        for c in r.get("partial", [])[1:]:  # the kernel's rollout with partial rollouts
+            row[f"packed_kernel_{c['mode'].replace(' ', '_')}_s"] = packed + c["seconds"]
         print(
             f"  {row['lengths']:<26} padded + dense {row['padded_dense_s']:>8,.0f} s, packed + "
             f"paged kernel {row['packed_kernel_s']:>8,.0f} s, packed + paged XLA "
             f"{row['packed_xla_s']:>8,.0f} s"
+            + "".join(
+                f", {c['mode']} {packed + c['seconds']:,.0f} s" for c in r.get("partial", [])[1:]
+            )
         )
         out.append(row)
     return out

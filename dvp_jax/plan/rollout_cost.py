@@ -14,7 +14,7 @@ decodes differ in the second:
   padding entries included.
 
 `schedule` runs the engine's own scheduler (`scheduler.py`: admission, pages, evictions and
-dispatch sizing) against `scheduler.simulate`, a replay of the device loop over the host's
+dispatch sizing) against `replay.simulate`, a replay of the device loop over the host's
 response lengths, and counts the positions each decode step reads, so its decode steps are the
 engine's (a test compares them). Bytes per position and per chip come from the engine's cache
 shardings, the weights' bytes per chip from its parameter shardings (`dvp_jax.aot`); the KV bytes
@@ -30,8 +30,9 @@ import dataclasses
 
 import numpy as np
 
+from dvp_jax.plan.replay import simulate
 from dvp_jax.plan.tables import Column, render
-from dvp_jax.rollout.scheduler import Limits, Scheduler, simulate
+from dvp_jax.rollout.scheduler import Limits, Scheduler
 from dvp_jax.rollout.state import EngineConfig
 
 # The decodes priced: (name, EngineConfig.decode_attention, the paged path).

@@ -21,6 +21,7 @@ none (their prompts are not drawn again), and says how many it dropped.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -63,6 +64,7 @@ class Group:
     payload: Any
     responses: list[Response]
     drawn: int  # the weight version when its prompt was drawn
+    key: np.ndarray | None = None  # `[2]` raw key of the prompt (response g's: folded with g)
 
     @property
     def complete(self) -> bool:
@@ -119,23 +121,25 @@ class PartialRollout:
         self.max_staleness = max_staleness
         self.prompt_len = prompt_len or engine.max_prefill_length
         self.groups: list[Group] = []  # in flight, oldest first
+        self._records = None
 
     def in_flight_responses(self) -> int:
         """Responses of the groups in flight (dropped if the run resumes from a checkpoint)."""
         return sum(len(g.responses) for g in self.groups)
 
     def _new_group(self, prompt, payload, key, version) -> Group:
-        m = self.engine.max_decode_length
-        prompt = np.asarray(prompt, np.int32)
+        prompt, key = np.asarray(prompt, np.int32), np.asarray(key, np.uint32)
         keys = np.asarray(jax.device_get(jax.vmap(fold_key, (None, 0))(key, np.arange(self.g))))
-        return Group(prompt, payload, [self._fresh(k, m) for k in keys], version)
+        return Group(prompt, payload, [self._fresh(k) for k in keys], version, key)
 
-    def _fresh(self, key, m) -> Response:
-        state = self.engine.abstract_decode_state()
-        records = {
-            f: np.zeros((m,) + getattr(state, f).shape[2:], getattr(state, f).dtype)
-            for f in RECORD_FIELDS
-        }
+    def _fresh(self, key) -> Response:
+        if self._records is None:  # each record's per-token shape and dtype, read once
+            state = self.engine.abstract_decode_state()
+            self._records = {
+                f: (getattr(state, f).shape[1:], getattr(state, f).dtype) for f in RECORD_FIELDS
+            }
+        records = {f: np.zeros(shape, dtype) for f, (shape, dtype) in self._records.items()}
+        m = self.engine.max_decode_length
         return Response(np.asarray(key), 0, False, records, np.zeros((m,), np.int32))
 
     def generate(
@@ -212,6 +216,7 @@ class PartialRollout:
         state = engine.init_decode_state()
         start = {}  # slot -> the response's length when it was placed
         sched_owner = {}  # slot -> the request index placed there
+        prefixes = {}  # group -> (its prompt's prefix, row) while a fresh response waits
 
         def harvest(state, slots):
             """The slots' tokens since they were placed into their responses."""
@@ -235,20 +240,24 @@ class PartialRollout:
             again = [(s, q) for s, q in dispatch.admit if resp(requests[q]).length > 0]
             for slot, q in dispatch.admit:
                 sched_owner[slot], start[slot] = q, resp(requests[q]).length
-            if dispatch.admit:
-                # Every placement goes through one prefill of prompt + kept prefix, with the
-                # response's own key (`resume_batch`: a fresh one has no prefix).
+            if fresh:  # new responses: their prompts prefilled once per group (offline's way)
+                placed = [(s, requests[q]) for s, q in fresh]
+                state = self._insert_fresh(params, state, placed, prefixes)
+                waiting = {requests[q][0] for q in sched.pending}
+                for gi in [gi for gi in prefixes if gi not in waiting]:
+                    del prefixes[gi]
+            if again:  # carried ones: prompt + kept prefix, prefilled with these weights
                 seqs = []
-                for _, q in fresh + again:
+                for _, q in again:
                     g, r = self.groups[requests[q][0]], resp(requests[q])
                     seqs.append(np.concatenate([g.prompt, r.records["tokens"][: r.length]]))
                 state = engine.resume_batch(
                     params,
                     state,
-                    [s for s, _ in fresh + again],
+                    [s for s, _ in again],
                     seqs,
-                    [resp(requests[q]).length for _, q in fresh + again],
-                    keys=np.stack([resp(requests[q]).key for _, q in fresh + again]),
+                    [resp(requests[q]).length for _, q in again],
+                    keys=np.stack([resp(requests[q]).key for _, q in again]),
                 )
             if dispatch.num_steps:
                 state = engine.generate_steps(
@@ -264,6 +273,33 @@ class PartialRollout:
         if running:
             harvest(state, running)
         return sched.stats.steps
+
+    def _insert_fresh(self, params, state, placed, prefixes):
+        """(slot, (group, sample)) pairs of responses with nothing generated: each group's
+        prompt prefilled once (kept in `prefixes`, group -> (prefix, row), while the round
+        needs it), new ones in one call per prompt bucket, then one insert per prefix with the
+        sample indices (so response g's key is the prompt's folded with g)."""
+        engine = self.engine
+        by_bucket = collections.defaultdict(list)
+        for gi in sorted({gi for _, (gi, _) in placed} - set(prefixes)):
+            by_bucket[engine.bucket(self.groups[gi].prompt.size)].append(gi)
+        for members in by_bucket.values():
+            prefix = engine.prefill_batch(
+                params,
+                [self.groups[gi].prompt for gi in members],
+                np.stack([self.groups[gi].key for gi in members]),
+            )
+            prefixes.update({gi: (prefix, i) for i, gi in enumerate(members)})
+        inserts = {}  # id(prefix) -> (prefix, slots, rows, sample indices)
+        for slot, (gi, si) in placed:
+            prefix, row = prefixes[gi]
+            _, slots, rows, samples = inserts.setdefault(id(prefix), (prefix, [], [], []))
+            slots.append(slot)
+            rows.append(row)
+            samples.append(si)
+        for prefix, slots, rows, samples in inserts.values():
+            state = engine.insert_batch(prefix, state, slots, rows, samples)
+        return state
 
     def batch_of(self, groups: list[Group]) -> RolloutBatch:
         """The taken groups as a fixed-shape batch (`offline.assemble`)."""

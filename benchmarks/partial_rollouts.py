@@ -1,0 +1,161 @@
+r"""Partial rollouts (`rollout.partial`) vs synchronous ones: trained responses per second over
+several RL steps on a long-tail length mix, with a weight update between steps.
+
+  python benchmarks/partial_rollouts.py                  # CPU, bf16, the 'bench' model
+  python benchmarks/rollout_throughput.py --partial      # the same, from the throughput script
+
+The 'bench' model of rollout_throughput.py (random, d 256, 4 layers, vocab 4096) on the default
+engine. Responses end at `--stop_tokens` token ids (the random model samples one with a roughly
+constant chance per step: lengths geometric with a mean of about vocab / stop_tokens, cut at
+`--max_new_tokens`, at least 8x the mean), so every step's mix has a long tail. Each RL step
+takes P = `--groups` groups of G = `--group_size` responses: synchronously (the step's P
+prompts, every response decoded to its end), or partially (`rollout/partial.py`: up to
+`--oversample` x P groups in flight, the step ends when P are complete, the rest carried into
+the next step after the weight update). Between steps the weights change (a small perturbation
+cast into the engine, as a weight sync does), so carried responses are prefilled again with
+new weights. Each side runs its `--rl_steps` twice on the same prompts, keys and weights: the
+first pass compiles every program shape (prefill and resume buckets), the second is timed. One
+JSON line: sync and partial trained responses per second, partial_over_sync_ratio (target >=
+1.5), decode steps per RL step, mean token age, every step's time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(__file__))
+from rollout_throughput import model_config  # noqa: E402 (the same model)
+
+FLAGS = flags.FLAGS
+if "partial" not in FLAGS:  # standalone; rollout_throughput.py defines it for its own use
+    flags.DEFINE_bool("partial", True, "Compare partial with synchronous rollouts.")
+flags.DEFINE_integer("groups", 4, "P: groups trained per RL step.")
+flags.DEFINE_integer("group_size", 4, "G: responses per group.")
+flags.DEFINE_integer("slots", 16, "Decode slots.")
+flags.DEFINE_float("oversample", 2.0, "Partial side: up to this x P groups in flight.")
+flags.DEFINE_integer("rl_steps", 12, "RL steps per side, run twice: the second pass is timed.")
+flags.DEFINE_integer("max_new_tokens", 160, "The cap of a response (>= 8x the mean).")
+flags.DEFINE_integer("stop_ids", 200, "Token ids that end a response (mean ~ vocab / this).")
+
+
+def run_partial() -> dict:
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from dvp_jax.model import TRAIN_POLICY, Transformer
+    from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
+    from dvp_jax.rollout.offline import generate_rollouts
+    from dvp_jax.rollout.partial import PartialRollout
+
+    cfg = model_config(FLAGS.preset)  # rollout_throughput.py's --preset (default "bench")
+    p, g = FLAGS.groups, FLAGS.group_size
+    stop = tuple(range(3, 3 + FLAGS.stop_ids))
+    config = EngineConfig(
+        max_concurrent_decodes=FLAGS.slots,
+        max_prefill_length=16,
+        max_decode_length=FLAGS.max_new_tokens,
+        stop_tokens=stop,
+    )
+    master = nnx.state(Transformer(cfg, TRAIN_POLICY, rngs=nnx.Rngs(0)))
+    engine = RolloutEngine(cfg, config, params=master)
+    rng = np.random.default_rng(0)
+    steps = FLAGS.rl_steps
+    prompts = rng.integers(3 + FLAGS.stop_ids, cfg.vocab_size, (4 * p * steps, 12)).tolist()
+    base = jax.random.key(3)
+
+    def new_weights(step):
+        """The weight update between steps: a small perturbation, synced into the engine."""
+        key = jax.random.fold_in(jax.random.key(11), step)
+        leaves, tree = jax.tree.flatten(master)
+        keys = jax.random.split(key, len(leaves))
+        moved = [
+            x + 1e-3 * jax.random.normal(k, x.shape, x.dtype)
+            for x, k in zip(leaves, keys, strict=True)
+        ]
+        engine.update_params(jax.tree.unflatten(tree, moved))
+
+    def sync_side():
+        times, lengths, decode_steps = [], [], []
+        for step in range(steps):
+            t = time.perf_counter()
+            stats = []
+            batch = generate_rollouts(
+                engine,
+                prompts[step * p : (step + 1) * p],
+                g,
+                base,
+                first_prompt_index=step * p,
+                stats=stats,
+            )
+            decode_steps.append(stats[0].steps)
+            new_weights(step)
+            jax.block_until_ready(engine.params)
+            times.append(time.perf_counter() - t)
+            lengths += batch.response_lengths.tolist()
+        return times, lengths, decode_steps
+
+    def partial_side():
+        partial = PartialRollout(engine, g, p, FLAGS.oversample, max_staleness=steps)
+        drawn = iter(range(len(prompts)))
+
+        def draw(n):
+            out = []
+            for _ in range(n):
+                i = next(drawn)
+                key = np.asarray(jax.random.key_data(jax.random.fold_in(base, i)))
+                out.append((prompts[i], i, key))
+            return out
+
+        times, decode_steps, ages = [], [], []
+        for step in range(steps):
+            t = time.perf_counter()
+            batch, _, stats = partial.generate(engine.params, step, draw)
+            new_weights(step)
+            jax.block_until_ready(engine.params)
+            times.append(time.perf_counter() - t)
+            decode_steps.append(stats.decode_steps)
+            ages += (step - batch.behaviour_version[batch.response_mask]).tolist()
+        return times, decode_steps, ages
+
+    # Each side twice on the same prompts, keys and weights: the first pass compiles every
+    # program shape the second meets (prefill and resume buckets), the second is timed.
+    sync_side(), partial_side()
+    sync_times, lengths, sync_steps = sync_side()
+    partial_times, decode_steps, ages = partial_side()
+    timed = slice(None)
+    trained = p * g * FLAGS.rl_steps
+    sync_rate = trained / sum(sync_times[timed])
+    partial_rate = trained / sum(partial_times[timed])
+    return {
+        "sync_responses_per_s": round(sync_rate, 2),
+        "partial_responses_per_s": round(partial_rate, 2),
+        "partial_over_sync_ratio": round(partial_rate / sync_rate, 3),
+        "oversample": FLAGS.oversample,
+        "groups": p,
+        "group_size": g,
+        "slots": FLAGS.slots,
+        "response_length_mean": round(float(np.mean(lengths)), 1),
+        "response_length_max": int(np.max(lengths)),
+        "max_new_tokens": FLAGS.max_new_tokens,
+        "sync_decode_steps_per_step": round(float(np.mean(sync_steps[timed])), 1),
+        "partial_decode_steps_per_step": round(float(np.mean(decode_steps[timed])), 1),
+        "partial_mean_token_age": round(float(np.mean(ages)), 3),
+        "sync_step_s": [round(x, 3) for x in sync_times],
+        "partial_step_s": [round(x, 3) for x in partial_times],
+        "backend": jax.default_backend(),
+    }
+
+
+def main(argv):
+    del argv
+    print(json.dumps(run_partial()))
+
+
+if __name__ == "__main__":
+    app.run(main)
