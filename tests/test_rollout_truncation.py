@@ -280,6 +280,11 @@ def test_sampling_without_a_truncating_engine_is_refused(master):
         plain.init_decode_state(sampling=plain.config.sampling_params(top_p=0.9))
 
 
+def test_a_top_k_above_the_kept_width_is_refused(engine):
+    with pytest.raises(ValueError, match=r"sampling.top_k must be <= EngineConfig.max_kept \(8\)"):
+        engine.init_decode_state(sampling=engine.config.sampling_params(top_k=9))
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
