@@ -280,6 +280,11 @@ def test_sampling_without_a_truncating_engine_is_refused(master):
         plain.init_decode_state(sampling=plain.config.sampling_params(top_p=0.9))
 
 
+def test_a_top_k_above_the_kept_width_is_refused(engine):
+    with pytest.raises(ValueError, match=r"sampling.top_k must be <= EngineConfig.max_kept \(8\)"):
+        engine.init_decode_state(sampling=engine.config.sampling_params(top_k=9))
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -357,3 +362,44 @@ def test_the_update_and_the_old_policy_forward_train_on_the_carried_kept_sets(en
         assert key in METRICS and np.isfinite(float(metrics[key]))
     assert float(metrics["ppo_clip_frac"]) == 0.0
     assert 0 < float(metrics["truncated_mass_rollout_mean"]) < 0.2 + 1e-6
+
+
+@pytest.mark.parametrize("shape, kind", [((1, 2, 4), "auto"), ((2, 1, 4), "explicit")])
+def test_kept_sets_on_the_vocabulary_parallel_mesh_equal_one_device(shape, kind):
+    """E13 on a (data, fsdp, tensor) mesh, W split over tensor on V (each shard marks its own
+    columns of K, the max over K is a pmax): values, dh and dW equal one device's (tolerances
+    of tests/test_dvp_pruning.py's vocabulary-parallel test: psum order)."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rng = np.random.default_rng(8)
+    n, d, v, width = 32, 8, 200, 6
+    h = jnp.asarray(1.5 * rng.standard_normal((n, d)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((d, v)), jnp.float32)
+    kept = np.full((n, width), -1, np.int32)
+    for i in range(n - 4):  # the last 4 rows untruncated
+        kept[i, : 1 + i % width] = rng.choice(v, 1 + i % width, replace=False)
+    y = np.where(kept[:, 0] >= 0, kept[:, 0], 5).astype(np.int32)
+    axis = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}[kind]
+    mesh = jax.make_mesh(shape, ("data", "fsdp", "tensor"), axis_types=(axis,) * 3)
+
+    def value_and_grad(y, kept, mesh=None):
+        def fn(h, w):
+            out = chunked.chunked_pruned_logprobs(
+                h, w, y, log_rho=-2.0, temperature=0.7, chunk_size=16, mesh=mesh, kept_ids=kept
+            )
+            logp = jnp.where(out.in_safe, out.logp, 0.0)
+            return jnp.sum(logp * jnp.linspace(-1, 1, n)) + 2 * jnp.sum(out.pruned_mass), out
+
+        return jax.jit(jax.value_and_grad(fn, argnums=(0, 1), has_aux=True))
+
+    (_, expect), expect_grads = value_and_grad(jnp.asarray(y), jnp.asarray(kept))(h, w)
+    rows = P(("data", "fsdp"))
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+    hs, ws = put(h, P(*rows, None)), put(w, P("fsdp", "tensor"))
+    ys, ks = put(y, rows), put(kept, P(*rows, None))
+    (_, got), grads = value_and_grad(ys, ks, mesh if axis == AxisType.Auto else None)(hs, ws)
+    for a, b in zip(got, expect, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, expect_grads, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())

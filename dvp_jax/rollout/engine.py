@@ -245,6 +245,12 @@ class RolloutEngine(EngineDevice):
                 "sampling asks for top_k / top_p but the engine was built without truncation: "
                 "set EngineConfig.top_k or top_p (rollout.top_k / rollout.top_p)"
             )
+        if sampling is not None and sampling.top_k is not None:
+            if int(sampling.top_k) > self.config.kept_width:
+                raise ValueError(
+                    f"sampling.top_k must be <= EngineConfig.max_kept ({self.config.max_kept}) "
+                    f"of a truncating engine, got {int(sampling.top_k)}"
+                )
         return self.programs.init_state(sampling or self.config.sampling_params())
 
     def insert_batch(
