@@ -202,8 +202,27 @@ def dashboard(rows, config: dict, name: str = ""):
     warmup_panel(ax[0, 2], rows)
     metric_panel(ax[1, 0], rows, "entropy", "Policy entropy", "H(pi), nats per token", "C4")
     metric_panel(ax[1, 1], rows, "response_length", "Response length", "tokens", "C8")
-    metric_panel(ax[1, 2], rows, "grad_norm", "Gradient norm", "global norm", "C7")
+    if any("mismatch_abs_age0" in r for r in rows):  # partial rollouts: the staleness split
+        staleness_panel(ax[1, 2], rows)
+    else:
+        metric_panel(ax[1, 2], rows, "grad_norm", "Gradient norm", "global norm", "C7")
     return fig
+
+
+def staleness_panel(ax, rows) -> None:
+    """Partial rollouts: |log pi - log mu| of tokens sampled under this step's weights (the
+    precision mismatch) and of older ones (plus policy lag), and the share of older tokens."""
+    rl = [r for r in _rl(rows) if "loss" in r]
+    curve(ax, rl, "mismatch_abs_age0", "age 0 (precision)", color="C0")
+    curve(ax, rl, "mismatch_abs_stale", "age >= 1 (precision + lag)", color="C3")
+    twin = ax.twinx()
+    shares = [
+        {"step": r["step"], "stale": 1.0 - r["age_share_0"]} for r in rl if "age_share_0" in r
+    ]
+    curve(twin, shares, "stale", "share of tokens age >= 1", color="C7", smooth=False)
+    twin.set_ylabel("share of tokens")
+    twin.set_ylim(0, 1)
+    _finish(ax, "Mismatch by staleness", "mean |log pi - log mu|")
 
 
 def lt_bins(rows, last: int = 10) -> dict[str, np.ndarray]:

@@ -114,7 +114,7 @@ class RolloutConfig:
     # in flight, and carries the unfinished ones into the next step; a response holding a
     # token older than max_staleness weight versions is decoded again from its prompt.
     partial: bool = False
-    oversample: float = 2.0
+    oversample: float = 3.0
     max_staleness: int = 4
 
     def __post_init__(self):
@@ -287,6 +287,9 @@ class TrainConfig:
     # policy-gradient terms are exactly 0, so what changes is the normaliser Z (E9), then over
     # the trained responses only, as in DAPO, and the loss-side diagnostics, which cover the
     # trained responses. Not with a KL or entropy term (they give those responses a gradient).
+    # With rollout.partial the over-sampling resamples too: a zero-advantage group is dropped
+    # and a later complete group takes its place, so the update stays full (DAPO's dynamic
+    # sampling; partial_groups_per_trained logs the cost).
     skip_zero_advantage: bool = False
     updates_per_batch: int = 1  # > 1 uses the decoupled PPO clip (loss.ppo_clip_eps)
     chunk_size: int = 8192  # vocabulary chunk of the pruned logprobs
