@@ -116,7 +116,7 @@ def main(argv):
         check_architecture_source(config)
         cfg = ExperimentConfig.from_config_dict(config, vocab, read_checkpoint=False)
         mixes = length_mixes(cfg, opts)
-        check_oversample(opts["oversample"])
+        check_oversample(opts.get("oversample", []))
     except (UserError, ValueError) as e:
         fail(str(e), USAGE_EXIT_CODE, e)
     programs = tuple(p for p in opts["programs"].split(",") if p)

@@ -121,7 +121,7 @@ def partial_report(cfg, opts, engine, prompts, responses, weights, kv_per_positi
 
     chip = chip_of(opts["topology"])
     hosts = len({d.process_index for d in topology_devices(opts["topology"])})
-    oversamples = tuple(float(x) for x in opts["oversample"])
+    oversamples = tuple(float(x) for x in opts.get("oversample") or (1.25, 1.5, 2, 3))
     costs = partial_cost.partial_costs(
         Limits.of(engine.config, "kernel"),
         groups_per_step=max(cfg.train.prompts_per_step // hosts, 1),

@@ -81,7 +81,9 @@ def from_rollouts(batch: RolloutBatch, advantages: np.ndarray) -> RLBatch:
     n, t = batch.tokens.shape
     shift = lambda x, dtype: np.ascontiguousarray(x[:, 1:]).astype(dtype)
     truncation = {}
-    if batch.behaviour_kept_ids.shape[-1] > 0:
+    # (records saved before truncation existed, e.g. e005's samples, have no kept ids)
+    kept_ids = getattr(batch, "behaviour_kept_ids", None)
+    if kept_ids is not None and kept_ids.shape[-1] > 0:
         kept = np.where(batch.response_mask[..., None], batch.behaviour_kept_ids, -1)
         truncation = dict(
             behaviour_kept_ids=shift(kept, np.int32),

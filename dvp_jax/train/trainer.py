@@ -89,7 +89,7 @@ class Trainer:
             self.parts.rollout,
             self.parts.data,
             lambda step: self._key(step, _ROLLOUT_STREAM),
-            self.preemption.requested,
+            lambda: self.preemption.requested(),  # looked up at each call (tests replace it)
             self.parts.tokenizer,
         )
         # Seconds of work in earlier attempts of this run (up to their last checkpoint).
