@@ -31,7 +31,6 @@ from experiments.provenance import code_version, weights_hash
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/e007_tail_sum.py"
 OUT = "experiments/results/e007"
-SEED = 7  # the sampler key of every measurement (the same draws for the same weights)
 LOG_RHO = -13.0  # the trainer's safe set (the paper's rho)
 SMOKE = {  # CI sizes on a random init: a 2,000-word vocabulary, 4 free words per step
     "data.tokenizer": "running_sum:2000",
@@ -118,7 +117,9 @@ def figures(d: np.ndarray, log_rel: np.ndarray, entropy: np.ndarray, mask: np.nd
 def measure(cfg, model, prompts: int, samples: int, keep_arrays: bool = False) -> dict:
     """The M3 sampler (cfg's rung, unpruned) on `model`'s weights over train prompts 0..prompts-1,
     `samples` each, scored by the fp32 trainer (`figures`); with `keep_arrays`, also the sampled
-    tokens' log_rel and d for the plot."""
+    tokens' log_rel and d for the plot. The sampler's key is e005_setup.SEED's, prompt p's
+    folded in, so the same weights give the same draws (the control's points differ by the
+    weights alone)."""
     from dvp_jax.train.batch import from_rollouts
     from experiments.e005_setup import chunk_examples
     from experiments.e005_setup import sample as draw
