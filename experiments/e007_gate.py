@@ -64,8 +64,8 @@ def policy(cfg, init_hf: str | None):
 
 
 def trainer_scores(cfg, model, rl, rows: int = 32) -> dict:
-    """The fp32 trainer's per-token log pi(y) (unpruned), log pi(y) / max pi and entropy, each
-    [N, T-1] NumPy, `rows` at a time."""
+    """The fp32 trainer's per-token log pi(y) (unpruned), log pi(y) / max pi, entropy and the
+    mass outside its safe set (delta_S, E3), each [N, T-1] NumPy, `rows` at a time."""
     import functools
 
     import jax
@@ -89,7 +89,13 @@ def trainer_scores(cfg, model, rl, rows: int = 32) -> dict:
         tl, st = fn(
             params, tokens=rl.tokens[sl], positions=rl.positions[sl], segment_ids=rl.valid[sl]
         )
-        for k, x in (("logp_full", tl.logp_full), ("log_rel", st.log_rel), ("entropy", st.entropy)):
+        named = (
+            ("logp_full", tl.logp_full),
+            ("log_rel", st.log_rel),
+            ("entropy", st.entropy),
+            ("pruned_mass", tl.pruned_mass),
+        )
+        for k, x in named:
             parts.setdefault(k, []).append(np.asarray(x))
     return {k: np.concatenate(v) for k, v in parts.items()}
 
@@ -132,6 +138,9 @@ def measure(cfg, model, prompts: int, samples: int, keep_arrays: bool = False) -
     mask = np.asarray(rl.response_mask)
     d = np.where(mask, np.asarray(rl.behaviour_logp_full) - st["logp_full"], 0.0)
     out = figures(d, st["log_rel"], st["entropy"], mask)
+    # The policy's own mass outside its safe set, per response position (not only the sampled
+    # token): what the outside share estimates, without the sampling noise.
+    out["mass_outside_safe"] = float(st["pruned_mass"][mask].mean())
     out["responses"] = int(batch.num_rows)
     out["mean_length"] = float(mask.sum(1).mean())
     out["seconds"] = round(time.time() - t0, 1)
