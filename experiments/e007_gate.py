@@ -120,6 +120,35 @@ def figures(d: np.ndarray, log_rel: np.ndarray, entropy: np.ndarray, mask: np.nd
     }
 
 
+def by_kind(cfg, targets, d, log_rel, mask) -> dict:
+    """The figures split by what the sampled token is: the head word (word 0), another (tail)
+    word, or a structure token (numbers, markers, EOS): each kind's share of the tokens, its mean
+    |d|, its share of sum |d|, the share of it outside the safe set and its median log_rel."""
+    from dvp_jax.data import running_sum
+    from dvp_jax.tokenizers import load_tokenizer
+
+    tok = load_tokenizer(cfg.data.tokenizer)
+    head = tok.encode_ids(running_sum.thought_words(1)[0])[0]  # words follow the numbers
+    m = mask.astype(bool)
+    kinds = {
+        "head": m & (targets == head),
+        "tail_word": m & (targets > head),
+        "structure": m & (targets < head),
+    }
+    total = float(np.abs(d[m]).sum()) or 1.0
+    out = {}
+    for name, k in kinds.items():
+        n = int(k.sum())
+        out[name] = {
+            "share_tokens": n / max(int(m.sum()), 1),
+            "mean_abs_d": float(np.abs(d[k]).mean()) if n else 0.0,
+            "share_abs_d": float(np.abs(d[k]).sum()) / total,
+            "frac_outside": float((log_rel[k] < LOG_RHO).mean()) if n else 0.0,
+            "median_log_rel": float(np.median(log_rel[k])) if n else None,
+        }
+    return out
+
+
 def measure(cfg, model, prompts: int, samples: int, keep_arrays: bool = False) -> dict:
     """The M3 sampler (cfg's rung, unpruned) on `model`'s weights over train prompts 0..prompts-1,
     `samples` each, scored by the fp32 trainer (`figures`); with `keep_arrays`, also the sampled
@@ -138,6 +167,7 @@ def measure(cfg, model, prompts: int, samples: int, keep_arrays: bool = False) -
     mask = np.asarray(rl.response_mask)
     d = np.where(mask, np.asarray(rl.behaviour_logp_full) - st["logp_full"], 0.0)
     out = figures(d, st["log_rel"], st["entropy"], mask)
+    out["by_kind"] = by_kind(cfg, np.asarray(rl.tokens)[:, 1:], d, st["log_rel"], mask)
     # The policy's own mass outside its safe set, per response position (not only the sampled
     # token): what the outside share estimates, without the sampling noise.
     out["mass_outside_safe"] = float(st["pruned_mass"][mask].mean())
