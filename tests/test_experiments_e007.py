@@ -205,3 +205,16 @@ def test_gate_splits_the_mismatch_by_the_kind_of_sampled_token():
     assert out["tail_word"]["frac_outside"] == 1.0 and out["head"]["frac_outside"] == 0.0
     assert out["structure"]["mean_abs_d"] == pytest.approx(0.4)
     assert sum(k["share_tokens"] for k in out.values()) == pytest.approx(1.0)
+
+
+def test_reading_splits_sampled_tail_words_by_whether_the_warmup_showed_them():
+    from experiments import e007_reading as r
+
+    count, last = {"ba": 2, "be": 1}, {"ba": 599, "be": 10}
+    out = r.split_by_seen(["ba", "be", "bi", "ba"], [-12.0, -13.5, -16.0, -12.5], count, last, 600)
+    assert out["share_seen"] == 0.75 and out["share_seen_recently"] == 0.5
+    assert out["unseen"] == {"median_log_rel": -16.0, "frac_outside": 1.0}
+    assert out["seen"]["frac_outside"] == pytest.approx(1 / 3)
+    task = __import__("dvp_jax.data.tail_sum", fromlist=["x"]).TailSumTask(n_words=50)
+    count, last = r.warmup_tail_words(task, steps=2, batch=4)
+    assert 0 < len(count) <= 49 and max(last.values()) <= 1
