@@ -1,18 +1,22 @@
 """e007, device tier: the same gate, arms and control on the tail-sum task at a device size, in
 <= 10 minutes on one H100 or H200.
 
-Sizes (`DEVICE`, on top of configs/e007_tail_sum.py): the same ~101k vocabulary and tail law,
-responses of 2 x (4 + 120) + 2 = 250 tokens (240 free words each), a 4-layer d_model 256 decoder
-(the tied embedding is 25.9M of its parameters). Nothing is downloaded: the warm start is trained
-on the device (`WARM_SFT_STEPS`), then the gate is measured on it exactly as the CPU tier's
+Sizes (`DEVICE`, on top of configs/e007_tail_sum.py): the tail-sum task scaled to what the CPU gate
+showed it needs (experiments/README.md, e007 gate): 300,000 words (a ~301k vocabulary, each tail
+word 14.8 nats below the head by the data's law, so a learned tail ~1 nat above it, as the CPU warm
+start's was, still lies mostly outside the e^-13 safe set), 150 free words per step (responses of 2
+x (4 + 150) + 2 = 310 tokens, 3.5% of them structure tokens, which carried 57% of sum |d| at the
+CPU size), a 4-layer d_model 256 decoder (the tied embedding is 77M of its 80M parameters),
+`WARM_SFT_STEPS` of batch 32 (each tail word seen ~2 times, as on the CPU). Nothing is downloaded:
+the warm start is trained on the device, then the gate is measured on it exactly as the CPU tier's
 (`e007_gate.measure`, GATE_PROMPTS x GATE_SAMPLES at M3, unpruned) and written to
 results/e007_device/gate.json; only if it passes do the arms run (`e007_verdict.ARMS`, the premise
-arms of every seed first), each `--steps` RL steps, with the weight-drift control measured on
-the fp32 arm's weights at the end of its run (and at step 0). Records and verdict.json as the CPU
-tier's, by the same rules at the device's steps and seeds. A wall-clock guard (`--budget_s`)
-starts no run whose estimated time (the slowest so far) would pass it; the runs left out are
-listed. Times are estimates until measured on a device: the first session should run `--seeds 2
---steps 20` and record them.
+arms of every seed first), each `--steps` RL steps, with the weight-drift control measured on the
+fp32 arm's weights at the end of its run (and at step 0). Records and verdict.json as the CPU
+tier's, by the same rules at the device's steps and seeds. A wall-clock guard (`--budget_s`) starts
+no run whose estimated time (the slowest so far) would pass it; the runs left out are listed. Times
+are estimates until measured on a device: the first session should run `--seeds 2 --steps 20` and
+record them.
 
 Commands (repository root):
   python -m experiments.e007_device --root /tmp/e007_device [--seeds 3] [--steps 20]
@@ -44,9 +48,12 @@ CONFIG = cpu.CONFIG
 CONFIG_ARG = cpu.CONFIG_ARG
 EXPERIMENT = "e007_device"
 OUT = "experiments/results/e007_device"
-THOUGHTS = 120
-WARM_SFT_STEPS = 400
+THOUGHTS = 150
+WORDS = 300_000
+WARM_SFT_STEPS = 600  # ~4 min at an estimated 0.4 s per fp32 step (80M parameters, 10k tokens)
 DEVICE = {
+    "data.tokenizer": f"running_sum:{WORDS}",
+    "data.tail_sum.n_words": WORDS,
     "data.tail_sum.thoughts_per_step": THOUGHTS,
     "rollout.max_decode_length": 2 * (4 + THOUGHTS) + 4,
     "model.max_position_embeddings": 2 * (4 + THOUGHTS) + 16,
@@ -56,6 +63,7 @@ DEVICE = {
     "model.n_kv_heads": 4,
     "model.head_dim": 32,
     "model.d_ff": 768,
+    "sft.batch_size": 32,
     "train.prompts_per_step": 16,
     "train.group_size": 8,
     "eval.every": 0,

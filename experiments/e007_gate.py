@@ -31,7 +31,6 @@ from experiments.provenance import code_version, weights_hash
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/e007_tail_sum.py"
 OUT = "experiments/results/e007"
-SEED = 7  # the sampler key of every measurement (the same draws for the same weights)
 LOG_RHO = -13.0  # the trainer's safe set (the paper's rho)
 SMOKE = {  # CI sizes on a random init: a 2,000-word vocabulary, 4 free words per step
     "data.tokenizer": "running_sum:2000",
@@ -65,8 +64,8 @@ def policy(cfg, init_hf: str | None):
 
 
 def trainer_scores(cfg, model, rl, rows: int = 32) -> dict:
-    """The fp32 trainer's per-token log pi(y) (unpruned), log pi(y) / max pi and entropy, each
-    [N, T-1] NumPy, `rows` at a time."""
+    """The fp32 trainer's per-token log pi(y) (unpruned), log pi(y) / max pi, entropy and the
+    mass outside its safe set (delta_S, E3), each [N, T-1] NumPy, `rows` at a time."""
     import functools
 
     import jax
@@ -90,7 +89,13 @@ def trainer_scores(cfg, model, rl, rows: int = 32) -> dict:
         tl, st = fn(
             params, tokens=rl.tokens[sl], positions=rl.positions[sl], segment_ids=rl.valid[sl]
         )
-        for k, x in (("logp_full", tl.logp_full), ("log_rel", st.log_rel), ("entropy", st.entropy)):
+        named = (
+            ("logp_full", tl.logp_full),
+            ("log_rel", st.log_rel),
+            ("entropy", st.entropy),
+            ("pruned_mass", tl.pruned_mass),
+        )
+        for k, x in named:
             parts.setdefault(k, []).append(np.asarray(x))
     return {k: np.concatenate(v) for k, v in parts.items()}
 
@@ -115,10 +120,41 @@ def figures(d: np.ndarray, log_rel: np.ndarray, entropy: np.ndarray, mask: np.nd
     }
 
 
+def by_kind(cfg, targets, d, log_rel, mask) -> dict:
+    """The figures split by what the sampled token is: the head word (word 0), another (tail)
+    word, or a structure token (numbers, markers, EOS): each kind's share of the tokens, its mean
+    |d|, its share of sum |d|, the share of it outside the safe set and its median log_rel."""
+    from dvp_jax.data import running_sum
+    from dvp_jax.tokenizers import load_tokenizer
+
+    tok = load_tokenizer(cfg.data.tokenizer)
+    head = tok.encode_ids(running_sum.thought_words(1)[0])[0]  # words follow the numbers
+    m = mask.astype(bool)
+    kinds = {
+        "head": m & (targets == head),
+        "tail_word": m & (targets > head),
+        "structure": m & (targets < head),
+    }
+    total = float(np.abs(d[m]).sum()) or 1.0
+    out = {}
+    for name, k in kinds.items():
+        n = int(k.sum())
+        out[name] = {
+            "share_tokens": n / max(int(m.sum()), 1),
+            "mean_abs_d": float(np.abs(d[k]).mean()) if n else 0.0,
+            "share_abs_d": float(np.abs(d[k]).sum()) / total,
+            "frac_outside": float((log_rel[k] < LOG_RHO).mean()) if n else 0.0,
+            "median_log_rel": float(np.median(log_rel[k])) if n else None,
+        }
+    return out
+
+
 def measure(cfg, model, prompts: int, samples: int, keep_arrays: bool = False) -> dict:
     """The M3 sampler (cfg's rung, unpruned) on `model`'s weights over train prompts 0..prompts-1,
     `samples` each, scored by the fp32 trainer (`figures`); with `keep_arrays`, also the sampled
-    tokens' log_rel and d for the plot."""
+    tokens' log_rel and d for the plot. The sampler's key is e005_setup.SEED's, prompt p's
+    folded in, so the same weights give the same draws (the control's points differ by the
+    weights alone)."""
     from dvp_jax.train.batch import from_rollouts
     from experiments.e005_setup import chunk_examples
     from experiments.e005_setup import sample as draw
@@ -131,6 +167,10 @@ def measure(cfg, model, prompts: int, samples: int, keep_arrays: bool = False) -
     mask = np.asarray(rl.response_mask)
     d = np.where(mask, np.asarray(rl.behaviour_logp_full) - st["logp_full"], 0.0)
     out = figures(d, st["log_rel"], st["entropy"], mask)
+    out["by_kind"] = by_kind(cfg, np.asarray(rl.tokens)[:, 1:], d, st["log_rel"], mask)
+    # The policy's own mass outside its safe set, per response position (not only the sampled
+    # token): what the outside share estimates, without the sampling noise.
+    out["mass_outside_safe"] = float(st["pruned_mass"][mask].mean())
     out["responses"] = int(batch.num_rows)
     out["mean_length"] = float(mask.sum(1).mean())
     out["seconds"] = round(time.time() - t0, 1)

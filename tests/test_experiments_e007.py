@@ -184,3 +184,37 @@ def test_device_tier_smoke_validates_its_configs_and_the_tasks_law():
     assert out["vocab_size"] > 100_000 and out["max_decode_length"] > out["response_tokens"]
     assert out["data_mass_outside_safe"] == pytest.approx(0.1)  # the whole tail, at that size
     assert out["data_gate_on_outside_share"] == "passes"
+
+
+def test_gate_splits_the_mismatch_by_the_kind_of_sampled_token():
+    """by_kind on a hand-made batch: head word, a tail word, a number; shares add to 1."""
+    from dvp_jax.data import running_sum
+    from dvp_jax.tokenizers import load_tokenizer
+    from experiments import e007_gate as g
+
+    cfg = g.config("rloo", v.RUNG, smoke=True)
+    tok = load_tokenizer(cfg.data.tokenizer)
+    head, tail = (tok.encode_ids(w)[0] for w in running_sum.thought_words(2))
+    number = tok.encode_ids("7")[0]
+    targets = np.array([[head, tail, number, head]])
+    d = np.array([[0.1, 0.5, 0.4, 9.0]])
+    log_rel = np.array([[0.0, -14.0, -0.1, 0.0]])
+    mask = np.array([[True, True, True, False]])
+    out = g.by_kind(cfg, targets, d, log_rel, mask)
+    assert out["tail_word"]["share_abs_d"] == pytest.approx(0.5)
+    assert out["tail_word"]["frac_outside"] == 1.0 and out["head"]["frac_outside"] == 0.0
+    assert out["structure"]["mean_abs_d"] == pytest.approx(0.4)
+    assert sum(k["share_tokens"] for k in out.values()) == pytest.approx(1.0)
+
+
+def test_reading_splits_sampled_tail_words_by_whether_the_warmup_showed_them():
+    from experiments import e007_reading as r
+
+    count, last = {"ba": 2, "be": 1}, {"ba": 599, "be": 10}
+    out = r.split_by_seen(["ba", "be", "bi", "ba"], [-12.0, -13.5, -16.0, -12.5], count, last, 600)
+    assert out["share_seen"] == 0.75 and out["share_seen_recently"] == 0.5
+    assert out["unseen"] == {"median_log_rel": -16.0, "frac_outside": 1.0}
+    assert out["seen"]["frac_outside"] == pytest.approx(1 / 3)
+    task = __import__("dvp_jax.data.tail_sum", fromlist=["x"]).TailSumTask(n_words=50)
+    count, last = r.warmup_tail_words(task, steps=2, batch=4)
+    assert 0 < len(count) <= 49 and max(last.values()) <= 1

@@ -154,6 +154,11 @@ def _dense_tail_reference(model, batch, log_rho):
         "seq_log_ratio_pruned": l_pruned[kept].mean(),
         "seq_log_ratio_outside": e_out,
         "seq_log_ratio_outside_share": abs(e_out) / (abs(e_in) + abs(e_out)),
+        # The safe-set split of the per-token mismatch, whatever the method (issue 46).
+        "frac_tokens_outside_safe": (mask & ~inside).sum() / mask.sum(),
+        "full_kl_k1_inside": -l_t[mask & inside].sum() / mask.sum(),
+        "full_kl_k1_outside": -l_t[mask & ~inside].sum() / mask.sum(),
+        "abs_log_ratio_outside_share": np.abs(l_t[mask & ~inside]).sum() / np.abs(l_t[mask]).sum(),
     }
 
 

@@ -26,7 +26,7 @@ ANSWER_MARKER = "<ans>"
 MAX_NUMBER = 999  # Numbers are whole-word tokens "0".."999"; totals must stay within them.
 STRUCTURE_TOKENS = (PROMPT_WORD, "=", "+", ANSWER_MARKER)
 DEFAULT_N_WORDS = 2000
-MAX_N_WORDS = 100_000
+MAX_N_WORDS = 70**2 + 70**3  # every two- and three-syllable word (347,900; e007 uses 300k)
 TOKENIZER_NAME = "running_sum"
 
 _CONSONANTS = "bdfgklmnprstvz"

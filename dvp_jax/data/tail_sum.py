@@ -62,7 +62,7 @@ class TailSumTask(GeneratedTask):
     max_operands: int = 2
     min_operand: int = 1
     max_operand: int = 49
-    n_words: int = MAX_N_WORDS
+    n_words: int = 100_000
     tail_mass: float = 0.1
     thoughts_per_step: int = 24
     heldout_fraction: float = 0.1
