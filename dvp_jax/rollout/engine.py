@@ -61,6 +61,10 @@ class RolloutEngine(EngineDevice):
       abstract: build the programs only: `params` are `jax.ShapeDtypeStruct`s carrying the
         rollout shardings and nothing is allocated, so the mesh may hold devices this host
         cannot run (a TPU topology; `dvp_jax.aot` compiles `programs` from it).
+      paged_impl: the paged decode's attention path, "kernel" or "xla"; None (the default):
+        the Pallas kernel on TPU for "paged" with a 16- or 32-bit cache, XLA's elsewhere.
+        "kernel" off TPU runs the kernel in Pallas's interpret mode (slow; measurements of the
+        kernel's arithmetic on CPU, `rollout/invariance.py`).
     """
 
     def __init__(
@@ -71,6 +75,7 @@ class RolloutEngine(EngineDevice):
         params: Any = None,
         mesh: jax.sharding.Mesh | None = None,
         abstract: bool = False,
+        paged_impl: str | None = None,
     ):
         self.model_cfg, self.config = model_cfg, config
         if not abstract:  # before anything is allocated: a cache the chip cannot hold
@@ -92,6 +97,13 @@ class RolloutEngine(EngineDevice):
             tpu = config.decode_attention == "paged" and self.sharder.platform == "tpu"
             wide = jnp.dtype(self.policy.cache_dtype).itemsize >= 2
             self.paged_impl = "kernel" if tpu and wide else "xla"
+        if paged_impl is not None:
+            if paged_impl not in ("kernel", "xla") or not config.paged:
+                raise ValueError(
+                    f"paged_impl must be None, 'kernel' or 'xla' on a paged cache, got "
+                    f"{paged_impl!r} with decode_attention={config.decode_attention!r}"
+                )
+            self.paged_impl = paged_impl
         stop = self.tokenizer.stop_tokens if config.stop_tokens is None else config.stop_tokens
         self.stop_tokens = tuple(sorted(int(t) for t in stop))
 

@@ -71,18 +71,6 @@ def placed_rollouts(
     return RolloutBatch(**fields)
 
 
-def with_kernel(engine: RolloutEngine) -> RolloutEngine:
-    """The engine with its paged attention on the Pallas kernel, as on TPU; off TPU the kernel
-    runs in Pallas's TPU interpret mode (`decode_kernels.paged_decode_attention`). The engine
-    picks the kernel on TPU only, so this sets its path and jits its programs again (the
-    scheduler reads the path from the engine: a kernel dispatch reads each slot's own pages)."""
-    if not engine.config.paged:
-        raise ValueError("with_kernel: the engine has a dense cache (decode_attention='dense')")
-    engine.paged_impl = "kernel"
-    engine.programs = engine._jit_programs()
-    return engine
-
-
 def compare(ref: RolloutBatch, other: RolloutBatch) -> dict:
     """How `other` differs from `ref` (the same requests, row for row).
 
@@ -186,10 +174,11 @@ def measure(
     if unknown:
         raise ValueError(f"measure: conditions {unknown} unknown; allowed {tuple(CONDITIONS)}")
     params = nnx.state(trainer)
-    engine = lambda **kw: RolloutEngine(
+    engine = lambda impl=None, **kw: RolloutEngine(
         model_cfg,
         dataclasses.replace(base, **{"decode_attention": "paged_xla", **kw}),
         params=params,
+        paged_impl=impl,
     )
 
     def run(eng, **kw):
@@ -216,6 +205,6 @@ def measure(
         elif name == "dense":
             batch, evictions = run(engine(decode_attention="dense"))
         else:
-            batch, evictions = run(with_kernel(engine()))
+            batch, evictions = run(engine("kernel"))
         out[name] = {**compare(ref, batch), "precision": mismatch(batch), "evictions": evictions}
     return out
