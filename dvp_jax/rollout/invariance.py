@@ -66,6 +66,7 @@ def placed_rollouts(
     fields = {
         f.name: np.stack([getattr(b, f.name)[row] for b, row in parts])
         for f in dataclasses.fields(RolloutBatch)
+        if getattr(parts[0][0], f.name) is not None  # (no weight versions: one version)
     }
     fields["prompt_index"] = np.arange(n, dtype=np.int32)
     return RolloutBatch(**fields)
