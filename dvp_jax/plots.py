@@ -211,15 +211,12 @@ def dashboard(rows, config: dict, name: str = ""):
 
 def staleness_panel(ax, rows) -> None:
     """Partial rollouts: |log pi - log mu| of tokens sampled under this step's weights (the
-    precision mismatch) and of older ones (plus policy lag), and the share of older tokens."""
+    precision mismatch) and of older ones (plus policy lag), and the share of age-0 tokens."""
     rl = [r for r in _rl(rows) if "loss" in r]
     curve(ax, rl, "mismatch_abs_age0", "age 0 (precision)", color="C0")
     curve(ax, rl, "mismatch_abs_stale", "age >= 1 (precision + lag)", color="C3")
     twin = ax.twinx()
-    shares = [
-        {"step": r["step"], "stale": 1.0 - r["age_share_0"]} for r in rl if "age_share_0" in r
-    ]
-    curve(twin, shares, "stale", "share of tokens age >= 1", color="C7", smooth=False)
+    curve(twin, rl, "age_share_0", "share of tokens of age 0", color="C7", ls=":")
     twin.set_ylabel("share of tokens")
     twin.set_ylim(0, 1)
     _finish(ax, "Mismatch by staleness", "mean |log pi - log mu|")

@@ -123,3 +123,21 @@ def test_plot_run_writes_the_dashboard_first_and_every_png(tiny_run, tmp_path):
     height, width, _ = matplotlib.image.imread(paths[0]).shape
     assert (width, height) == pytest.approx((16 * plots.DPI, 8.5 * plots.DPI), abs=2)
     assert plots.plot_run(tmp_path / "empty") == []  # no metrics: nothing to plot
+
+
+def test_a_partial_run_s_dashboard_splits_the_mismatch_by_staleness(tiny_run):
+    """With the per-age metrics of partial rollouts (rollout.partial), the dashboard's last
+    panel is the mismatch by staleness: age 0 and older tokens, and the share of age 0."""
+    rows = [dict(r) for r in tiny_run.rows()]
+    for r in rows:
+        if "loss" in r:
+            r.update(mismatch_abs_age0=0.01, mismatch_abs_stale=0.04, age_share_0=0.75)
+    fig = plots.dashboard(rows, {"method": "dvp", "rollout.dtype": "bfloat16"})
+    try:
+        titles = [a.get_title() for a in fig.axes]
+        assert "Mismatch by staleness" in titles and "Gradient norm" not in titles
+        panel = fig.axes[titles.index("Mismatch by staleness")]
+        labels = [line.get_label() for line in panel.get_lines()]
+        assert labels == ["age 0 (precision)", "age >= 1 (precision + lag)"]
+    finally:
+        plt.close(fig)
