@@ -8,8 +8,8 @@ Command:
 Hardware: 2 CPU cores, no accelerator.
 Expected: the 600-step supervised warm-up takes the random model to 10-51% held-out avg@4 on
   2-operand +/- problems (operands 0..49), depending on the seed; 250 DVP-RLOO steps with bf16
-  rollouts add 0 to +22 points (seed 0 with `make install`'s lock on a 2-core Intel Xeon:
-  12.3% -> 16.0%, PPL gap 0.020, wall_time_s 79; five seeds in docs/results.md).
+  rollouts add -0.7 to +21 points (median +3.1; seed 0 with `make install`'s lock on a 2-core
+  Intel Xeon: 12.3% -> 11.6%, PPL gap 0.016; five seeds in docs/results.md).
 """
 
 from dvp_jax.train.config import default_config

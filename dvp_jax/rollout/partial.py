@@ -121,11 +121,12 @@ class PartialRollout:
         self.max_staleness = max_staleness
         self.prompt_len = prompt_len or engine.max_prefill_length
         self.groups: list[Group] = []  # in flight, oldest first
+        self.ready: list[Group] = []  # complete and accepted, waiting for a step
         self._records = None
 
     def in_flight_responses(self) -> int:
         """Responses of the groups in flight (dropped if the run resumes from a checkpoint)."""
-        return sum(len(g.responses) for g in self.groups)
+        return sum(len(g.responses) for g in self.ready + self.groups)
 
     def _new_group(self, prompt, payload, key, version) -> Group:
         prompt, key = np.asarray(prompt, np.int32), np.asarray(key, np.uint32)
@@ -161,15 +162,18 @@ class PartialRollout:
           accept: a complete group -> whether to train on it (False: dropped, e.g. all its
             rewards equal, and a later group takes its place: DAPO's dynamic sampling).
           should_stop: asked between dispatches (`RolloutInterrupted`); the groups in flight
-            are kept as they were at the step's start.
+            stay as the interruption left them (a run stops there: they are not checkpointed).
         """
         stats = Stats()
-        for group in self.groups:  # responses holding a token past max_staleness restart
+        for group in self.ready + self.groups:  # a token past max_staleness: start again
             for r in group.responses:
                 if r.length and version - int(r.version[: r.length].min()) > self.max_staleness:
                     r.length, r.finished = 0, False
                     stats.stale_restarts += 1
-        taken: list[Group] = []
+        # Groups accepted at an earlier step (more than P completed) come first.
+        taken = [g for g in self.ready if g.complete]
+        self.groups = [g for g in self.ready if not g.complete] + self.groups
+        self.ready = []
         while len(taken) < self.p:
             want = self.capacity - len(self.groups)
             if want > 0:
@@ -186,10 +190,9 @@ class PartialRollout:
             if not self.groups:
                 raise RuntimeError(f"partial rollout: {len(taken)} of {self.p} groups, no prompts")
             stats.decode_steps += self._round(params, version, self.p - len(taken), should_stop)
-        # Complete groups past P wait for the next step, first in line.
-        self.groups = taken[self.p :] + self.groups
-        taken = taken[: self.p]
-        stats.waiting_groups = len(self.groups) - sum(not g.complete for g in self.groups)
+        # Accepted groups past P wait for the next step, first in line.
+        self.ready, taken = taken[self.p :], taken[: self.p]
+        stats.waiting_groups = len(self.ready)
         stats.carried_out = sum(not r.finished for g in self.groups for r in g.responses)
         return self.batch_of(taken), [g.payload for g in taken], stats
 
