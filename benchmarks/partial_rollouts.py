@@ -7,7 +7,7 @@ several RL steps on a long-tail length mix, with a weight update between steps.
 The 'bench' model of rollout_throughput.py (random, d 256, 4 layers, vocab 4096) on the default
 engine. Responses end at `--stop_tokens` token ids (the random model samples one with a roughly
 constant chance per step: lengths geometric with a mean of about vocab / stop_tokens, cut at
-`--max_new_tokens`, at least 8x the mean), so every step's mix has a long tail. Each RL step
+`--max_new_tokens`, 200 by default: over 8x the mean), so every step's mix has a long tail. Each RL step
 takes P = `--groups` groups of G = `--group_size` responses: synchronously (the step's P
 prompts, every response decoded to its end), or partially (`rollout/partial.py`: up to
 `--oversample` x P groups in flight, the step ends when P are complete, the rest carried into
@@ -39,7 +39,7 @@ flags.DEFINE_integer("group_size", 4, "G: responses per group.")
 flags.DEFINE_integer("slots", 16, "Decode slots.")
 flags.DEFINE_float("oversample", 2.0, "Partial side: up to this x P groups in flight.")
 flags.DEFINE_integer("rl_steps", 12, "RL steps per side, run twice: the second pass is timed.")
-flags.DEFINE_integer("max_new_tokens", 160, "The cap of a response (>= 8x the mean).")
+flags.DEFINE_integer("max_new_tokens", 200, "The cap of a response (>= 8x the mean).")
 flags.DEFINE_integer("stop_ids", 200, "Token ids that end a response (mean ~ vocab / this).")
 
 
