@@ -1,15 +1,15 @@
 r"""Partial rollouts (`rollout.partial`) vs synchronous ones: trained responses per second over
 several RL steps on a long-tail length mix, with a weight update between steps.
 
-  python benchmarks/partial_rollouts.py                  # CPU, bf16, the 'bench' model
-  python benchmarks/rollout_throughput.py --partial      # the same, from the throughput script
+  python benchmarks/partial_rollouts.py               # CPU, bf16, the 'bench' model
+  python benchmarks/partial_rollouts.py --nopartial   # the synchronous side alone
 
 The 'bench' model of rollout_throughput.py (random, d 256, 4 layers, vocab 4096) on the default
-engine. Responses end at `--stop_tokens` token ids (the random model samples one with a roughly
-constant chance per step: lengths geometric with a mean of about vocab / stop_tokens, cut at
-`--max_new_tokens`, 200 by default: over 8x the mean), so every step's mix has a long tail. Each RL step
-takes P = `--groups` groups of G = `--group_size` responses: synchronously (the step's P
-prompts, every response decoded to its end), or partially (`rollout/partial.py`: up to
+engine. Responses end at `--stop_ids` token ids (the random model samples one with a roughly
+constant chance per step: lengths geometric with a mean of about vocab / stop_ids, 21 here, cut
+at `--max_new_tokens`, 200 by default, over 8x the mean), so every step's mix has a long tail.
+Each RL step takes P = `--groups` groups of G = `--group_size` responses: synchronously (the
+step's P prompts, every response decoded to its end), or partially (`rollout/partial.py`: up to
 `--oversample` x P groups in flight, the step ends when P are complete, the rest carried into
 the next step after the weight update). Between steps the weights change (a small perturbation
 cast into the engine, as a weight sync does), so carried responses are prefilled again with
@@ -32,8 +32,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from rollout_throughput import model_config  # noqa: E402 (the same model)
 
 FLAGS = flags.FLAGS
-if "partial" not in FLAGS:  # standalone; rollout_throughput.py defines it for its own use
-    flags.DEFINE_bool("partial", True, "Compare partial with synchronous rollouts.")
+flags.DEFINE_bool("partial", True, "Run the partial side beside the synchronous one.")
 flags.DEFINE_integer("groups", 4, "P: groups trained per RL step.")
 flags.DEFINE_integer("group_size", 4, "G: responses per group.")
 flags.DEFINE_integer("slots", 16, "Decode slots.")
@@ -125,12 +124,22 @@ def run_partial() -> dict:
 
     # Each side twice on the same prompts, keys and weights: the first pass compiles every
     # program shape the second meets (prefill and resume buckets), the second is timed.
-    sync_side(), partial_side()
+    sync_side()
+    if FLAGS.partial:
+        partial_side()
     sync_times, lengths, sync_steps = sync_side()
-    partial_times, decode_steps, ages = partial_side()
     timed = slice(None)
     trained = p * g * FLAGS.rl_steps
     sync_rate = trained / sum(sync_times[timed])
+    if not FLAGS.partial:
+        return {
+            "sync_responses_per_s": round(sync_rate, 2),
+            "sync_decode_steps_per_step": round(float(np.mean(sync_steps)), 1),
+            "response_length_mean": round(float(np.mean(lengths)), 1),
+            "sync_step_s": [round(x, 3) for x in sync_times],
+            "backend": jax.default_backend(),
+        }
+    partial_times, decode_steps, ages = partial_side()
     partial_rate = trained / sum(partial_times[timed])
     return {
         "sync_responses_per_s": round(sync_rate, 2),
