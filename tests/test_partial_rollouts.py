@@ -165,3 +165,30 @@ def test_partial_config_fields_are_checked_in_one_line():
     with pytest.raises(ValueError, match="rollout.max_staleness"):
         RolloutConfig(max_staleness=-1)
     assert dataclasses.replace(RolloutConfig(), partial=True).partial
+
+
+def test_every_prompt_drawn_has_its_own_key_and_the_sync_rollout_s():
+    """Over-sampling draws several data batches in one step: the b-th batch is keyed as the
+    synchronous rollout keys step b's batch (fold_in(key(b), index)), so no two prompts share
+    a key, and the batch count goes on from a checkpoint."""
+    import types
+
+    from dvp_jax.train.sources import PartialSource
+
+    def batches():
+        for b in range(100):
+            yield types.SimpleNamespace(
+                lengths=[2, 2], tokens=np.full((2, 4), b), answers=[f"{b}a", f"{b}b"]
+            )
+
+    cfg = types.SimpleNamespace(train=types.SimpleNamespace(prompts_per_step=2))
+    base = jax.random.key(9)
+    key = lambda b: jax.random.fold_in(base, b)
+    source = PartialSource(cfg, types.SimpleNamespace(engine=None), batches(), key, None, None)
+    drawn = source._draw(6)  # three batches within one step
+    keys = [tuple(k.tolist()) for _, _, k in drawn]
+    assert len(set(keys)) == 6 and source.batches == 3
+    want = np.asarray(jax.random.key_data(jax.random.fold_in(key(2), 1)))
+    np.testing.assert_array_equal(drawn[3][2], want)  # batch 2, its second prompt
+    source.resumed({"partial_batches": 7, "partial_in_flight": 5})
+    assert source.batches == 7 and source.dropped == 5

@@ -4,12 +4,12 @@ groups of G responses, their answers and the source's metrics.
 `SyncSource` (the default): the step's P prompts from the data iterator, every response decoded
 to its end (`Rollout.generate`). `PartialSource` (`rollout.partial`, `rollout/partial.py`):
 the groups in flight are fed from the run's prompt stream (the data iterator yields this host's
-P prompts at a time; prompts not yet drawn wait in a buffer); each prompt's key is
-`fold_in(step key, first_prompt_index + i)`, i its index in the batch it came from, as the
-synchronous rollout keys it; with `train.skip_zero_advantage` a complete group whose rewards are
-all equal is dropped and a later group takes its place (DAPO's dynamic sampling), counting the
-groups completed per group trained. In-flight groups and the buffer are not checkpointed: a
-resumed run starts without them (`rollout/partial.py`).
+P prompts at a time; prompts not yet drawn wait in a buffer); the b-th batch drawn is keyed as
+the synchronous rollout keys step b's, `fold_in(key(b), first_prompt_index + i)`; with
+`train.skip_zero_advantage` a complete group whose rewards are all equal is dropped and a later
+group takes its place (DAPO's dynamic sampling), counting the groups completed per group
+trained. In-flight groups and the buffer are not checkpointed: a resumed run starts without
+them (`rollout/partial.py`), its batch count from the checkpoint.
 """
 
 from __future__ import annotations
@@ -86,19 +86,21 @@ class PartialSource:
         self.rollout = None
         self.completed, self.trained, self.rejected = 0, 0, 0
         self.dropped = 0  # responses in flight lost at a resume, logged with the next step
+        self.batches = 0  # data batches drawn in the run (checkpointed: their keys)
 
-    def _draw(self, step: int) -> Callable[[int], list]:
-        def draw(n):
-            while len(self.buffer) < n:
-                prompts = next(self.data)
-                k = len(prompts.lengths)
-                keys = _prompt_keys(self.key(step), self.first + np.arange(k, dtype=np.int32))
-                for i in range(k):
-                    ids = prompts.tokens[i, : prompts.lengths[i]]
-                    self.buffer.append((ids, prompts.answers[i], keys[i]))
-            return [self.buffer.popleft() for _ in range(n)]
-
-        return draw
+    def _draw(self, n: int) -> list:
+        """n prompts from the buffer, refilled a data batch at a time. The b-th batch drawn in
+        the run is keyed as the synchronous rollout keys step b's batch (`key(b)`), so every
+        prompt has its own key however many batches a step draws."""
+        while len(self.buffer) < n:
+            prompts = next(self.data)
+            self.batches += 1
+            k = len(prompts.lengths)
+            keys = _prompt_keys(self.key(self.batches), self.first + np.arange(k, dtype=np.int32))
+            for i in range(k):
+                ids = prompts.tokens[i, : prompts.lengths[i]]
+                self.buffer.append((ids, prompts.answers[i], keys[i]))
+        return [self.buffer.popleft() for _ in range(n)]
 
     def _accept(self, group) -> bool:
         """A complete group is trained unless skip_zero_advantage drops it (equal rewards)."""
@@ -133,7 +135,7 @@ class PartialSource:
         batch, answers, stats = self.rollout.generate(
             self.engine.params,
             step,
-            self._draw(step),
+            self._draw,
             accept=self._accept,
             should_stop=self.should_stop,
         )
@@ -161,10 +163,11 @@ class PartialSource:
     def checkpoint_extra(self) -> dict:
         """The responses in flight at the checkpoint (a resume drops them and says so)."""
         n = 0 if self.rollout is None else self.rollout.in_flight_responses()
-        return {"partial_in_flight": n}
+        return {"partial_in_flight": n, "partial_batches": self.batches}
 
     def resumed(self, extra: dict) -> None:
         self.dropped = int(extra.get("partial_in_flight", 0))
+        self.batches = int(extra.get("partial_batches", 0))
         if self.dropped:
             logging.warning(
                 "partial rollouts: %d responses in flight at the checkpoint are dropped (they "
