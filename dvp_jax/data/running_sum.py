@@ -76,6 +76,30 @@ def zipf_entropy(n: int, exponent: float) -> float:
     return float(-(p * np.log(p)).sum())
 
 
+def check_problem_fields(task) -> None:
+    """The one check of the sum problems' fields a running-sum task has (`RunningSumTask`,
+    `tail_sum.TailSumTask`): seed, operand counts and sizes within the number tokens."""
+    name = type(task).__name__
+    if task.seed < 0:
+        raise ValueError(f"{name}.seed must be >= 0, got {task.seed}")
+    if not 1 <= task.min_operands <= task.max_operands:
+        raise ValueError(
+            f"{name}: need 1 <= min_operands <= max_operands, got min_operands="
+            f"{task.min_operands}, max_operands={task.max_operands}"
+        )
+    if not 0 <= task.min_operand <= task.max_operand:
+        raise ValueError(
+            f"{name}: need 0 <= min_operand <= max_operand, got min_operand="
+            f"{task.min_operand}, max_operand={task.max_operand}"
+        )
+    if task.max_operands * task.max_operand > MAX_NUMBER:
+        raise ValueError(
+            f"{name}: max_operands * max_operand = {task.max_operands * task.max_operand} "
+            f"exceeds the largest number token {MAX_NUMBER}; lower max_operand or "
+            "max_operands"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class RunningSumTask(GeneratedTask):
     """Generated running-sum problems with free Zipf "thoughts".
@@ -103,24 +127,7 @@ class RunningSumTask(GeneratedTask):
 
     def __post_init__(self):
         name = type(self).__name__
-        if self.seed < 0:
-            raise ValueError(f"{name}.seed must be >= 0, got {self.seed}")
-        if not 1 <= self.min_operands <= self.max_operands:
-            raise ValueError(
-                f"{name}: need 1 <= min_operands <= max_operands, got min_operands="
-                f"{self.min_operands}, max_operands={self.max_operands}"
-            )
-        if not 0 <= self.min_operand <= self.max_operand:
-            raise ValueError(
-                f"{name}: need 0 <= min_operand <= max_operand, got min_operand="
-                f"{self.min_operand}, max_operand={self.max_operand}"
-            )
-        if self.max_operands * self.max_operand > MAX_NUMBER:
-            raise ValueError(
-                f"{name}: max_operands * max_operand = {self.max_operands * self.max_operand} "
-                f"exceeds the largest number token {MAX_NUMBER}; lower max_operand or "
-                "max_operands"
-            )
+        check_problem_fields(self)
         if not 1 <= self.n_words <= MAX_N_WORDS:
             raise ValueError(f"{name}.n_words must be in [1, {MAX_N_WORDS}], got {self.n_words}")
         if not (np.isfinite(self.zipf_exponent) and self.zipf_exponent >= 0):

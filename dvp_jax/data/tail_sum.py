@@ -29,7 +29,7 @@ import math
 import numpy as np
 
 from dvp_jax.data import running_sum
-from dvp_jax.data.running_sum import ANSWER_MARKER, MAX_N_WORDS, MAX_NUMBER, PROMPT_WORD
+from dvp_jax.data.running_sum import ANSWER_MARKER, MAX_N_WORDS, PROMPT_WORD
 from dvp_jax.data.tasks import Example, GeneratedTask, in_hash_fraction
 
 _SPLIT_SALT = b"dvp_jax.tail_sum.split.v1"
@@ -69,23 +69,7 @@ class TailSumTask(GeneratedTask):
 
     def __post_init__(self):
         name = type(self).__name__
-        if self.seed < 0:
-            raise ValueError(f"{name}.seed must be >= 0, got {self.seed}")
-        if not 1 <= self.min_operands <= self.max_operands:
-            raise ValueError(
-                f"{name}: need 1 <= min_operands <= max_operands, got min_operands="
-                f"{self.min_operands}, max_operands={self.max_operands}"
-            )
-        if not 0 <= self.min_operand <= self.max_operand:
-            raise ValueError(
-                f"{name}: need 0 <= min_operand <= max_operand, got min_operand="
-                f"{self.min_operand}, max_operand={self.max_operand}"
-            )
-        if self.max_operands * self.max_operand > MAX_NUMBER:
-            raise ValueError(
-                f"{name}: max_operands * max_operand = {self.max_operands * self.max_operand} "
-                f"exceeds the largest number token {MAX_NUMBER}; lower max_operand or max_operands"
-            )
+        running_sum.check_problem_fields(self)
         if not 2 <= self.n_words <= MAX_N_WORDS:
             raise ValueError(f"{name}.n_words must be in [2, {MAX_N_WORDS}], got {self.n_words}")
         if not 0.0 <= self.tail_mass < 1.0:
