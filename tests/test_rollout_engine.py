@@ -597,6 +597,40 @@ def test_length_buckets_equal_the_whole_cache_and_the_decode_loop_stops_where_a_
     )
 
 
+def test_resuming_sequences_of_two_length_buckets_in_one_call_equals_never_stopping(fp32_long):
+    """`resume_batch` prefills each kv bucket's sequences apart (a short one is not padded to a
+    long one's length): two slots stopped at 3 and 23 tokens (prompt + prefix 8 and 34
+    positions: buckets 32 and 56) and resumed in one call go on to the tokens of a decode that
+    never stopped (float32, same keys)."""
+    engine = fp32_long
+    keys = _raw_keys(5, 2)
+    prefix = engine.prefill_batch(engine.params, PROMPTS[:2], keys)
+
+    def placed():
+        return engine.insert_batch(prefix, engine.init_decode_state(), [0, 1], [0, 1], [0, 0])
+
+    m = engine.config.max_decode_length
+    never = engine.generate_steps(engine.params, placed(), m)
+    state = engine.generate_steps(engine.params, placed(), 3)
+    state = engine.evict(state, [0])
+    state = engine.generate_steps(engine.params, state, 20)
+    state = engine.evict(state, [1])
+    steps = [int(x) for x in np.asarray(state.step)[:2]]
+    assert steps == [3, 23]
+    tokens = np.asarray(state.tokens)
+    sequences = [np.concatenate([PROMPTS[i], tokens[i, : steps[i]]]) for i in range(2)]
+    widths = []
+    prefill = engine.programs.prefill
+    with pytest.MonkeyPatch.context() as mp:  # the prefill calls' padded lengths
+        spy = lambda p, t, *a: widths.append(t.shape[1]) or prefill(p, t, *a)
+        mp.setattr(engine, "programs", dataclasses.replace(engine.programs, prefill=spy))
+        state = engine.resume_batch(engine.params, state, [0, 1], sequences, steps)
+    assert widths == [32, 56]
+    state = engine.generate_steps(engine.params, state, m)
+    np.testing.assert_array_equal(np.asarray(state.step)[:2], [m, m])
+    np.testing.assert_array_equal(np.asarray(state.tokens)[:2], np.asarray(never.tokens)[:2])
+
+
 def test_the_decode_loop_updates_the_cache_in_place(bf16):
     """The compiled k-step decode loop of the bf16 engine never passes over a whole cache
     array (no copy, no float32 convert of the bf16 cache around a scatter; the state carries

@@ -15,6 +15,7 @@ JetStream's single-request API is `serve.jetstream.JetStreamEngine`, built on th
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -397,7 +398,8 @@ class RolloutEngine(EngineDevice):
         """Puts preempted responses back (donates the state): slot `slots[i]` held a response
         whose prompt and first `steps[i]` generated tokens are `sequences[i]`; they are
         prefilled again (padded to a `kv_buckets` length: up to the cache, longer than any
-        prompt) and the slot goes on from step `steps[i]` with its own key and records, as if
+        prompt; one prefill per bucket, so a short sequence is not padded to a long one's
+        length) and the slot goes on from step `steps[i]` with its own key and records, as if
         never stopped (`decode.insert(resume_steps=)`). `keys`: `[n, 2]` the slots' raw keys
         (None: the ones they were stopped with, which `evict` keeps); records stay as they
         were stopped with."""
@@ -408,23 +410,31 @@ class RolloutEngine(EngineDevice):
                 f"resume_batch: 1..{self.config.max_concurrent_decodes} sequences of at most "
                 f"{self.config.cache_length - 1} tokens, got lengths {lengths}"
             )
-        bucket = self.kv_bucket(max(lengths))
-        rows = self.config.row_buckets[bisect.bisect_left(self.config.row_buckets, n)]
-        tokens = np.zeros((rows, bucket), np.int32)
-        all_lengths = np.ones((rows,), np.int32)
-        for i, ids in enumerate(sequences):
-            tokens[i, : lengths[i]] = ids
-            all_lengths[i] = lengths[i]
         if keys is None:
             keys = np.asarray(jax.device_get(decode_state.key))[list(slots)]
-        all_keys = np.zeros((rows,) + keys.shape[1:], np.uint32)
-        all_keys[:n] = keys
-        prefix = self.programs.prefill(params, tokens, all_lengths, all_keys)
         b = self.config.max_concurrent_decodes
-        pad = lambda v, fill: np.asarray(list(v) + [fill] * (b - n), np.int32)
-        return self.programs.resume(
-            prefix, decode_state, pad(slots, b), pad(range(n), 0), pad(steps, 0)
-        )
+        by_bucket = collections.defaultdict(list)
+        for i, length in enumerate(lengths):
+            by_bucket[self.kv_bucket(length)].append(i)
+        for bucket, members in sorted(by_bucket.items()):  # one prefill and insert each
+            n = len(members)
+            rows = self.config.row_buckets[bisect.bisect_left(self.config.row_buckets, n)]
+            tokens = np.zeros((rows, bucket), np.int32)
+            all_lengths = np.ones((rows,), np.int32)
+            all_keys = np.zeros((rows,) + keys.shape[1:], np.uint32)
+            for row, i in enumerate(members):
+                tokens[row, : lengths[i]] = sequences[i]
+                all_lengths[row], all_keys[row] = lengths[i], keys[i]
+            prefix = self.programs.prefill(params, tokens, all_lengths, all_keys)
+            pad = lambda v, fill, n=n: np.asarray(list(v) + [fill] * (b - n), np.int32)
+            decode_state = self.programs.resume(
+                prefix,
+                decode_state,
+                pad([slots[i] for i in members], b),
+                pad(range(n), 0),
+                pad([steps[i] for i in members], 0),
+            )
+        return decode_state
 
     def evict(self, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
         """Stops `slots` and returns their pages to the pool (donates the state)."""

@@ -36,6 +36,9 @@ from dvp_jax.rollout.engine import RECORD_FIELDS, RolloutEngine
 from dvp_jax.rollout.offline import RolloutBatch, RolloutInterrupted, assemble
 from dvp_jax.rollout.scheduler import Limits, Scheduler
 
+# A group's G response keys from its prompt's key, in one compiled call (eager vmap re-traces).
+_sample_keys = jax.jit(jax.vmap(fold_key, (None, 0)))
+
 
 @dataclasses.dataclass(eq=False)
 class Response:
@@ -130,7 +133,7 @@ class PartialRollout:
 
     def _new_group(self, prompt, payload, key, version) -> Group:
         prompt, key = np.asarray(prompt, np.int32), np.asarray(key, np.uint32)
-        keys = np.asarray(jax.device_get(jax.vmap(fold_key, (None, 0))(key, np.arange(self.g))))
+        keys = np.asarray(jax.device_get(_sample_keys(key, np.arange(self.g, dtype=np.int32))))
         return Group(prompt, payload, [self._fresh(k) for k in keys], version, key)
 
     def _fresh(self, key) -> Response:
@@ -245,7 +248,10 @@ class PartialRollout:
                 sched_owner[slot], start[slot] = q, resp(requests[q]).length
             if fresh:  # new responses: their prompts prefilled once per group (offline's way)
                 placed = [(s, requests[q]) for s, q in fresh]
-                state = self._insert_fresh(params, state, placed, prefixes)
+                # Every group with a response still waiting is prefilled with them: one call
+                # for the round's new prompts rather than one per refill.
+                later = [requests[q][0] for q in sched.pending if resp(requests[q]).length == 0]
+                state = self._insert_fresh(params, state, placed, prefixes, later)
                 waiting = {requests[q][0] for q in sched.pending}
                 for gi in [gi for gi in prefixes if gi not in waiting]:
                     del prefixes[gi]
@@ -277,14 +283,18 @@ class PartialRollout:
             harvest(state, running)
         return sched.stats.steps
 
-    def _insert_fresh(self, params, state, placed, prefixes):
+    def _insert_fresh(self, params, state, placed, prefixes, later=()):
         """(slot, (group, sample)) pairs of responses with nothing generated: each group's
         prompt prefilled once (kept in `prefixes`, group -> (prefix, row), while the round
-        needs it), new ones in one call per prompt bucket, then one insert per prefix with the
-        sample indices (so response g's key is the prompt's folded with g)."""
+        needs it), new ones, with the groups `later` will place (up to a slot count of rows
+        in all), in one call per prompt bucket, then one insert per prefix with the sample
+        indices (so response g's key is the prompt's folded with g)."""
         engine = self.engine
+        now = sorted({gi for _, (gi, _) in placed} - set(prefixes))
+        soon = [gi for gi in dict.fromkeys(later) if gi not in prefixes and gi not in now]
+        room = max(engine.config.max_concurrent_decodes - len(now), 0)
         by_bucket = collections.defaultdict(list)
-        for gi in sorted({gi for _, (gi, _) in placed} - set(prefixes)):
+        for gi in now + soon[:room]:
             by_bucket[engine.bucket(self.groups[gi].prompt.size)].append(gi)
         for members in by_bucket.values():
             prefix = engine.prefill_batch(
