@@ -19,11 +19,13 @@ again with new weights.
 Why float32 and d 512 by default. Partial rollouts save decode steps, each a read of the weights,
 and pay with more program calls (a refill at each finish) and the carried responses' prefill.
   - XLA:CPU has no bf16 matmul: a bf16 engine's program converts every weight to f32 once per
-    call, outside the decode loop (11.6 ms a call at d 512 against 1.7 ms in float32, with a
-    7.5 vs 5.7 ms step), a cost an accelerator does not have and which lands on the side with
-    more calls. `--dtype=bfloat16` measures it.
-  - At d 256 a decode step (~3 ms) is about the size of a call's fixed host and runtime cost;
-    at d 512 it is about twice that, closer to an accelerator's ratio.
+    call, outside the decode loop (at d 512 a call's fixed cost is 9.5 ms in bf16 against 2.6
+    ms in float32, with steps of 7.3 and 6.4 ms: benchmarks/decode_call_cost.py), a cost an
+    accelerator does not have and which lands on the side with more calls. `--dtype=bfloat16`
+    measures it.
+  - The host's work per dispatch (the scheduler, the records read back) and a call's fixed cost
+    weigh less against a d 512 step (6.4 ms, 16 slots) than against a d 256 one (4.8 ms): the
+    ratio is 1.56 at d 256 and 1.67 at d 512 (docs/results.md, with the bf16 figures).
 
 Each side first runs its `--rl_steps` once to compile every program shape (prefill and resume
 buckets), then `--repeats` more times, interleaved with the other side's, on the same prompts,
