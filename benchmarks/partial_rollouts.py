@@ -14,7 +14,7 @@ prompts, every response decoded to its end), or partially (`rollout/partial.py`:
 `--oversample` x P groups in flight, the step ends when P are complete, the rest carried into
 the next step). Between steps the weights change (one of two weight sets made beforehand, cast
 into the engine as a weight sync does; the sync is timed), so carried responses are prefilled
-again with new weights.
+again with new weights. rollout_throughput.py's `--page_size` (64) and `--repeats` (3) apply.
 
 Why float32 and d 512 by default. Partial rollouts save decode steps, each a read of the weights,
 and pay with more program calls (a refill at each finish) and the carried responses' prefill.
