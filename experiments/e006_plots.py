@@ -19,6 +19,7 @@ import numpy as np
 from dvp_jax.workdir import write_atomic
 from experiments import e006_verdict as rules
 from experiments.analyze import markdown_table, pyplot
+from experiments.records import fmt_interval, fmt_num, mean_curve
 
 COLORS = {
     "rloo_fp32": "tab:gray",
@@ -33,13 +34,6 @@ TITLES = {
 }
 
 
-def _mean_curve(runs: list[dict], metric: str) -> tuple[np.ndarray, np.ndarray]:
-    """Mean over the runs at each step that every run present has reached."""
-    n = min(len(r["steps_logged"]) for r in runs)
-    ys = np.array([[np.nan if v is None else v for v in r["curves"][metric][:n]] for r in runs])
-    return np.asarray(runs[0]["steps_logged"][:n]), np.nanmean(ys, axis=0)
-
-
 def plot_mismatch(units: dict, path: str) -> None:
     plt = pyplot()
     metrics = (rules.PRIMARY, rules.SECONDARY)
@@ -51,7 +45,7 @@ def plot_mismatch(units: dict, path: str) -> None:
                 ys = [np.nan if v is None else v for v in r["curves"][metric]]
                 ax.plot(r["steps_logged"], ys, color=color, alpha=0.25, lw=0.8)
             if runs:
-                x, m = _mean_curve(runs, metric)
+                x, m = mean_curve(runs, metric)
                 ax.plot(x, m, color=color, lw=2.2, label=f"{arm} ({len(runs)} seeds)")
         ax.axhline(0, color="k", lw=0.5)
         ax.set(title=TITLES[metric], xlabel="RL step", ylabel="nats per token")
@@ -74,19 +68,6 @@ def plot_mismatch(units: dict, path: str) -> None:
     plt.close(fig)
 
 
-def _num(x) -> str:
-    return "-" if x is None else f"{x:.3g}"
-
-
-def _ci(iv: dict) -> str:
-    """An `e006_verdict._interval` as "mean [lo, hi] (n)"; "-" before any seed."""
-    if iv["mean"] is None:
-        return "-"
-    if iv["lo"] is None:
-        return f"{_num(iv['mean'])} (n = {iv['n']})"
-    return f"{_num(iv['mean'])} [{_num(iv['lo'])}, {_num(iv['hi'])}] (n = {iv['n']})"
-
-
 def tables(verdict: dict) -> str:
     """verdict.json as markdown: the premise per metric, each method, held-out accuracy."""
     seeds = rules.SEEDS
@@ -95,14 +76,14 @@ def tables(verdict: dict) -> str:
     rows = []
     for metric, e in verdict["metrics"].items():
         g = e["growth_per_run"]
-        per_seed = lambda arm, g=g: ", ".join(_num(g.get(f"{arm}_s{s}")) for s in seeds)  # noqa: E731
+        per_seed = lambda arm, g=g: ", ".join(fmt_num(g.get(f"{arm}_s{s}")) for s in seeds)  # noqa: E731
         rows.append(
             [
                 f"`{metric}`",
-                _num(e["start_level_rloo_M3"]),
+                fmt_num(e["start_level_rloo_M3"]),
                 per_seed("rloo_M3"),
                 per_seed("rloo_fp32"),
-                _ci(e["relative_excess_growth_rloo_M3"]),
+                fmt_interval(e["relative_excess_growth_rloo_M3"]),
                 e["premise"],
             ]
         )
@@ -123,10 +104,17 @@ def tables(verdict: dict) -> str:
     rows = []
     for metric, e in verdict["metrics"].items():
         for arm, m in e["methods"].items():
-            gain = _ci(heldout["gain_vs_rloo_M3"][arm]) if metric == rules.PRIMARY else ""
-            share = _num(m["share_removed"])
+            gain = fmt_interval(heldout["gain_vs_rloo_M3"][arm]) if metric == rules.PRIMARY else ""
+            share = fmt_num(m["share_removed"])
             rows.append(
-                [arm, f"`{metric}`", _ci(m["relative_excess_growth"]), share, gain, m["status"]]
+                [
+                    arm,
+                    f"`{metric}`",
+                    fmt_interval(m["relative_excess_growth"]),
+                    share,
+                    gain,
+                    m["status"],
+                ]
             )
     header = ["arm", "metric", "r", "share removed", "held-out vs RLOO M3", "outcome"]
     md.append(markdown_table(header, rows))
@@ -134,8 +122,8 @@ def tables(verdict: dict) -> str:
     md.append(
         f"\n**Held-out avg@16 at step {rules.STEPS}** (the drop of RLOO M3 against fp32, paired: "
     )
-    md[-1] += f"{_ci(heldout['drop_rloo_M3_vs_fp32'])}; reported, not a gate):\n"
-    rows = [[arm] + [_num(acc.get(f"{arm}_s{s}")) for s in seeds] for arm in rules.ARMS]
+    md[-1] += f"{fmt_interval(heldout['drop_rloo_M3_vs_fp32'])}; reported, not a gate):\n"
+    rows = [[arm] + [fmt_num(acc.get(f"{arm}_s{s}")) for s in seeds] for arm in rules.ARMS]
     md.append(markdown_table(["arm"] + [f"seed {s}" for s in seeds], rows))
     if "reading" in verdict:  # verdict.json files written before the reading existed have none
         md.append(reading_table(verdict["reading"], seeds))
@@ -158,14 +146,16 @@ def reading_table(reading: dict, seeds) -> str:
     rows = [
         [
             arm,
-            _ci(reading["paired_growth_vs_rloo_M3"][arm]),
-            _ci(reading["heldout_gain_vs_rloo_M3"][arm]),
-            ", ".join(_num(start.get(f"{arm}_s{s}")) for s in seeds),
+            fmt_interval(reading["paired_growth_vs_rloo_M3"][arm]),
+            fmt_interval(reading["heldout_gain_vs_rloo_M3"][arm]),
+            ", ".join(fmt_num(start.get(f"{arm}_s{s}")) for s in seeds),
             labels.get(arm, {}).get("label", ""),
         ]
         for arm in reading["paired_growth_vs_rloo_M3"]
     ]
-    rows.append(["rloo_M3", "", "", ", ".join(_num(start.get(f"rloo_M3_s{s}")) for s in seeds), ""])
+    rows.append(
+        ["rloo_M3", "", "", ", ".join(fmt_num(start.get(f"rloo_M3_s{s}")) for s in seeds), ""]
+    )
     header = [
         "arm",
         "(G - G(RLOO M3)) / m0",
@@ -180,12 +170,13 @@ def reading_table(reading: dict, seeds) -> str:
             f"\nReading of the premise (rule outcome kept above): **{lab['premise']}** (fp32 "
             "rollouts have zero mismatch by construction, so growth beyond fp32 is not told from "
             "ordinary weight drift; the held-out drop fp32 minus M3 is "
-            f"{_ci(_as_interval(lab['heldout_drop_interval']))}). Methods: a paired interval "
+            f"{fmt_interval(_as_interval(lab['heldout_drop_interval']))}). "
+            "Methods: a paired interval "
             "that contains 0 reads **no effect detectable at this size**; "
             + _resolved(lab["methods"])
             + " a method that removes half of RLOO M3's growth (half-widths "
-            + ", ".join(_num(m.get("half_width")) for m in lab["methods"].values())
-            + f" of m0 against {_num(REMOVED_HALF * lab['premise_interval'][0])}).\n"
+            + ", ".join(fmt_num(m.get("half_width")) for m in lab["methods"].values())
+            + f" of m0 against {fmt_num(REMOVED_HALF * lab['premise_interval'][0])}).\n"
         )
     return "\n".join(md)
 

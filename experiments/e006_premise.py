@@ -39,10 +39,10 @@ import time
 
 from dvp_jax.launch import local
 from dvp_jax.launch import sweep as sweeps
-from dvp_jax.workdir import write_atomic
 from experiments import e005_setup
 from experiments import e006_verdict as rules
 from experiments.provenance import code_version
+from experiments.records import write_unit as write_record
 
 CONFIG = "configs/e004_running_sum.py"
 CONFIG_ARG = "rloo:M0"
@@ -185,11 +185,6 @@ def run_record(
         "segment_seconds": seconds,
         "code_version": code_version(),  # the commit that wrote it (issue 46)
     }
-
-
-def write_record(out: str, rec: dict) -> None:
-    os.makedirs(os.path.join(out, "units"), exist_ok=True)
-    write_atomic(os.path.join(out, "units", f"{rec['run']}.json"), json.dumps(rec, indent=1))
 
 
 def reached(root: str, arm: str, seed: int) -> int:

@@ -51,6 +51,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from dvp_jax.workdir import write_atomic
+from experiments.records import load_units  # noqa: F401 (the verdict's reader)
 from experiments.stats import t_interval
 
 # ------------------------------------------------------------------------------------------------
@@ -142,14 +143,6 @@ def method_status(rel: Mapping, rloo_mean: float, premise: str, complete: bool) 
 # ------------------------------------------------------------------------------------------------
 # Reading the records and writing verdict.json.
 # ------------------------------------------------------------------------------------------------
-def load_units(out: str) -> dict[str, dict]:
-    base = os.path.join(out, "units")
-    units = {}
-    for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
-        if name.endswith(".json"):
-            with open(os.path.join(base, name)) as fh:
-                units[name[:-5]] = json.load(fh)
-    return units
 
 
 def verdict_from_units(

@@ -20,6 +20,7 @@ import numpy as np
 from dvp_jax.workdir import write_atomic
 from experiments import e007_verdict as rules
 from experiments.analyze import markdown_table, pyplot
+from experiments.records import fmt_interval, fmt_num, mean_curve
 
 COLORS = {
     "rloo_fp32": "tab:gray",
@@ -35,12 +36,6 @@ PANELS = (
 )
 
 
-def _mean_curve(runs: list[dict], metric: str) -> tuple[np.ndarray, np.ndarray]:
-    n = min(len(r["steps_logged"]) for r in runs)
-    ys = np.array([[np.nan if v is None else v for v in r["curves"][metric][:n]] for r in runs])
-    return np.asarray(runs[0]["steps_logged"][:n]), np.nanmean(ys, axis=0)
-
-
 def plot_mismatch(units: dict, path: str) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, len(PANELS) + 1, figsize=(19, 4))
@@ -51,7 +46,7 @@ def plot_mismatch(units: dict, path: str) -> None:
                 ys = [np.nan if v is None else v for v in r["curves"][metric]]
                 ax.plot(r["steps_logged"], ys, color=color, alpha=0.2, lw=0.8)
             if runs:
-                x, m = _mean_curve(runs, metric)
+                x, m = mean_curve(runs, metric)
                 ax.plot(x, m, color=color, lw=2.2, label=f"{arm} ({len(runs)} seeds)")
         if metric != "frac_tokens_outside_safe":  # the control: M3 on the fp32 arm's weights
             key = metric.replace("full_kl_k1_", "full_kl_k1_")
@@ -83,18 +78,6 @@ def plot_mismatch(units: dict, path: str) -> None:
     plt.close(fig)
 
 
-def _num(x) -> str:
-    return "-" if x is None else f"{x:.3g}"
-
-
-def _ci(iv: dict) -> str:
-    if iv["mean"] is None:
-        return "-"
-    if iv["lo"] is None:
-        return f"{_num(iv['mean'])} (n = {iv['n']})"
-    return f"{_num(iv['mean'])} [{_num(iv['lo'])}, {_num(iv['hi'])}] (n = {iv['n']})"
-
-
 def tables(verdict: dict) -> str:
     """verdict.json as markdown: the gate, the premise with its control, each method, held-out."""
     g = verdict["gate"]
@@ -102,8 +85,8 @@ def tables(verdict: dict) -> str:
     md = [
         f"**Gate** ({g['status']}): "
         + (
-            f"{_num(f.get('outside_share'))} of sampled tokens outside the trainer's safe set "
-            f"(>= {rules.GATE_MIN_OUTSIDE}), the tail carrying {_num(f.get('tail_abs_share'))} "
+            f"{fmt_num(f.get('outside_share'))} of sampled tokens outside the trainer's safe set "
+            f"(>= {rules.GATE_MIN_OUTSIDE}), the tail carrying {fmt_num(f.get('tail_abs_share'))} "
             f"of sum |log mu - log pi| (>= {rules.GATE_MIN_TAIL_SHARE})."
             if f
             else "not measured."
@@ -111,7 +94,8 @@ def tables(verdict: dict) -> str:
         f"\nComplete runs ({rules.STEPS} steps): {len(verdict['complete_runs'])} of "
         f"{len(rules.ARMS) * rules.N_SEEDS}.\n",
         "**Premise**: r_s = (G(RLOO M3) - G(control)) / |m0|, 95% t interval: "
-        f"{_ci(verdict['relative_excess_growth_rloo_M3'])}, m0 = {_num(verdict['m0_rloo_M3'])}: "
+        f"{fmt_interval(verdict['relative_excess_growth_rloo_M3'])}, "
+        f"m0 = {fmt_num(verdict['m0_rloo_M3'])}: "
         f"**{verdict['premise']}**.\n",
         "**Methods**, paired by seed with RLOO M3: d_s = (G(method) - G(RLOO M3)) / |m0|; "
         "held-out gain (last minus step 0) minus RLOO M3's:\n",
@@ -119,9 +103,9 @@ def tables(verdict: dict) -> str:
     rows = [
         [
             arm,
-            _ci(m["paired_growth_vs_rloo_M3"]),
-            _num(m["share_removed"]),
-            _ci(verdict["heldout"]["gain_vs_rloo_M3"][arm]),
+            fmt_interval(m["paired_growth_vs_rloo_M3"]),
+            fmt_num(m["share_removed"]),
+            fmt_interval(verdict["heldout"]["gain_vs_rloo_M3"][arm]),
             m["status"],
         ]
         for arm, m in verdict["methods"].items()
@@ -130,7 +114,7 @@ def tables(verdict: dict) -> str:
     md.append(markdown_table(header, rows))
     md.append(
         "\nHeld-out drop of RLOO M3 against RLOO fp32 at the last step (paired): "
-        f"{_ci(verdict['heldout']['drop_rloo_M3_vs_fp32'])}; reported, not a gate.\n"
+        f"{fmt_interval(verdict['heldout']['drop_rloo_M3_vs_fp32'])}; reported, not a gate.\n"
     )
     return "\n".join(md) + "\n"
 

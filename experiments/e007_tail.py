@@ -40,6 +40,7 @@ from dvp_jax.workdir import write_atomic
 from experiments import e007_gate as gate_lib
 from experiments import e007_verdict as rules
 from experiments.provenance import code_version
+from experiments.records import write_unit as write_record
 
 CONFIG = "configs/e007_tail_sum.py"
 CONFIG_ARG = "rloo:M3"
@@ -188,11 +189,6 @@ def run_record(workdir: str, arm: str, seed: int, seconds: list, evals_before=()
         "segment_seconds": seconds,
         "code_version": code_version(),
     }
-
-
-def write_record(out: str, rec: dict) -> None:
-    os.makedirs(os.path.join(out, "units"), exist_ok=True)
-    write_atomic(os.path.join(out, "units", f"{rec['run']}.json"), json.dumps(rec, indent=1))
 
 
 def workdir_of(root: str, arm: str, seed: int) -> str:

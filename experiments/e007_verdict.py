@@ -70,6 +70,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from dvp_jax.workdir import write_atomic
+from experiments.records import load_units  # noqa: F401 (the verdict's reader)
 from experiments.stats import t_interval
 
 # ------------------------------------------------------------------------------------------------
@@ -215,14 +216,6 @@ def method_status(d: Mapping, r_mean: float | None, premise: str, complete: bool
 # ------------------------------------------------------------------------------------------------
 # Reading the records and writing verdict.json.
 # ------------------------------------------------------------------------------------------------
-def load_units(out: str) -> dict[str, dict]:
-    base = os.path.join(out, "units")
-    units = {}
-    for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
-        if name.endswith(".json"):
-            with open(os.path.join(base, name)) as fh:
-                units[name[:-5]] = json.load(fh)
-    return units
 
 
 def load_gate(out: str) -> dict | None:
