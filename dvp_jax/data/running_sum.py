@@ -32,7 +32,6 @@ TOKENIZER_NAME = "running_sum"
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
 _SYLLABLES = tuple(c + v for c in _CONSONANTS for v in _VOWELS)  # 70 syllables.
-_SPLIT_SALT = b"dvp_jax.running_sum.split.v1"
 _STEP_TOKENS = 4  # "+ x = total"
 _END_TOKENS = 2  # "<ans> total"
 
@@ -76,32 +75,65 @@ def zipf_entropy(n: int, exponent: float) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def check_problem_fields(task) -> None:
-    """The one check of the sum problems' fields a running-sum task has (`RunningSumTask`,
-    `tail_sum.TailSumTask`): seed, operand counts and sizes within the number tokens."""
-    name = type(task).__name__
-    if task.seed < 0:
-        raise ValueError(f"{name}.seed must be >= 0, got {task.seed}")
-    if not 1 <= task.min_operands <= task.max_operands:
-        raise ValueError(
-            f"{name}: need 1 <= min_operands <= max_operands, got min_operands="
-            f"{task.min_operands}, max_operands={task.max_operands}"
-        )
-    if not 0 <= task.min_operand <= task.max_operand:
-        raise ValueError(
-            f"{name}: need 0 <= min_operand <= max_operand, got min_operand="
-            f"{task.min_operand}, max_operand={task.max_operand}"
-        )
-    if task.max_operands * task.max_operand > MAX_NUMBER:
-        raise ValueError(
-            f"{name}: max_operands * max_operand = {task.max_operands * task.max_operand} "
-            f"exceeds the largest number token {MAX_NUMBER}; lower max_operand or "
-            "max_operands"
-        )
+class SumProblems(GeneratedTask):
+    """What the running-sum tasks share (`RunningSumTask`, `tail_sum.TailSumTask`): their sum
+    problems (the operand fields, drawn, keyed "12+7+33" and split by a hash under the subclass's
+    `_SPLIT_SALT`), their prompt ("sum", the operands, "=") and their vocabulary (`n_words`
+    thought words). A subclass is a frozen dataclass with the fields `seed`, `min_operands`,
+    `max_operands`, `min_operand`, `max_operand`, `n_words` and `heldout_fraction`, and writes
+    the response (`_example`)."""
+
+    _TRAIN_HINT = _HELDOUT_HINT = "widen the operands"
+    _SPLIT_SALT: bytes
+
+    def check_problem_fields(self) -> None:
+        """The one check of the sum problems' fields: seed, operand counts and sizes within the
+        number tokens."""
+        name = type(self).__name__
+        if self.seed < 0:
+            raise ValueError(f"{name}.seed must be >= 0, got {self.seed}")
+        if not 1 <= self.min_operands <= self.max_operands:
+            raise ValueError(
+                f"{name}: need 1 <= min_operands <= max_operands, got min_operands="
+                f"{self.min_operands}, max_operands={self.max_operands}"
+            )
+        if not 0 <= self.min_operand <= self.max_operand:
+            raise ValueError(
+                f"{name}: need 0 <= min_operand <= max_operand, got min_operand="
+                f"{self.min_operand}, max_operand={self.max_operand}"
+            )
+        if self.max_operands * self.max_operand > MAX_NUMBER:
+            raise ValueError(
+                f"{name}: max_operands * max_operand = {self.max_operands * self.max_operand} "
+                f"exceeds the largest number token {MAX_NUMBER}; lower max_operand or "
+                "max_operands"
+            )
+
+    @property
+    def tokenizer_spec(self) -> str:
+        """The `load_tokenizer` spec whose vocabulary holds every token of this task."""
+        return tokenizer_spec(self.n_words)
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """Longest prompt in tokens, BOS excluded: "sum", the operands, "="."""
+        return self.max_operands + 2
+
+    def is_heldout(self, key: str) -> bool:
+        """Whether the problem with canonical key `key` (e.g. "12+7+33") is held out."""
+        return in_hash_fraction(key, self._SPLIT_SALT, self.heldout_fraction)
+
+    def _draw(self, rng: np.random.Generator) -> list[int]:
+        n = int(rng.integers(self.min_operands, self.max_operands + 1))
+        return [int(x) for x in rng.integers(self.min_operand, self.max_operand + 1, size=n)]
+
+    @staticmethod
+    def _problem_key(operands: list[int]) -> str:
+        return "+".join(str(x) for x in operands)
 
 
 @dataclasses.dataclass(frozen=True)
-class RunningSumTask(GeneratedTask):
+class RunningSumTask(SumProblems):
     """Generated running-sum problems with free Zipf "thoughts".
 
     Per problem: the operand count uniform in [min_operands, max_operands], operands uniform in
@@ -112,7 +144,7 @@ class RunningSumTask(GeneratedTask):
     total, `Example.target` the reference response, `Example.key` the problem ("12+7+33").
     """
 
-    _TRAIN_HINT = _HELDOUT_HINT = "widen the operands"
+    _SPLIT_SALT = b"dvp_jax.running_sum.split.v1"
 
     seed: int = 0
     min_operands: int = 4
@@ -127,7 +159,7 @@ class RunningSumTask(GeneratedTask):
 
     def __post_init__(self):
         name = type(self).__name__
-        check_problem_fields(self)
+        self.check_problem_fields()
         if not 1 <= self.n_words <= MAX_N_WORDS:
             raise ValueError(f"{name}.n_words must be in [1, {MAX_N_WORDS}], got {self.n_words}")
         if not (np.isfinite(self.zipf_exponent) and self.zipf_exponent >= 0):
@@ -150,31 +182,7 @@ class RunningSumTask(GeneratedTask):
         object.__setattr__(self, "_cdf", cdf)  # Not a field: derived, excluded from eq/repr.
         object.__setattr__(self, "_words", thought_words(self.n_words))
 
-    @property
-    def tokenizer_spec(self) -> str:
-        """The `load_tokenizer` spec whose vocabulary holds every token of this task."""
-        return tokenizer_spec(self.n_words)
-
-    @property
-    def max_prompt_tokens(self) -> int:
-        """Longest prompt in tokens, BOS excluded: "sum", the operands, "="."""
-        return self.max_operands + 2
-
-    # -- split ---------------------------------------------------------------------------------
-
-    def is_heldout(self, key: str) -> bool:
-        """Whether the problem with canonical key `key` (e.g. "12+7+33") is held out."""
-        return in_hash_fraction(key, _SPLIT_SALT, self.heldout_fraction)
-
     # -- generation ----------------------------------------------------------------------------
-
-    def _draw(self, rng: np.random.Generator) -> list[int]:
-        n = int(rng.integers(self.min_operands, self.max_operands + 1))
-        return [int(x) for x in rng.integers(self.min_operand, self.max_operand + 1, size=n)]
-
-    @staticmethod
-    def _problem_key(operands: list[int]) -> str:
-        return "+".join(str(x) for x in operands)
 
     def _example(self, operands: list[int], rng: np.random.Generator, index: int) -> Example:
         """Writes the reference response. Draws from `rng` only after the problem is fixed."""

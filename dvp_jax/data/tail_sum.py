@@ -30,9 +30,8 @@ import numpy as np
 
 from dvp_jax.data import running_sum
 from dvp_jax.data.running_sum import ANSWER_MARKER, MAX_N_WORDS, PROMPT_WORD
-from dvp_jax.data.tasks import Example, GeneratedTask, in_hash_fraction
+from dvp_jax.data.tasks import Example
 
-_SPLIT_SALT = b"dvp_jax.tail_sum.split.v1"
 _STEP_TOKENS = 4  # "+ x = total"
 _END_TOKENS = 2  # "<ans> total"
 SAFE_LOG_RHO = -13.0  # the paper's min-p threshold, which the vocabulary is sized against
@@ -45,7 +44,7 @@ def min_tail_words(tail_mass: float, log_rho: float = SAFE_LOG_RHO) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
-class TailSumTask(GeneratedTask):
+class TailSumTask(running_sum.SumProblems):
     """Generated running sums with `thoughts_per_step` free words after each step.
 
     Operand count uniform in [min_operands, max_operands], operands uniform in [min_operand,
@@ -55,7 +54,7 @@ class TailSumTask(GeneratedTask):
     `Example.key` the problem ("12+7").
     """
 
-    _TRAIN_HINT = _HELDOUT_HINT = "widen the operands"
+    _SPLIT_SALT = b"dvp_jax.tail_sum.split.v1"
 
     seed: int = 0
     min_operands: int = 2
@@ -69,7 +68,7 @@ class TailSumTask(GeneratedTask):
 
     def __post_init__(self):
         name = type(self).__name__
-        running_sum.check_problem_fields(self)
+        self.check_problem_fields()
         if not 2 <= self.n_words <= MAX_N_WORDS:
             raise ValueError(f"{name}.n_words must be in [2, {MAX_N_WORDS}], got {self.n_words}")
         if not 0.0 <= self.tail_mass < 1.0:
@@ -81,16 +80,6 @@ class TailSumTask(GeneratedTask):
                 f"{name}.heldout_fraction must be in (0, 1), got {self.heldout_fraction}"
             )
         object.__setattr__(self, "_words", running_sum.thought_words(self.n_words))
-
-    @property
-    def tokenizer_spec(self) -> str:
-        """The `load_tokenizer` spec whose vocabulary holds every token of this task."""
-        return running_sum.tokenizer_spec(self.n_words)
-
-    @property
-    def max_prompt_tokens(self) -> int:
-        """Longest prompt in tokens, BOS excluded: "sum", the operands, "="."""
-        return self.max_operands + 2
 
     @property
     def max_response_len(self) -> int:
@@ -108,21 +97,7 @@ class TailSumTask(GeneratedTask):
         p[0] = 1.0 - self.tail_mass
         return p
 
-    # -- split ---------------------------------------------------------------------------------
-
-    def is_heldout(self, key: str) -> bool:
-        """Whether the problem with canonical key `key` (e.g. "12+7") is held out."""
-        return in_hash_fraction(key, _SPLIT_SALT, self.heldout_fraction)
-
     # -- generation ----------------------------------------------------------------------------
-
-    def _draw(self, rng: np.random.Generator) -> list[int]:
-        n = int(rng.integers(self.min_operands, self.max_operands + 1))
-        return [int(x) for x in rng.integers(self.min_operand, self.max_operand + 1, size=n)]
-
-    @staticmethod
-    def _problem_key(operands: list[int]) -> str:
-        return "+".join(str(x) for x in operands)
 
     def _example(self, operands: list[int], rng: np.random.Generator, index: int) -> Example:
         """Writes the reference response. Draws from `rng` only after the problem is fixed."""
