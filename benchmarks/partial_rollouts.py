@@ -57,7 +57,6 @@ flags.DEFINE_integer("rl_steps", 12, "RL steps per pass of each side.")
 flags.DEFINE_integer("max_new_tokens", 200, "The cap of a response (>= 8x the mean).")
 flags.DEFINE_integer("stop_ids", 200, "Token ids that end a response (mean ~ vocab / this).")
 flags.DEFINE_integer("d_model", 512, "The bench model's residual width (module docstring).")
-flags.FLAGS.set_default("dtype", "float32")  # rollout_throughput.py's flag (module docstring)
 
 
 def run_partial() -> dict:
@@ -208,4 +207,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    FLAGS.set_default("dtype", "float32")  # rollout_throughput.py's flag (module docstring)
     app.run(main)

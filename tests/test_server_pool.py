@@ -13,7 +13,7 @@ from dvp_jax.model import TRAIN_POLICY, ModelConfig, Transformer
 from dvp_jax.rollout.engine import EngineConfig, RolloutEngine
 from dvp_jax.serve import jetstream_compat  # noqa: F401  (before JetStream)
 from dvp_jax.serve.jetstream import JetStreamEngine
-from dvp_jax.serve.server import _orchestrator
+from dvp_jax.serve.server import _orchestrator, make_driver
 
 CFG = ModelConfig.preset("tiny", init_std=0.5)
 M = 24
@@ -22,15 +22,8 @@ M = 24
 def _serve(engine: JetStreamEngine, prompts) -> list[list[int]]:
     from jetstream.core.proto import jetstream_pb2 as pb
 
-    orchestrator = _orchestrator()
-    driver = orchestrator.Driver(
-        prefill_engines=[engine],
-        generate_engines=[engine],
-        prefill_params=[engine.params],
-        generate_params=[engine.params],
-        interleaved_mode=True,
-    )
-    server = orchestrator.LLMOrchestrator(driver)
+    driver = make_driver(engine)
+    server = _orchestrator().LLMOrchestrator(driver)
 
     async def one(ids):
         request = pb.DecodeRequest(

@@ -78,6 +78,17 @@ def _orchestrator():
     return orchestrator
 
 
+def make_driver(engine: JetStreamEngine):
+    """JetStream's driver of one engine doing both prefill and generate (interleaved)."""
+    return _orchestrator().Driver(
+        prefill_engines=[engine],
+        generate_engines=[engine],
+        prefill_params=[engine.params],
+        generate_params=[engine.params],
+        interleaved_mode=True,
+    )
+
+
 FLAGS = flags.FLAGS
 _ENGINE = EngineConfig()  # the engine flags' defaults
 flags.DEFINE_string("host", "127.0.0.1", "Interface to bind (e.g. 0.0.0.0 for all IPv4).")
@@ -371,13 +382,7 @@ async def serve(engine: JetStreamEngine, host: str, port: int) -> None:
         raise PortUnavailableError(problem)
     address = _address(host, bound)  # The port gRPC chose when --port=0.
 
-    driver = orchestrator.Driver(
-        prefill_engines=[engine],
-        generate_engines=[engine],
-        prefill_params=[engine.params],
-        generate_params=[engine.params],
-        interleaved_mode=True,
-    )
+    driver = make_driver(engine)
     try:
         add_servicer(ValidatingOrchestrator(orchestrator.LLMOrchestrator(driver), engine), server)
         await server.start()
