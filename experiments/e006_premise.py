@@ -39,9 +39,10 @@ import time
 
 from dvp_jax.launch import local
 from dvp_jax.launch import sweep as sweeps
-from experiments import e005_setup
+from experiments import e005_setup, records
 from experiments import e006_verdict as rules
 from experiments.provenance import code_version
+from experiments.records import run_name
 from experiments.records import write_unit as write_record
 
 CONFIG = "configs/e004_running_sum.py"
@@ -92,33 +93,15 @@ CURVES = (
 )
 
 
-def run_name(arm: str, seed: int) -> str:
-    return f"{arm}_s{seed}"
-
-
 def unit_order(seeds=SEEDS, steps: int = STEPS, unit_steps: int = UNIT_STEPS):
     """Every (arm, seed, segment end) in run order: the premise arms of every seed first, then
     DVP and MIS+DVP, then IcePop; a run's segments one after another."""
-    ends = [*range(unit_steps, steps, unit_steps), steps]
-    order = []
-    for group in rules.ARM_GROUPS:
-        for s in seeds:
-            for arm in group:
-                order += [(arm, s, e) for e in ends]
-    return order
+    return records.unit_order(rules.ARM_GROUPS, seeds, steps, unit_steps)
 
 
 def lane_runs(lane: str, seeds=SEEDS) -> set[str]:
-    """The runs of lane "i/n": every n-th run of the fixed run order from the i-th, so n
-    processes (one per core) share the units without two ever touching the same run."""
-    try:
-        i, n = (int(x) for x in lane.split("/"))
-        if not 0 <= i < n:
-            raise ValueError
-    except ValueError:
-        raise SystemExit(f"--lane: {lane!r} is not i/n with 0 <= i < n (e.g. 0/2)") from None
-    runs = list(dict.fromkeys(run_name(a, s) for a, s, _ in unit_order(seeds)))
-    return set(runs[i::n])
+    """The runs of lane "i/n" (`records.lane_runs`)."""
+    return records.lane_runs(lane, unit_order(seeds))
 
 
 def arm_overrides(arm: str, seed: int, steps: int, init_hf: str, smoke: bool = False) -> dict:

@@ -39,7 +39,9 @@ from dvp_jax.launch import sweep as sweeps
 from dvp_jax.workdir import write_atomic
 from experiments import e007_gate as gate_lib
 from experiments import e007_verdict as rules
+from experiments import records
 from experiments.provenance import code_version
+from experiments.records import run_name
 from experiments.records import write_unit as write_record
 
 CONFIG = "configs/e007_tail_sum.py"
@@ -91,27 +93,15 @@ CURVES = (
 )
 
 
-def run_name(arm: str, seed: int) -> str:
-    return f"{arm}_s{seed}"
-
-
 def unit_order(seeds=rules.SEEDS, steps: int = rules.STEPS, unit_steps: int = UNIT_STEPS):
-    """Every (arm, seed, segment end): the premise arms of every seed first, then DVP and MIS+DVP,
-    then IcePop; a run's segments one after another."""
-    ends = [*range(unit_steps, steps, unit_steps), steps]
-    return [(arm, s, e) for group in rules.ARM_GROUPS for s in seeds for arm in group for e in ends]
+    """Every (arm, seed, segment end) in run order: the premise arms of every seed first, then
+    DVP and MIS+DVP, then IcePop; a run's segments one after another."""
+    return records.unit_order(rules.ARM_GROUPS, seeds, steps, unit_steps)
 
 
 def lane_runs(lane: str, seeds=rules.SEEDS) -> set[str]:
-    """The runs of lane "i/n": every n-th run of the fixed run order from the i-th."""
-    try:
-        i, n = (int(x) for x in lane.split("/"))
-        if not 0 <= i < n:
-            raise ValueError
-    except ValueError:
-        raise SystemExit(f"--lane: {lane!r} is not i/n with 0 <= i < n (e.g. 0/2)") from None
-    runs = list(dict.fromkeys(run_name(a, s) for a, s, _ in unit_order(seeds)))
-    return set(runs[i::n])
+    """The runs of lane "i/n" (`records.lane_runs`)."""
+    return records.lane_runs(lane, unit_order(seeds))
 
 
 def arm_overrides(arm: str, seed: int, steps: int, init_hf: str, smoke: bool = False) -> dict:

@@ -1,6 +1,7 @@
-"""A staged experiment's per-run records (e005-e007): `<out>/units/<run>.json`, one JSON record
-per run, written atomically and read back by the verdict and the plots; and how their figures
-print in the tables. Light on purpose: the verdicts import it without JAX.
+"""A staged experiment's runs and records (e005-e007): the run order in segments and its lanes;
+`<out>/units/<run>.json`, one JSON record per run, written atomically and read back by the
+verdict and the plots; and how their figures print in the tables. Light on purpose: the
+verdicts import it without JAX.
 """
 
 from __future__ import annotations
@@ -11,6 +12,30 @@ import os
 import numpy as np
 
 from dvp_jax.workdir import write_atomic
+
+
+def run_name(arm: str, seed: int) -> str:
+    return f"{arm}_s{seed}"
+
+
+def unit_order(arm_groups, seeds, steps: int, unit_steps: int) -> list[tuple[str, int, int]]:
+    """Every (arm, seed, segment end) in run order: each group of arms (`arm_groups`, e.g. the
+    premise arms first) over every seed; a run's segments of `unit_steps` one after another."""
+    ends = [*range(unit_steps, steps, unit_steps), steps]
+    return [(arm, s, e) for group in arm_groups for s in seeds for arm in group for e in ends]
+
+
+def lane_runs(lane: str, order) -> set[str]:
+    """The runs of lane "i/n": every n-th run of `order` (`unit_order`) from the i-th, so n
+    processes (one per core) share the units without two ever touching the same run."""
+    try:
+        i, n = (int(x) for x in lane.split("/"))
+        if not 0 <= i < n:
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"--lane: {lane!r} is not i/n with 0 <= i < n (e.g. 0/2)") from None
+    runs = list(dict.fromkeys(run_name(a, s) for a, s, _ in order))
+    return set(runs[i::n])
 
 
 def write_unit(out: str, rec: dict) -> None:
